@@ -1,0 +1,231 @@
+#include "checks.h"
+
+#include <c10/util/irange.h>
+
+namespace lowbit {
+namespace {
+
+bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+              ref.device(), "; all tensors must be on one device");
+}
+
+at::Tensor widen_scale(const char* op, const char* name, const at::Tensor& s) {
+  TORCH_CHECK(is_float_dtype(s.scalar_type()), op, ": ", name, " must be float32, bfloat16 or float16, got ",
+              s.scalar_type());
+  return s.to(at::kFloat).contiguous();
+}
+
+// [lead..., K] -> ([M, K] contiguous, M, lead); works for K == 0, where reshape(-1, 0) is ambiguous
+at::Tensor flatten_rows(const at::Tensor& x, int64_t* M) {
+  const int64_t K = x.size(-1);
+  int64_t m = 1;
+  for (const auto i : c10::irange(x.dim() - 1)) m *= x.size(i);
+  *M = m;
+  return x.reshape({m, K}).contiguous();
+}
+
+std::vector<int64_t> with_last(const at::Tensor& x, int64_t last) {
+  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end() - 1);
+  s.push_back(last);
+  return s;
+}
+
+}  // namespace
+
+Fp8Weight check_fp8_weight(const char* op, const at::Tensor& weight, const at::Tensor& scale,
+                           at::OptionalIntArrayRef block_size, bool grouped) {
+  const int64_t wdim = grouped ? 3 : 2;
+  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn || weight.scalar_type() == at::kByte, op,
+              ": weight must be float8_e4m3fn or uint8 (fp8 e4m3 bits), got ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == wdim, op, ": weight must be ", grouped ? "[E, N, K]" : "[N, K]", ", got shape ",
+              weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous (rows of K bytes back to back), got strides ",
+              weight.strides(), "; call .contiguous() once when loading it");
+  check_device(op, "scale", scale, weight, "weight");
+
+  Fp8Weight w;
+  w.bits = weight.scalar_type() == at::kByte ? weight : weight.view(at::kByte);
+  w.E = grouped ? weight.size(0) : 1;
+  w.N = weight.size(wdim - 2);
+  w.K = weight.size(wdim - 1);
+  const int64_t E = w.E, N = w.N, K = w.K;
+  const at::Tensor s = widen_scale(op, "scale", scale);
+  const auto lead = grouped ? std::vector<int64_t>{E} : std::vector<int64_t>{};
+  auto shape = [&](std::initializer_list<int64_t> tail) {
+    std::vector<int64_t> v = lead;
+    v.insert(v.end(), tail);
+    return v;
+  };
+  auto same = [&](const std::vector<int64_t>& v) { return s.sizes().vec() == v; };
+
+  if (block_size.has_value()) {
+    const auto bs = *block_size;
+    TORCH_CHECK(bs.size() == 2, op, ": block_size must be [block_n, block_k], got ", bs);
+    TORCH_CHECK(bs[0] > 0 && bs[1] > 0, op, ": block_size entries must be positive, got ", bs);
+    ScaleLayout l{ScaleKind::Block, bs[0], bs[1], ceil_div(N, bs[0]), ceil_div(K, bs[1])};
+    const auto want = shape({l.nb, l.kb});
+    TORCH_CHECK(same(want), op, ": with block_size ", bs, " scale must have shape ", at::IntArrayRef(want),
+                " (ceil(N/block_n), ceil(K/block_k)), got ", s.sizes());
+    w.layout = l;
+    w.scale = s;
+    return w;
+  }
+  const int64_t gdim = grouped ? 1 : 0;  // leading dims of the scale before the per-weight part
+  if (grouped ? (same({E}) || (E == 1 && s.numel() == 1)) : s.numel() == 1) {
+    w.layout = ScaleLayout{ScaleKind::Tensor};
+    w.scale = s.reshape(shape({}).empty() ? std::vector<int64_t>{1} : shape({}));
+  } else if (same(shape({N})) || same(shape({N, 1}))) {
+    w.layout = ScaleLayout{ScaleKind::Channel};
+    w.scale = s.reshape(shape({N}));
+  } else {
+    TORCH_CHECK(s.dim() != gdim + 2, op, ": scale of shape ", s.sizes(),
+                " looks like block scales; pass block_size=[block_n, block_k]");
+    TORCH_CHECK(false, op, ": scale must be ",
+                grouped ? "[E] (per tensor), [E, N] (per channel) or [E, ceil(N/bn), ceil(K/bk)] with block_size"
+                        : "one element (per tensor), [N] or [N, 1] (per channel) or [ceil(N/bn), ceil(K/bk)] with block_size",
+                ", for weight of shape ", weight.sizes(), "; got ", s.sizes());
+  }
+  return w;
+}
+
+Fp8MmArgs check_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
+  const char* op = "fp8_mm";
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension [..., K]");
+  check_device(op, "weight", weight, x, "x");
+  Fp8MmArgs a;
+  a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/false);
+  TORCH_CHECK(x.size(-1) == a.w.K, op, ": x's last dimension (", x.size(-1), ") must equal weight's K (", a.w.K,
+              "); weight is [N, K] = ", weight.sizes());
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    check_device(op, "bias", b, x, "x");
+    TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.w.N, op, ": bias must be [N] = [", a.w.N, "], got ", b.sizes());
+    a.bias = b.to(at::kFloat).contiguous();
+  }
+  a.x = flatten_rows(x, &a.M);
+  a.out_shape = with_last(x, a.w.N);
+  return a;
+}
+
+Fp8Weight check_fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at::OptionalIntArrayRef block_size,
+                               at::ScalarType dtype) {
+  TORCH_CHECK(is_float_dtype(dtype), "fp8_dequantize: dtype must be bfloat16, float16 or float32, got ", dtype);
+  return check_fp8_weight("fp8_dequantize", weight, scale, block_size, /*grouped=*/false);
+}
+
+Fp8GroupedMmArgs check_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                                      const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                      at::OptionalIntArrayRef block_size, bool validate_values) {
+  const char* op = "fp8_grouped_mm";
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, K], got shape ", x.sizes());
+  check_device(op, "weight", weight, x, "x");
+  check_device(op, "offsets", offsets, x, "x");
+  Fp8GroupedMmArgs a;
+  a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/true);
+  TORCH_CHECK(x.size(1) == a.w.K, op, ": x's last dimension (", x.size(1), ") must equal weight's K (", a.w.K,
+              "); weight is [E, N, K] = ", weight.sizes());
+  TORCH_CHECK(offsets.scalar_type() == at::kInt, op, ": offsets must be int32, got ", offsets.scalar_type());
+  TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 1, op, ": offsets must be [G + 1] with G >= 0, got shape ",
+              offsets.sizes());
+  a.x = x.contiguous();
+  a.T = x.size(0);
+  a.G = offsets.numel() - 1;
+  a.offsets = offsets.contiguous();
+  if (expert_ids.has_value()) {
+    const at::Tensor& e = *expert_ids;
+    check_device(op, "expert_ids", e, x, "x");
+    TORCH_CHECK(e.scalar_type() == at::kInt, op, ": expert_ids must be int32, got ", e.scalar_type());
+    TORCH_CHECK(e.dim() == 1 && e.numel() == a.G, op, ": expert_ids must be [G] = [", a.G,
+                "] (one per group of offsets), got shape ", e.sizes());
+    a.expert_ids = e.contiguous();
+  } else {
+    TORCH_CHECK(a.G <= a.w.E, op, ": without expert_ids, group g uses expert g, so G (", a.G,
+                ") must not exceed the number of experts E (", a.w.E, ")");
+    a.expert_ids = at::arange(a.G, x.options().dtype(at::kInt));
+  }
+  if (validate_values) {
+    const at::Tensor off = a.offsets.cpu();
+    const int32_t* o = off.data_ptr<int32_t>();
+    TORCH_CHECK(o[0] == 0, op, ": offsets[0] must be 0, got ", o[0]);
+    for (int64_t g = 0; g < a.G; g++)
+      TORCH_CHECK(o[g + 1] >= o[g], op, ": offsets must be non-decreasing, but offsets[", g + 1, "] = ", o[g + 1],
+                  " < offsets[", g, "] = ", o[g]);
+    TORCH_CHECK(o[a.G] <= a.T, op, ": offsets[G] = ", o[a.G], " exceeds the number of rows of x (T = ", a.T, ")");
+    const at::Tensor ids = a.expert_ids.cpu();
+    const int32_t* id = ids.data_ptr<int32_t>();
+    for (int64_t g = 0; g < a.G; g++)
+      TORCH_CHECK(id[g] >= -1 && id[g] < a.w.E, op, ": expert_ids[", g, "] = ", id[g], " is out of range [-1, E = ",
+                  a.w.E, ")");
+  }
+  return a;
+}
+
+Int8QuantizeArgs check_int8_quantize(const at::Tensor& x) {
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), "int8_quantize: x must be bfloat16, float16 or float32, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "int8_quantize: x must have at least one dimension [..., K]");
+  Int8QuantizeArgs a;
+  a.x = flatten_rows(x, &a.M);
+  a.K = x.size(-1);
+  a.q_shape = x.sizes().vec();
+  a.scale_shape = std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1);
+  return a;
+}
+
+Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
+                         const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
+  const char* op = "int8_mm";
+  TORCH_CHECK(xq.scalar_type() == at::kChar, op, ": xq must be int8, got ", xq.scalar_type());
+  TORCH_CHECK(xq.dim() >= 1, op, ": xq must have at least one dimension [..., K]");
+  TORCH_CHECK(wq.scalar_type() == at::kChar, op, ": wq must be int8, got ", wq.scalar_type());
+  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", wq.sizes());
+  TORCH_CHECK(wq.is_contiguous(), op, ": wq must be contiguous (rows of K bytes back to back), got strides ",
+              wq.strides());
+  check_device(op, "x_scale", x_scale, xq, "xq");
+  check_device(op, "wq", wq, xq, "xq");
+  check_device(op, "w_scale", w_scale, xq, "xq");
+  Int8MmArgs a;
+  a.wq = wq;
+  a.N = wq.size(0);
+  a.K = wq.size(1);
+  TORCH_CHECK(xq.size(-1) == a.K, op, ": xq's last dimension (", xq.size(-1), ") must equal wq's K (", a.K,
+              "); wq is [N, K] = ", wq.sizes());
+  a.xq = flatten_rows(xq, &a.M);
+  const std::vector<int64_t> lead(xq.sizes().begin(), xq.sizes().end() - 1);
+  std::vector<int64_t> lead1 = lead;
+  lead1.push_back(1);
+  TORCH_CHECK(x_scale.sizes().vec() == lead || x_scale.sizes().vec() == lead1, op,
+              ": x_scale must have xq's leading shape ", at::IntArrayRef(lead), " (one scale per row), got ",
+              x_scale.sizes());
+  a.x_scale = widen_scale(op, "x_scale", x_scale).reshape({a.M});
+  const at::Tensor ws = widen_scale(op, "w_scale", w_scale);
+  if (ws.numel() == 1) {
+    a.w_scale = ws.reshape({1});
+  } else {
+    const bool per_channel = ws.dim() == 1 ? ws.size(0) == a.N : (ws.dim() == 2 && ws.size(0) == a.N && ws.size(1) == 1);
+    TORCH_CHECK(per_channel, op,
+                ": w_scale must be [N] or [N, 1] (per channel) or have one element (per tensor), N = ", a.N, ", got ",
+                ws.sizes());
+    a.w_scale = ws.reshape({a.N});
+  }
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    check_device(op, "bias", b, xq, "xq");
+    TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.N, op, ": bias must be [N] = [", a.N, "], got ", b.sizes());
+    a.bias = b.to(at::kFloat).contiguous();
+  }
+  a.out_dtype = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK(is_float_dtype(a.out_dtype), op, ": out_dtype must be bfloat16, float16 or float32, got ", a.out_dtype);
+  a.out_shape = with_last(xq, a.N);
+  return a;
+}
+
+}  // namespace lowbit

@@ -1,0 +1,85 @@
+// Argument validation shared by every backend (CPU kernels, Metal plans for mps and the emulator).
+// Each check_* names the op and the argument in its errors and returns the arguments normalised to what
+// kernels take: uint8 weight bits, fp32 contiguous scales, 2-D contiguous activations.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace lowbit {
+
+// How a weight's scale applies. Block sizes and counts are 0 unless kind == Block.
+enum class ScaleKind : int32_t { Tensor = 0, Channel = 1, Block = 2 };
+struct ScaleLayout {
+  ScaleKind kind = ScaleKind::Tensor;
+  int64_t bn = 0, bk = 0;  // block size along N and along K
+  int64_t nb = 0, kb = 0;  // number of blocks: ceil(N / bn), ceil(K / bk)
+};
+
+// An fp8 weight [N, K] (or stacked experts [E, N, K]) and its scale, validated.
+struct Fp8Weight {
+  at::Tensor bits;   // uint8, contiguous, [N, K] or [E, N, K]
+  at::Tensor scale;  // float32, contiguous: [1] | [N] | [nb, kb]; grouped: [E] | [E, N] | [E, nb, kb]
+  int64_t E = 1, N = 0, K = 0;
+  ScaleLayout layout;
+};
+
+struct Fp8MmArgs {
+  at::Tensor x;                    // [M, K], contiguous, x's own dtype (bf16 / fp16 / fp32)
+  Fp8Weight w;
+  std::optional<at::Tensor> bias;  // float32 [N], contiguous
+  int64_t M = 0;
+  std::vector<int64_t> out_shape;  // x.shape[:-1] + [N]
+};
+
+struct Fp8GroupedMmArgs {
+  at::Tensor x;                    // [T, K], contiguous
+  Fp8Weight w;                     // E experts
+  at::Tensor offsets;              // int32 [G + 1], contiguous
+  at::Tensor expert_ids;           // int32 [G], contiguous (arange(G) when not given)
+  int64_t T = 0, G = 0;
+};
+
+struct Int8QuantizeArgs {
+  at::Tensor x;                    // [M, K] contiguous, bf16 / fp16 / fp32
+  int64_t M = 0, K = 0;
+  std::vector<int64_t> q_shape, scale_shape;  // x.shape, x.shape[:-1]
+};
+
+struct Int8MmArgs {
+  at::Tensor xq;                   // int8 [M, K] contiguous
+  at::Tensor x_scale;              // float32 [M] contiguous
+  at::Tensor wq;                   // int8 [N, K] contiguous
+  at::Tensor w_scale;              // float32 [N] (per channel) or [1] (per tensor), contiguous
+  std::optional<at::Tensor> bias;  // float32 [N]
+  int64_t M = 0, N = 0, K = 0;
+  at::ScalarType out_dtype = at::kBFloat16;
+  std::vector<int64_t> out_shape;
+};
+
+// fp8 weights given as float8_e4m3fn or as uint8 bits; scale per tensor / channel / block (design.md).
+Fp8Weight check_fp8_weight(const char* op, const at::Tensor& weight, const at::Tensor& scale,
+                           at::OptionalIntArrayRef block_size, bool grouped);
+
+Fp8MmArgs check_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size);
+
+Fp8Weight check_fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at::OptionalIntArrayRef block_size,
+                               at::ScalarType dtype);
+
+// validate_values: read offsets / expert_ids on the host and check their values (CPU and emulator). On mps
+// that would be a device sync per call, so the kernels clamp instead.
+Fp8GroupedMmArgs check_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                                      const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                      at::OptionalIntArrayRef block_size, bool validate_values);
+
+Int8QuantizeArgs check_int8_quantize(const at::Tensor& x);
+
+Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
+                         const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
+
+// ceil(a / b) for b > 0
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace lowbit

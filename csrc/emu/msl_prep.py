@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""msl_prep.py KERNEL.metal > OUT.cpp -- the only source rewriting the emulator needs (setup.py calls prep()).
+
+1. kernel-scope `threadgroup T name[...];` variables -> `MSL_TG_VAR T name[...]; MSL_TG_POISON(name);`
+   (static thread_local: shared by the fibers of one threadgroup; poisoned with 0xFF at threadgroup start).
+   `threadgroup` as a pointer/reference qualifier is left alone (msl_shim.h defines it away).
+2. `[[threadgroup(i)]]` -> `[[msl_threadgroup_binding(i)]]` (the keyword macro would eat it otherwise).
+3. appends a registry entry for every non-template `kernel void NAME(` / `[[kernel]] void NAME(`.
+4. explicit instantiations of template kernels, written one per statement as
+     template [[host_name("NAME")]] [[kernel]] decltype(FUNC<ARGS>) FUNC<ARGS>;
+   are blanked (default arguments are illegal in explicit instantiations) and registered as NAME calling
+   FUNC<ARGS>() instead. Instantiations produced by a macro are not seen: write them out.
+Line numbers are preserved (a #line directive points diagnostics at the original file).
+"""
+import re
+import sys
+
+
+def mask_comments_strings(src):
+    """Copy of src with comments and string/char literals blanked (newlines kept), so offsets line up."""
+    out, i, n = list(src), 0, len(src)
+    while i < n:
+        c2 = src[i:i + 2]
+        if c2 == "//":
+            j = src.find("\n", i)
+            j = n if j < 0 else j
+        elif c2 == "/*":
+            j = src.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+        elif src[i] in "\"'":
+            q, j = src[i], i + 1
+            while j < n and src[j] != q:
+                j += 2 if src[j] == "\\" else 1
+            j += 1
+        else:
+            i += 1
+            continue
+        for k in range(i, min(j, n)):
+            if out[k] != "\n":
+                out[k] = " "
+        i = j
+    return "".join(out)
+
+
+def split_top(s, sep=","):
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        if ch in "<([":
+            depth += 1
+        elif ch in ">)]":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return parts
+
+
+TG_DECL = re.compile(r"(?:(?<=[;{}])|(?<=^))(\s*)threadgroup\b([^;{}()=]*);", re.M)
+INSTANCE = re.compile(r"template\s*\[\[\s*host_name\(\s*\"(\w+)\"\s*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*"
+                      r"decltype\(\s*([^;]*?)\s*\)\s*([^;]*?)\s*;")
+KERNEL = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*void\s+(\w+)\s*\(")
+
+
+def prep(src, path):
+    masked = mask_comments_strings(src)
+    edits = []  # (start, end, replacement)
+    for m in TG_DECL.finditer(masked):
+        body = m.group(2)
+        top = re.sub(r"\[[^\]]*\]", "", body)
+        if "*" in top or "&" in top:
+            continue  # a pointer/reference declaration: plain qualifier
+        names = []
+        for d in split_top(body):
+            d = d.strip()
+            if not d:
+                continue
+            ident = re.match(r"^(.*?)(\w+)\s*(\[.*)?$", d, re.S)
+            if ident:
+                names.append(ident.group(2))
+        if not names:
+            continue
+        kw = m.start(0) + len(m.group(1))
+        edits.append((kw, kw + len("threadgroup"), "MSL_TG_VAR"))
+        semi = m.end(0)
+        edits.append((semi, semi, " " + " ".join(f"MSL_TG_POISON({nm});" for nm in names)))
+    for m in re.finditer(r"\[\[\s*threadgroup\s*\(", masked):
+        edits.append((m.start(0), m.end(0), "[[msl_threadgroup_binding("))
+    instances = []
+    # host_name strings are blanked in `masked`: match on the source, then check the match is live code
+    for m in INSTANCE.finditer(src):
+        if not masked[m.start():m.start() + 8] == "template":
+            continue
+        instances.append((m.group(1), m.group(3)))
+        edits.append((m.start(0), m.end(0), "".join(ch if ch == "\n" else " " for ch in m.group(0))))
+    kernels = []
+    for m in KERNEL.finditer(masked):
+        before = masked[max(0, m.start() - 200):m.start()]
+        if re.search(r"template\s*<[^;{}]*>\s*(\[\[[^\]]*\]\]\s*)*$", before):
+            if not any(f.startswith(m.group(1) + "<") for _, f in instances):
+                print(f"msl_prep: {path}: template kernel {m.group(1)} has no instantiation", file=sys.stderr)
+            continue
+        kernels.append(m.group(1))
+    out = src
+    for s, e, r in sorted(edits, key=lambda x: x[0], reverse=True):
+        out = out[:s] + r + out[e:]
+    head = f'#line 1 "{path}"\n'
+    tail = "\n#include \"msl_undef.h\"\n" + "".join(
+        f"static ::msl::rt::Registrar msl_reg_{k}(\"{k}\", +[] {{ {k}(); }});\n" for k in kernels) + "".join(
+        f"static ::msl::rt::Registrar msl_reg_{n}(\"{n}\", +[] {{ {f}(); }});\n" for n, f in instances)
+    return head + out + tail
+
+
+if __name__ == "__main__":
+    p = sys.argv[1]
+    sys.stdout.write(prep(open(p, encoding="ascii").read(), p))

@@ -1,0 +1,146 @@
+#include "metal/emu_launcher.h"
+
+#include <dlfcn.h>
+#include <torch/library.h>
+
+#include <mutex>
+
+#include "metal/plans.h"
+
+namespace lowbit::metal {
+namespace {
+
+// The C API of csrc/emu/runtime.cpp
+using RunFn = int (*)(const char*, int, void**, const size_t*, const int*, const unsigned*, const unsigned*,
+                      const size_t*, int, char*, size_t);
+using SetReverseFn = void (*)(int);
+using HasKernelFn = int (*)(const char*);
+
+struct EmuApi {
+  RunFn run = nullptr;
+  SetReverseFn set_reverse = nullptr;
+  HasKernelFn has_kernel = nullptr;
+};
+EmuApi g_api;
+std::mutex g_api_mu;
+
+const EmuApi& api() {
+  std::lock_guard<std::mutex> g(g_api_mu);
+  TORCH_CHECK(g_api.run != nullptr,
+              "torch_lowbit: the Metal emulator is not built into this install (torch.ops.lowbit_emu needs "
+              "torch_lowbit/_msl_emu*.so; it is built on non-macOS machines unless TORCH_LOWBIT_EMULATOR=0)");
+  return g_api;
+}
+
+}  // namespace
+
+void load_emulator(const std::string& path) {
+  std::lock_guard<std::mutex> g(g_api_mu);
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(h != nullptr, "torch_lowbit: cannot load the Metal emulator ", path, ": ", dlerror());
+  EmuApi a;
+  a.run = reinterpret_cast<RunFn>(dlsym(h, "msl_emu_run"));
+  a.set_reverse = reinterpret_cast<SetReverseFn>(dlsym(h, "msl_emu_set_reverse"));
+  a.has_kernel = reinterpret_cast<HasKernelFn>(dlsym(h, "msl_emu_has_kernel"));
+  TORCH_CHECK(a.run && a.set_reverse && a.has_kernel, "torch_lowbit: ", path, " lacks the emulator's C API");
+  g_api = a;
+}
+
+bool emulator_loaded() {
+  std::lock_guard<std::mutex> g(g_api_mu);
+  return g_api.run != nullptr;
+}
+
+void set_emulator_reverse(bool on) { api().set_reverse(on ? 1 : 0); }
+
+void EmuLauncher::run(const Dispatch& d) {
+  const EmuApi& e = api();
+  TORCH_CHECK(e.has_kernel(d.kernel.c_str()), "metal emulator: no kernel named '", d.kernel,
+              "' in metal/*.metal (is it instantiated with [[host_name]]?)");
+  const int n = int(d.args.size());
+  TORCH_CHECK(n <= 31, "metal emulator: ", d.kernel, " binds ", n, " buffers; Metal allows 31");
+  static uint8_t empty_buffer[16];  // bound for empty tensors, so that [[buffer(i)]] is never unbound
+  std::vector<void*> ptrs(n);
+  std::vector<size_t> sizes(n);
+  std::vector<int> flags(n);
+  for (int i = 0; i < n; i++) {
+    const Arg& a = d.args[i];
+    if (a.is_value()) {
+      ptrs[i] = const_cast<uint8_t*>(a.bytes.data());
+      sizes[i] = a.bytes.size();
+      flags[i] = 0;
+      continue;
+    }
+    TORCH_CHECK(a.tensor.device().is_cpu(), "metal emulator: ", d.kernel, " buffer ", a.name,
+                " must be a CPU tensor, got ", a.tensor.device());
+    const size_t nbytes = size_t(a.tensor.numel()) * a.tensor.element_size();
+    ptrs[i] = nbytes ? a.tensor.data_ptr() : empty_buffer;
+    sizes[i] = nbytes;
+    // 1: copy back after the run; 2: output only (starts poisoned with 0xFF, so unwritten elements show)
+    flags[i] = a.access == Access::Read ? 0 : a.access == Access::Write ? 3 : 1;
+  }
+  const unsigned grid[3] = {d.threadgroups.x, d.threadgroups.y, d.threadgroups.z};
+  const unsigned tg[3] = {d.threads.x, d.threads.y, d.threads.z};
+  TORCH_CHECK(uint64_t(tg[0]) * tg[1] * tg[2] <= 1024, "metal emulator: ", d.kernel, " asks for ",
+              uint64_t(tg[0]) * tg[1] * tg[2], " threads per threadgroup; Apple GPUs allow at most 1024");
+  size_t tg_total = 0;
+  for (size_t b : d.threadgroup_memory) tg_total += b;
+  TORCH_CHECK(tg_total <= 32768, "metal emulator: ", d.kernel, " asks for ", tg_total,
+              " bytes of dynamic threadgroup memory; Apple GPUs allow 32 KB");
+  if (uint64_t(grid[0]) * grid[1] * grid[2] == 0) return;
+  std::string err(16384, '\0');
+  const int nerr = e.run(d.kernel.c_str(), n, ptrs.data(), sizes.data(), flags.data(), grid, tg,
+                         d.threadgroup_memory.data(), 0, err.data(), err.size());
+  err.resize(strlen(err.c_str()));
+  // Divergent simd ops are reported as warnings by the runtime; our kernels must not have any.
+  TORCH_CHECK(nerr == 0 && err.find("warning:") == std::string::npos, "metal emulator: kernel '", d.kernel,
+              "' failed on grid (", grid[0], ",", grid[1], ",", grid[2], ") x threadgroup (", tg[0], ",", tg[1], ",",
+              tg[2], "):\n", err, "buffers: ", d.describe_buffers());
+}
+
+}  // namespace lowbit::metal
+
+// ---- torch.ops.lowbit_emu.*: the Metal plans on CPU tensors, run by the emulator ----
+namespace {
+using lowbit::metal::EmuLauncher;
+using lowbit::metal::Target;
+
+at::Tensor emu_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                      const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
+  EmuLauncher l;
+  return lowbit::metal::plan_fp8_mm(Target{l, true}, x, weight, scale, bias, block_size);
+}
+
+at::Tensor emu_fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at::OptionalIntArrayRef block_size,
+                              at::ScalarType dtype) {
+  EmuLauncher l;
+  return lowbit::metal::plan_fp8_dequantize(Target{l, true}, weight, scale, block_size, dtype);
+}
+
+at::Tensor emu_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                              const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                              at::OptionalIntArrayRef block_size) {
+  EmuLauncher l;
+  return lowbit::metal::plan_fp8_grouped_mm(Target{l, true}, x, weight, scale, offsets, expert_ids, block_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> emu_int8_quantize(const at::Tensor& x) {
+  EmuLauncher l;
+  return lowbit::metal::plan_int8_quantize(Target{l, true}, x);
+}
+
+at::Tensor emu_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
+  EmuLauncher l;
+  return lowbit::metal::plan_int8_mm(Target{l, true}, xq, x_scale, wq, w_scale, bias, out_dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lowbit_emu, CPU, m) {
+  m.impl("fp8_mm", &emu_fp8_mm);
+  m.impl("fp8_dequantize", &emu_fp8_dequantize);
+  m.impl("fp8_grouped_mm", &emu_fp8_grouped_mm);
+  m.impl("int8_quantize", &emu_int8_quantize);
+  m.impl("int8_mm", &emu_int8_mm);
+}

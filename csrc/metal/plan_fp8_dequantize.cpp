@@ -1,0 +1,23 @@
+#include "metal/plans.h"
+
+namespace lowbit::metal {
+
+at::Tensor plan_fp8_dequantize(Target t, const at::Tensor& weight, const at::Tensor& scale,
+                               at::OptionalIntArrayRef block_size, at::ScalarType dtype) {
+  const Fp8Weight w = check_fp8_dequantize(weight, scale, block_size, dtype);
+  at::Tensor out = at::empty({w.N, w.K}, weight.options().dtype(dtype));
+  if (out.numel() == 0) return out;
+  Fp8DequantizeParams p{};
+  p.N = checked_u32("N", w.N);
+  p.K = checked_u32("K", w.K);
+  p.scale = scale_params(w.layout);
+  // one thread per 4 bytes of a row; 64 x 4 threads per threadgroup
+  const uint32_t groups_k = checked_u32("K / 4", ceil_div(w.K, 4));
+  Dispatch d(std::string("fp8_dequantize_") + kernel_dtype_suffix(dtype));
+  d.buffer("weight", w.bits).buffer("scale", w.scale).buffer("out", out, Access::Write).value("params", p);
+  d.grid({uint32_t(ceil_div(groups_k, 64)), uint32_t(ceil_div(w.N, 4)), 1}, {64, 4, 1});
+  t.launcher.run(d);
+  return out;
+}
+
+}  // namespace lowbit::metal

@@ -1,0 +1,20 @@
+// Every op schema of torch_lowbit, once. The same schemas are defined twice: `lowbit` (CPU and MPS
+// kernels) and `lowbit_emu` (the Metal kernels run by the MSL emulator on CPU tensors, for tests).
+// Semantics: design.md, "The ops".
+#include <torch/library.h>
+
+namespace lowbit {
+
+void define_ops(torch::Library& m) {
+  m.def("fp8_mm(Tensor x, Tensor weight, Tensor scale, Tensor? bias=None, SymInt[]? block_size=None) -> Tensor");
+  m.def("fp8_dequantize(Tensor weight, Tensor scale, SymInt[]? block_size=None, ScalarType dtype=bfloat16) -> Tensor");
+  m.def("fp8_grouped_mm(Tensor x, Tensor weight, Tensor scale, Tensor offsets, Tensor? expert_ids=None, "
+        "SymInt[]? block_size=None) -> Tensor");
+  m.def("int8_quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("int8_mm(Tensor xq, Tensor x_scale, Tensor wq, Tensor w_scale, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+}
+
+}  // namespace lowbit
+
+TORCH_LIBRARY(lowbit, m) { lowbit::define_ops(m); }
+TORCH_LIBRARY(lowbit_emu, m) { lowbit::define_ops(m); }

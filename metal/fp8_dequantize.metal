@@ -1,0 +1,29 @@
+// fp8_dequantize: the dense weight dec(w) * scale in T. One thread per 4 consecutive K elements of a row
+// (a 32-bit weight load); the last group of a row takes the K % 4 tail element by element.
+#include <metal_stdlib>
+#include "fp8.h"
+#include "scale.h"
+using namespace metal;
+
+template <typename T>
+kernel void fp8_dequantize(
+    device const uchar* w [[buffer(0)]],
+    device const float* scale [[buffer(1)]],
+    device T* out [[buffer(2)]],
+    constant Fp8DequantizeParams& p [[buffer(3)]],
+    uint2 gid [[thread_position_in_grid]]) {
+  const uint n = gid.y;
+  const uint k0 = gid.x * 4;
+  if (n >= p.N || k0 >= p.K) {
+    return;
+  }
+  const ulong row = ulong(n) * p.K;
+  const uint k_end = min(k0 + 4, p.K);
+  for (uint k = k0; k < k_end; k++) {
+    out[row + k] = T(fp8_e4m3_to_float(w[row + k]) * weight_scale(p.scale, scale, n, k));
+  }
+}
+
+template [[host_name("fp8_dequantize_float")]] [[kernel]] decltype(fp8_dequantize<float>) fp8_dequantize<float>;
+template [[host_name("fp8_dequantize_half")]] [[kernel]] decltype(fp8_dequantize<half>) fp8_dequantize<half>;
+template [[host_name("fp8_dequantize_bfloat")]] [[kernel]] decltype(fp8_dequantize<bfloat>) fp8_dequantize<bfloat>;

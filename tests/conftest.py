@@ -1,0 +1,68 @@
+"""Backends every op test runs on. A test parametrized with backends_for("op") runs on:
+
+cpu        torch.ops.lowbit.<op> on CPU tensors
+metal_emu  torch.ops.lowbit_emu.<op>: the Metal kernels in the MSL emulator (CPU tensors)
+metal_emu_rev  the same, threads of every threadgroup run in reverse order
+mps        torch.ops.lowbit.<op> on the mps device (a Mac only; skipped here)
+"""
+import contextlib
+import sys
+import os
+
+import pytest
+import torch
+
+import torch_lowbit
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+# The ops that have Metal kernels: the Metal issues add theirs here.
+METAL_OPS = {"fp8_dequantize"}
+
+
+class Backend:
+    def __init__(self, name):
+        self.name = name
+        self.device = torch.device("mps" if name == "mps" else "cpu")
+        self.is_metal = name != "cpu"
+
+    def __repr__(self):
+        return self.name
+
+    def to(self, t):
+        return None if t is None else t.to(self.device)
+
+    def _order(self):
+        if self.name == "metal_emu_rev":
+            return torch_lowbit.emulator.reversed_thread_order()
+        return contextlib.nullcontext()
+
+    def op(self, name):
+        """The op as this backend runs it (same signature as torch.ops.lowbit.<name>)."""
+        ns = torch.ops.lowbit_emu if self.name.startswith("metal_emu") else torch.ops.lowbit
+        fn = getattr(ns, name)
+
+        def call(*args, **kwargs):
+            with self._order():
+                return fn(*args, **kwargs)
+        return call
+
+
+def _mps_available():
+    return torch.backends.mps.is_available()
+
+
+def backends_for(op, emu_rev=True):
+    """pytest params for the backends that implement `op`; unavailable ones are skipped, not dropped."""
+    names = ["cpu"]
+    if op in METAL_OPS:
+        names += ["metal_emu"] + (["metal_emu_rev"] if emu_rev else []) + ["mps"]
+    params = []
+    for n in names:
+        marks = []
+        if n.startswith("metal_emu") and not torch_lowbit.emulator.available():
+            marks.append(pytest.mark.skip(reason="the Metal emulator is not built in this install"))
+        if n == "mps" and not _mps_available():
+            marks.append(pytest.mark.skip(reason="needs an Apple GPU (mps device)"))
+        params.append(pytest.param(Backend(n), id=n, marks=marks))
+    return params

@@ -1,0 +1,114 @@
+"""Independent float64 references for every op (no code shared with the kernels), and tolerances."""
+import math
+
+import numpy as np
+import torch
+
+
+def fp8_bits_to_f64(bits: torch.Tensor) -> torch.Tensor:
+    """e4m3fn codes (uint8) -> float64 by the format's definition: NaN for 0x7F/0xFF."""
+    b = bits.to(torch.int64)
+    sign = torch.where((b & 0x80) != 0, -1.0, 1.0).double()
+    e = (b >> 3) & 0xF
+    m = (b & 7).double()
+    normal = (1.0 + m / 8.0) * torch.pow(2.0, (e - 7).double())
+    sub = m / 8.0 * 2.0 ** -6
+    v = sign * torch.where(e == 0, sub, normal)
+    return torch.where((b & 0x7F) == 0x7F, torch.full_like(v, math.nan), v)
+
+
+def random_fp8_bits(shape, generator=None, allow_nan=False) -> torch.Tensor:
+    b = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    if not allow_nan:
+        b = torch.where((b & 0x7F) == 0x7F, torch.full_like(b, 0x3F), b)
+    return b
+
+
+def expand_scale(scale: torch.Tensor, N: int, K: int, block_size=None) -> torch.Tensor:
+    """The [N, K] float64 multiplier of each weight element for a per-tensor / channel / block scale."""
+    s = scale.double()
+    if block_size is not None:
+        bn, bk = block_size
+        rows = torch.arange(N) // bn
+        cols = torch.arange(K) // bk
+        return s[rows][:, cols]
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(N, K)
+    return s.reshape(N, 1).expand(N, K)
+
+
+def fp8_weight_f64(bits, scale, block_size=None):
+    N, K = bits.shape
+    return fp8_bits_to_f64(bits) * expand_scale(scale, N, K, block_size)
+
+
+def ref_fp8_mm(x, bits, scale, bias=None, block_size=None):
+    """Returns (ref, absref): the float64 product and |x| @ |w|^T, which bounds the accumulation error."""
+    w = fp8_weight_f64(bits, scale, block_size)
+    xd = x.double()
+    ref = xd @ w.T
+    absref = xd.abs() @ w.abs().T
+    if bias is not None:
+        ref = ref + bias.double()
+        absref = absref + bias.double().abs()
+    return ref, absref
+
+
+def ref_fp8_grouped_mm(x, bits, scale, offsets, expert_ids=None, block_size=None):
+    T, _ = x.shape
+    E, N, K = bits.shape
+    G = offsets.numel() - 1
+    ids = list(range(G)) if expert_ids is None else expert_ids.tolist()
+    ref = torch.zeros(T, N, dtype=torch.float64)
+    absref = torch.zeros(T, N, dtype=torch.float64)
+    off = offsets.tolist()
+    for g in range(G):
+        e = ids[g]
+        if e < 0 or off[g + 1] == off[g]:
+            continue
+        s = scale[e]
+        r, a = ref_fp8_mm(x[off[g]:off[g + 1]], bits[e], s, None, block_size)
+        ref[off[g]:off[g + 1]] = r
+        absref[off[g]:off[g + 1]] = a
+    return ref, absref
+
+
+def ref_int8_quantize(x):
+    """scale = absmax / 127 (fp32); q = rint(x / scale) in fp32 arithmetic, clamped to [-127, 127]."""
+    xf = x.float().numpy()
+    amax = np.abs(xf).max(axis=-1) if xf.shape[-1] else np.zeros(xf.shape[:-1], np.float32)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    safe = np.where(scale == 0, np.float32(1), scale)[..., None]
+    ratio = (xf / safe).astype(np.float32)
+    q = np.clip(np.rint(ratio), -127, 127).astype(np.int8)
+    q = np.where(scale[..., None] == 0, np.int8(0), q)
+    return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(ratio)
+
+
+def ref_int8_mm(xq, x_scale, wq, w_scale, bias=None):
+    acc = xq.to(torch.int64) @ wq.to(torch.int64).T  # exact
+    out = acc.double() * x_scale.double().reshape(*xq.shape[:-1], 1) * w_scale.double().reshape(-1)
+    if bias is not None:
+        out = out + bias.double()
+    return out, acc
+
+
+_EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def assert_matmul_close(out, ref, absref, dtype=None, acc_rtol=2e-6):
+    """out (any float dtype) vs float64 ref: one rounding to the output dtype (half an ulp, relative) plus fp32
+    accumulation error bounded by acc_rtol * |x| @ |w| per element. NaNs must be in the same places."""
+    dtype = dtype or out.dtype
+    o = out.double().cpu()
+    nan_ref = torch.isnan(ref)
+    assert torch.equal(torch.isnan(o), nan_ref), "NaN pattern differs from the reference"
+    o, r, a = o[~nan_ref], ref[~nan_ref], absref[~nan_ref]
+    tol = 1.01 * _EPS[dtype] * r.abs() + acc_rtol * a + 1e-37
+    # fp16 overflows past 65504: the reference overflows too
+    err = (o - r).abs()
+    bad = err > tol
+    if dtype == torch.float16:
+        bad &= ~(torch.isinf(o) & (r.abs() > 65504))
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements off; worst err {float(err.max()):.3g} "
+                           f"tol there {float(tol[err.argmax()]):.3g}")

@@ -1,0 +1,30 @@
+"""torch_lowbit: FP8 and INT8 matmul kernels for PyTorch on Apple-silicon GPUs, with a fast CPU backend.
+
+Ops: ``torch.ops.lowbit.{fp8_mm, fp8_dequantize, fp8_grouped_mm, int8_quantize, int8_mm}`` (wrapped here
+with docstrings). ``torch.ops.lowbit_emu.*`` runs the Metal kernels in the MSL emulator (tests only).
+"""
+import glob as _glob
+import os as _os
+
+import torch as _torch
+
+from . import _C  # noqa: F401  (registers the op schemas and kernels)
+from ._ops import (fp8_dequantize, fp8_grouped_mm, fp8_mm, int8_mm, int8_quantize,  # noqa: F401
+                   _register_fakes)
+
+_register_fakes()
+
+
+def _load_emulator():
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    libs = sorted(_glob.glob(_os.path.join(here, "_msl_emu*.so")))
+    if libs:
+        _C._load_emulator(libs[0])
+
+
+_load_emulator()
+
+from . import emulator  # noqa: E402,F401
+
+
+__version__ = "0.1.0"

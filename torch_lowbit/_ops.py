@@ -1,0 +1,115 @@
+"""Python wrappers of torch.ops.lowbit.* and their fake (meta) kernels.
+
+The fakes are registered when torch_lowbit is imported, for both namespaces (`lowbit` and the emulator's
+`lowbit_emu`), so the ops trace under torch.compile(fullgraph=True) and torch.export with symbolic shapes.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NAMESPACES = ("lowbit", "lowbit_emu")
+
+
+def _blocks(block_size):
+    return None if block_size is None else [int(b) for b in block_size]
+
+
+def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``x @ (fp8(weight) * scale).T + bias`` without materializing the dequantized weight.
+
+    x: ``[..., K]`` bfloat16 / float16 / float32. weight: ``[N, K]`` float8_e4m3fn, or uint8 holding the same
+    bits. scale (fp32; bf16/fp16 widened): one element (per tensor), ``[N]`` or ``[N, 1]`` (per output channel),
+    or ``[ceil(N/bn), ceil(K/bk)]`` with ``block_size=(bn, bk)`` (partial edge blocks allowed).
+    Returns ``[..., N]`` in x's dtype, accumulated in fp32 and rounded once.
+    """
+    return torch.ops.lowbit.fp8_mm(x, weight, scale, bias, _blocks(block_size))
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block_size: Optional[Sequence[int]] = None,
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dense ``[N, K]`` weight ``fp8(weight) * scale`` in ``dtype`` (same scale layouts as :func:`fp8_mm`)."""
+    return torch.ops.lowbit.fp8_dequantize(weight, scale, _blocks(block_size), dtype)
+
+
+def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                   expert_ids: Optional[torch.Tensor] = None,
+                   block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Ragged grouped (MoE) matmul: group g owns rows ``offsets[g]:offsets[g+1]`` of ``x [T, K]`` and multiplies
+    them by expert ``expert_ids[g]`` of ``weight [E, N, K]`` (fp8). ``offsets`` is int32 ``[G+1]`` starting at 0,
+    non-decreasing, ``offsets[G] <= T``; ``expert_ids`` is int32 ``[G]`` (default ``arange(G)``). Rows of a
+    group whose expert id is -1, and rows in no group, are zero. scale: ``[E]``, ``[E, N]`` or
+    ``[E, ceil(N/bn), ceil(K/bk)]`` with ``block_size``. Returns ``[T, N]`` in x's dtype.
+    """
+    return torch.ops.lowbit.fp8_grouped_mm(x, weight, scale, offsets, expert_ids, _blocks(block_size))
+
+
+def int8_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantization of ``x [..., K]``: ``scale = absmax / 127`` (fp32, shape ``[...]``),
+    ``q = round_half_even(x / scale).clamp(-127, 127)`` (int8). An all-zero row gives ``q = 0``, ``scale = 0``.
+    """
+    return torch.ops.lowbit.int8_quantize(x)
+
+
+def int8_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+            bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """W8A8 matmul: ``(xq @ wq.T) * x_scale[..., None] * w_scale + bias`` with an exact int32 accumulator.
+
+    xq: int8 ``[..., K]``; x_scale: ``[...]``; wq: int8 ``[N, K]``; w_scale: ``[N]``, ``[N, 1]`` or one element.
+    Returns ``[..., N]`` in ``out_dtype`` (default bfloat16).
+    """
+    return torch.ops.lowbit.int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- fakes
+def _check(cond, msg):
+    if not cond:
+        raise RuntimeError(msg)
+
+
+def _fake_fp8_mm(x, weight, scale, bias=None, block_size=None):
+    _check(weight.dim() == 2, f"fp8_mm: weight must be [N, K], got shape {tuple(weight.shape)}")
+    _check(x.dtype in _FLOAT_DTYPES, f"fp8_mm: x must be bfloat16, float16 or float32, got {x.dtype}")
+    torch._check(x.shape[-1] == weight.shape[1], lambda: "fp8_mm: x's last dimension must equal weight's K")
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _fake_fp8_dequantize(weight, scale, block_size=None, dtype=torch.bfloat16):
+    _check(weight.dim() == 2, f"fp8_dequantize: weight must be [N, K], got shape {tuple(weight.shape)}")
+    return weight.new_empty(tuple(weight.shape), dtype=dtype)
+
+
+def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=None):
+    _check(x.dim() == 2, f"fp8_grouped_mm: x must be [T, K], got shape {tuple(x.shape)}")
+    _check(weight.dim() == 3, f"fp8_grouped_mm: weight must be [E, N, K], got shape {tuple(weight.shape)}")
+    torch._check(x.shape[1] == weight.shape[2], lambda: "fp8_grouped_mm: x's last dimension must equal weight's K")
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+def _fake_int8_quantize(x):
+    _check(x.dim() >= 1, "int8_quantize: x must have at least one dimension [..., K]")
+    return x.new_empty(tuple(x.shape), dtype=torch.int8), x.new_empty(tuple(x.shape[:-1]), dtype=torch.float32)
+
+
+def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
+    _check(wq.dim() == 2, f"int8_mm: wq must be [N, K], got shape {tuple(wq.shape)}")
+    torch._check(xq.shape[-1] == wq.shape[1], lambda: "int8_mm: xq's last dimension must equal wq's K")
+    return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype or torch.bfloat16)
+
+
+_FAKES = {
+    "fp8_mm": _fake_fp8_mm,
+    "fp8_dequantize": _fake_fp8_dequantize,
+    "fp8_grouped_mm": _fake_fp8_grouped_mm,
+    "int8_quantize": _fake_int8_quantize,
+    "int8_mm": _fake_int8_mm,
+}
+
+
+def _register_fakes():
+    for ns in _NAMESPACES:
+        for name, fn in _FAKES.items():
+            torch.library.register_fake(f"{ns}::{name}", fn)
