@@ -62,6 +62,16 @@ def test_quantize_extremes_map_to_127(backend):
 
 @pytest.mark.parametrize("backend", backends_for("int8_quantize"))
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantize_rounds_ties_to_even(backend, dtype):
+    # absmax 127 makes scale exactly 1, so x / scale is x itself and .5 ties are exact
+    x = torch.tensor([[127.0, 2.5, -3.5, 0.5, 1.5, -0.5, 6.5, -126.5]], dtype=dtype)
+    q, s = backend.op("int8_quantize")(backend.to(x))
+    assert s.cpu().item() == 1.0
+    assert q.cpu()[0].tolist() == [127, 2, -4, 0, 2, 0, 6, -126]
+
+
+@pytest.mark.parametrize("backend", backends_for("int8_quantize"))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_quantize_zero_rows_give_zero_not_nan(backend, dtype):
     x = torch.randn(5, 40, generator=_gen("zero")).to(dtype)
     x[1] = 0
