@@ -26,4 +26,15 @@ struct Fp8DequantizeParams {
   ScaleParams scale;
 };
 
+// ---- int8 ----
+struct Int8QuantizeParams {
+  uint M, K;
+};
+
+struct Int8MmParams {
+  uint M, N, K;
+  uint w_per_channel;  // 1: w_scale[n]; 0: w_scale[0] for every column
+  uint has_bias;       // 0: the bias buffer is a placeholder and is never read
+};
+
 LOWBIT_PARAMS_NAMESPACE_END

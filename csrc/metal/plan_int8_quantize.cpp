@@ -1,9 +1,31 @@
+#include <algorithm>
+
 #include "metal/plans.h"
 
 namespace lowbit::metal {
+namespace {
 
-std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target, const at::Tensor&) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "int8_quantize: no Metal kernel yet");
+// One threadgroup per row. Up to this many threads stride over the row; short rows get fewer (a multiple
+// of 32, so every simdgroup is full), so that no thread idles for K <= 256.
+constexpr int64_t kQuantizeMaxThreads = 256;
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target t, const at::Tensor& x) {
+  const Int8QuantizeArgs a = check_int8_quantize(x);
+  at::Tensor q = at::empty({a.M, a.K}, a.x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({a.M}, a.x.options().dtype(at::kFloat));
+  if (a.M > 0) {
+    Int8QuantizeParams p{};
+    p.M = checked_u32("M", a.M);
+    p.K = checked_u32("K", a.K);
+    const uint32_t threads = uint32_t(std::clamp<int64_t>(ceil_div(a.K, 32) * 32, 32, kQuantizeMaxThreads));
+    Dispatch d(std::string("int8_quantize_") + kernel_dtype_suffix(a.x.scalar_type()));
+    d.buffer("x", a.x).buffer("q", q, Access::Write).buffer("scale", scale, Access::Write).value("params", p);
+    d.grid({p.M, 1, 1}, {threads, 1, 1});
+    t.launcher.run(d);
+  }
+  return {q.view(a.q_shape), scale.view(a.scale_shape)};
 }
 
 }  // namespace lowbit::metal

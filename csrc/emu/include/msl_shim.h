@@ -297,9 +297,12 @@ template <> struct numeric_limits<bfloat> {
 template <class A, class B> inline constexpr bool is_same_v = std::is_same_v<A, B>;
 using std::enable_if_t;
 
-namespace fast { using metal::exp; using metal::exp2; using metal::log; using metal::log2; using metal::sqrt; using metal::rsqrt;
+// x / y: the emulator's `/` is already IEEE (correctly rounded); on the GPU only precise::divide is
+template <class T> inline T divide(T x, T y) { return T(x / y); }
+
+namespace fast { using metal::divide; using metal::exp; using metal::exp2; using metal::log; using metal::log2; using metal::sqrt; using metal::rsqrt;
                  using metal::tanh; using metal::sin; using metal::cos; using metal::max; using metal::min; using metal::pow; }
-namespace precise { using metal::exp; using metal::exp2; using metal::log; using metal::sqrt; using metal::rsqrt; using metal::tanh; }
+namespace precise { using metal::divide; using metal::exp; using metal::exp2; using metal::log; using metal::sqrt; using metal::rsqrt; using metal::tanh; }
 
 enum class mem_flags : int { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4, mem_threadgroup_imageblock = 8 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }

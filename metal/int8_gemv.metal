@@ -1,0 +1,94 @@
+// int8_mm for small M (the decode case): a GEMV-style kernel with exact int32 accumulation.
+//
+// Threadgroup: 8 simdgroups (256 threads). Simdgroup s owns 8 consecutive weight rows (output columns),
+// so a threadgroup owns 64 rows; it also owns up to 4 rows of x (grid x: ceil(M / 4), grid y: ceil(N / 64);
+// x-slices of the same weight rows are neighbours in dispatch order, so a weight row read for one slice
+// is still in cache for the next).
+// K advances 512 bytes per step. Each step the x chunk (4 rows x 512 bytes) is staged once per
+// threadgroup in threadgroup memory, so x costs 1/64 of the weight traffic instead of 1/8 per simdgroup;
+// then lane l of every simdgroup reads bytes [16 l, 16 l + 16) of the step from each of its 8 weight rows:
+// consecutive lanes read consecutive 16-byte chunks of one row (512 contiguous bytes per load
+// instruction, every 128-byte line fully used), and each weight chunk is reused for all x rows.
+// Products are widened to int and summed in int32 (exact while K <= 2^31 / 2^14, checked by the plan);
+// one simd_sum per (row, x row), then lane 4 r + m writes out[m, r] through the fp32 epilogue.
+#include <metal_stdlib>
+#include "int8.h"
+using namespace metal;
+
+constant constexpr uint kGemvSimdgroups = 8;
+constant constexpr uint kGemvRows = 8;    // weight rows per simdgroup
+constant constexpr uint kGemvXRows = 4;   // x rows per threadgroup
+constant constexpr uint kGemvStepK = 512; // bytes of K per step: 32 lanes x 16
+
+template <typename T, bool Aligned>
+kernel void int8_gemv(
+    device const uchar* xq [[buffer(0)]],
+    device const float* x_scale [[buffer(1)]],
+    device const uchar* wq [[buffer(2)]],
+    device const float* w_scale [[buffer(3)]],
+    device const float* bias [[buffer(4)]],
+    device T* out [[buffer(5)]],
+    constant Int8MmParams& p [[buffer(6)]],
+    uint2 tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup int4 xs[kGemvXRows * 32];
+  const uint m0 = tg.x * kGemvXRows;
+  const uint mc = min(kGemvXRows, p.M - m0);
+  const uint n0 = (tg.y * kGemvSimdgroups + sg) * kGemvRows;
+
+  int acc[kGemvRows][kGemvXRows];
+  for (uint r = 0; r < kGemvRows; r++) {
+    for (uint m = 0; m < kGemvXRows; m++) {
+      acc[r][m] = 0;
+    }
+  }
+  for (uint kb = 0; kb < p.K; kb += kGemvStepK) {
+    if (tid < kGemvXRows * 32) {
+      const uint m = tid / 32;
+      xs[tid] = m < mc ? load_i8x16<Aligned>(xq + ulong(m0 + m) * p.K, kb + (tid % 32) * 16, p.K) : int4(0);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    int4 xv[kGemvXRows];
+    for (uint m = 0; m < kGemvXRows; m++) {
+      xv[m] = xs[m * 32 + lane];
+    }
+    const uint k0 = kb + lane * 16;
+    for (uint r = 0; r < kGemvRows; r++) {
+      const uint n = n0 + r;
+      if (n < p.N) {  // uniform across the simdgroup
+        const int4 wv = load_i8x16<Aligned>(wq + ulong(n) * p.K, k0, p.K);
+        for (uint m = 0; m < kGemvXRows; m++) {
+          if (m < mc) {  // uniform across the threadgroup
+            acc[r][m] += dot_i8x16(xv[m], wv);
+          }
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  int mine = 0;
+  for (uint r = 0; r < kGemvRows; r++) {
+    for (uint m = 0; m < kGemvXRows; m++) {
+      const int s = simd_sum(acc[r][m]);
+      if (lane == r * kGemvXRows + m) {
+        mine = s;
+      }
+    }
+  }
+  const uint r = lane / kGemvXRows;
+  const uint m = lane % kGemvXRows;
+  const uint n = n0 + r;
+  if (n < p.N && m < mc) {
+    out[ulong(m0 + m) * p.N + n] = int8_dequant<T>(float(mine), x_scale[m0 + m], w_scale, bias, p, n);
+  }
+}
+
+template [[host_name("int8_gemv_float")]] [[kernel]] decltype(int8_gemv<float, false>) int8_gemv<float, false>;
+template [[host_name("int8_gemv_half")]] [[kernel]] decltype(int8_gemv<half, false>) int8_gemv<half, false>;
+template [[host_name("int8_gemv_bfloat")]] [[kernel]] decltype(int8_gemv<bfloat, false>) int8_gemv<bfloat, false>;
+template [[host_name("int8_gemv_float_k16")]] [[kernel]] decltype(int8_gemv<float, true>) int8_gemv<float, true>;
+template [[host_name("int8_gemv_half_k16")]] [[kernel]] decltype(int8_gemv<half, true>) int8_gemv<half, true>;
+template [[host_name("int8_gemv_bfloat_k16")]] [[kernel]] decltype(int8_gemv<bfloat, true>) int8_gemv<bfloat, true>;
