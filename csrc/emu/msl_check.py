@@ -202,7 +202,8 @@ def translation_unit(metal: str, workdir: str) -> str:
 #     unqualified pointer or `this` is expected), except into a constructor or an implicit (compiler-
 #     declared) member such as the copy assignment, which Metal provides for every address space.
 NODE = re.compile(r"^([| `-]*)(\w+) (0x[0-9a-f]+)?\s*(<[^>]*>)?(.*)$")
-LOC = re.compile(r"^<(?:([^<>:]+):(\d+):(\d+)|line:(\d+):(\d+)|col:(\d+))")
+# every location in a dump line, in order: each one updates the dumper's "current file and line"
+LOC = re.compile(r"(?:\bline:(\d+):(\d+)|\bcol:(\d+)|([^<>:,\s']+):(\d+):(\d+))")
 SPACES = ("__global", "__local", "__constant")
 MSL_NAME = {"__global": "device", "__local": "threadgroup", "__constant": "constant"}
 
@@ -223,14 +224,13 @@ def lint_ast(dump: str) -> List[str]:
         if not m:
             continue
         depth, kind, addr, rng, rest = len(m.group(1)), m.group(2), m.group(3), m.group(4) or "", m.group(5)
-        lm = LOC.match(rng)
-        if lm:
+        for lm in LOC.finditer(rng + " " + rest.split("'")[0]):
             if lm.group(1):
-                cur = [lm.group(1), int(lm.group(2)), int(lm.group(3))]
-            elif lm.group(4):
-                cur[1:] = [int(lm.group(4)), int(lm.group(5))]
+                cur[1:] = [int(lm.group(1)), int(lm.group(2))]
+            elif lm.group(3):
+                cur[2] = int(lm.group(3))
             else:
-                cur[2] = int(lm.group(6))
+                cur = [lm.group(4), int(lm.group(5)), int(lm.group(6))]
         while stack and stack[-1][0] >= depth:
             stack.pop()
         if skip_below is not None and depth <= skip_below:
@@ -257,21 +257,21 @@ def lint_ast(dump: str) -> List[str]:
             nxt = NODE.match(lines[i + 1]) if i + 1 < len(lines) else None
             src = re.findall(r"'([^']*)'", nxt.group(5)) if nxt else []
             space = next((sp for sp in SPACES if src and sp in src[0]), None)
-            parents = [s for s in stack[:-1]][-2:]
-            allowed = any(p[1] == "CXXConstructExpr" for p in parents[-1:])
-            for p in parents:
-                if p[3] and p[3] in implicit:
-                    allowed = True
-            member = next((re.search(r"\.(\w+) 0x", p[2]) for p in parents[-1:] if p[1] == "MemberExpr"), None)
-            if member and member.group(1) and re.search(r"MemberExpr .* (0x[0-9a-f]+)$", ln) is None:
-                addr_m = re.search(r"\.\w+ (0x[0-9a-f]+)", parents[-1][2])
-                allowed = allowed or (addr_m and addr_m.group(1) in implicit)
+            parent = stack[-2] if len(stack) > 1 else (0, "", "", None)
+            method = re.search(r"(?:\.|->)(\w+) (0x[0-9a-f]+)$", parent[2]) if parent[1] == "MemberExpr" else None
+            if parent[1] == "CXXConstructExpr":
+                allowed = True  # copying or moving an object out of any address space
+            elif method:
+                allowed = method.group(2) in implicit
+            elif parent[1] == "CXXOperatorCallExpr":
+                allowed = parent[3] in implicit
+            else:
+                allowed = False
             if space and not allowed:
-                what = (f"member function '{member.group(1)}' called on {MSL_NAME[space]} memory (its `this` is "
-                        f"`thread`; declare a `{MSL_NAME[space]}`-qualified overload)") if member else (
-                        f"{MSL_NAME[space]} memory passed where a pointer or reference without an address space "
-                        f"is expected")
-                msg = what
+                msg = (f"member function '{method.group(1)}' called on {MSL_NAME[space]} memory (its `this` is "
+                       f"`thread`; declare a `{MSL_NAME[space]}`-qualified overload)" if method else
+                       f"{MSL_NAME[space]} memory passed where a pointer or reference without an address space "
+                       f"is expected")
         if msg and (where, msg) not in seen:
             seen.add((where, msg))
             out.append(f"{where}: error: {msg}")
