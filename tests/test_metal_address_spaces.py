@@ -99,7 +99,8 @@ kernel void plain(device float* out [[buffer(0)]], uint i [[thread_position_in_g
 PLANTED = {
     "device pointer to a thread pointer parameter": (
         "CALL", "accumulate(&acc, (device const float*)pairs, 0);",
-        "accumulate((device float*)out, (device const float*)pairs, 0);", r"no matching function for call to 'accumulate'"),
+        "accumulate((device float*)out, (device const float*)pairs, 0);",
+        r"no matching function for call to 'accumulate'"),
     "threadgroup pointer to a device pointer parameter": (
         "CALL", "accumulate(&acc, (device const float*)pairs, 0);",
         "accumulate(&acc, tile, 0);", r"no matching function for call to 'accumulate'"),

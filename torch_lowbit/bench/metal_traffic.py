@@ -162,12 +162,12 @@ def _mb(b):
 
 def format_table(rows: List[Measured], bandwidth_gbs: float, efficiency: float) -> str:
     bw = bandwidth_gbs * 1e9 * efficiency
-    head = (f"{'op call':<52} {'kernels':<28} {'read MB':>9} {'ideal MB':>9} {'x ideal':>8} {'line use':>9} "
+    head = (f"{'op call':<56} {'kernels':<28} {'read MB':>9} {'ideal MB':>9} {'x ideal':>8} {'line use':>9} "
             f"{'write MB':>9} {'time us':>8} {'read<=1.02x':>11} {'lines>=90%':>10}")
     out = [head, "-" * len(head)]
     for m in rows:
         if m.skipped:
-            out.append(f"{m.case.label:<52} skipped: {m.skipped}")
+            out.append(f"{m.case.label:<56} skipped: {m.skipped}")
             continue
         kernels = ",".join(sorted({r["kernel"] for r in m.launches})) or "(no launch)"
         time_us = (m.read + m.written) / bw * 1e6
@@ -175,7 +175,7 @@ def format_table(rows: List[Measured], bandwidth_gbs: float, efficiency: float) 
         if m.case.decode:
             ok_read = "pass" if m.read_ratio <= READ_GOAL else "FAIL"
             ok_lines = "pass" if m.line_use >= LINE_USE_GOAL else "FAIL"
-        out.append(f"{m.case.label:<52} {kernels:<28} {_mb(m.read):>9} {_mb(m.ideal):>9} {m.read_ratio:>8.3f} "
+        out.append(f"{m.case.label:<56} {kernels:<28} {_mb(m.read):>9} {_mb(m.ideal):>9} {m.read_ratio:>8.3f} "
                    f"{100 * m.line_use:>8.1f}% {_mb(m.written):>9} {time_us:>8.1f} {ok_read:>11} {ok_lines:>10}")
     out.append(f"time: (read + written) / ({bandwidth_gbs:g} GB/s x {efficiency:.0%}); read counts 32 B sectors, "
                f"the weight per threadgroup, other buffers once per launch")
@@ -211,8 +211,8 @@ def run(argv) -> int:
     from .. import emulator
     p = argparse.ArgumentParser(prog="python -m torch_lowbit.bench --suite metal-traffic", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--N", type=int, default=1024, help="output features (default 1024; 4096 is a Llama layer)")
-    p.add_argument("--K", type=int, default=1024, help="input features (default 1024)")
+    p.add_argument("--N", type=int, default=4096, help="output features (default 4096, a Llama-3-8B projection)")
+    p.add_argument("--K", type=int, default=4096, help="input features (default 4096)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=4, help="decode tokens of the grouped case, one group each")
     p.add_argument("--bandwidth", type=float, default=400.0, help="GB/s (default 400)")
