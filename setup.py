@@ -3,6 +3,9 @@
 torch_lowbit._C         op schemas, CPU kernels, Metal plans and launchers (the .mm launcher on macOS only)
 torch_lowbit._msl_emu   every metal/*.metal kernel compiled as C++ through the MSL emulator (csrc/emu/);
                         not built on macOS, or when TORCH_LOWBIT_EMULATOR=0
+torch_lowbit._msl_trace the same kernels instrumented to record every device-memory access (csrc/emu/trace.cpp),
+                        for `python -m torch_lowbit.bench --suite metal-traffic`; built with the emulator
+                        unless TORCH_LOWBIT_TRACE=0
 """
 import glob
 import os
@@ -16,6 +19,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 IS_MAC = sys.platform == "darwin"
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 BUILD_EMULATOR = not IS_MAC and os.environ.get("TORCH_LOWBIT_EMULATOR", "1") != "0"
+BUILD_TRACE = BUILD_EMULATOR and os.environ.get("TORCH_LOWBIT_TRACE", "1") != "0"
 GEN = os.path.join("build", "gen")
 
 sys.path.insert(0, os.path.join(ROOT, "csrc", "emu"))
@@ -100,15 +104,48 @@ def extensions():
         extra_link_args=link + ([] if IS_MAC else ["-ldl"]),
     )]
     if BUILD_EMULATOR:
-        emu_flags = ["-std=c++20", "-O2", "-g0", "-fPIC", "-fno-strict-aliasing", "-Wno-unused-variable"]
-        if IS_X86:
-            emu_flags.append("-mf16c")  # _Float16 conversions in hardware; the emulator is a test tool
         exts.append(Extension(
             "torch_lowbit._msl_emu", [rel("csrc", "emu", "runtime.cpp")] + generate_emulator_sources(),
-            include_dirs=[os.path.join(ROOT, "csrc", "emu", "include"), os.path.join(ROOT, "metal")],
-            extra_compile_args={"cxx": emu_flags}, extra_link_args=["-lpthread"], language="c++",
+            include_dirs=EMU_INCLUDES, extra_compile_args={"cxx": emu_flags()}, extra_link_args=["-lpthread"],
+            language="c++",
         ))
+    if BUILD_TRACE:
+        exts.append(trace_extension())
     return exts
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+# ---- the emulator flags, shared by _msl_emu and _msl_trace ----
+EMU_INCLUDES = [os.path.join(ROOT, "csrc", "emu", "include"), os.path.join(ROOT, "metal")]
+
+
+def emu_flags():
+    flags = ["-std=c++20", "-O2", "-g0", "-fPIC", "-fno-strict-aliasing", "-Wno-unused-variable"]
+    if IS_X86:
+        flags.append("-mf16c")  # _Float16 conversions in hardware; the emulator is a test tool
+    return flags
+
+
+# ---- _msl_trace: runtime + recorder built normally, the kernels with -fsanitize=thread hooks (no libtsan) ----
+TRACE_EXT = "torch_lowbit._msl_trace"
+
+
+def trace_extension():
+    ext = Extension(TRACE_EXT, [rel("csrc", "emu", "runtime.cpp"), rel("csrc", "emu", "trace.cpp")],
+                    include_dirs=EMU_INCLUDES, extra_compile_args={"cxx": emu_flags()},
+                    extra_link_args=["-lpthread", "-ldl"], language="c++")
+    ext.instrumented_sources = generate_emulator_sources()
+    return ext
+
+
+class BuildExt(BuildExtension):
+    def build_extension(self, ext):
+        if ext.name == TRACE_EXT:
+            # -g1: line tables, so that the traffic report can name the source line of each memory instruction
+            flags = [f for f in emu_flags() if f != "-g0"] + ["-g1", "-fsanitize=thread"]
+            ext.extra_objects = self.compiler.compile(
+                ext.instrumented_sources, output_dir=os.path.join(self.build_temp, "msl_trace"),
+                include_dirs=EMU_INCLUDES, extra_postargs={"cxx": flags})
+        super().build_extension(ext)
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)})

@@ -25,3 +25,53 @@ def reversed_thread_order():
         yield
     finally:
         _C._emu_set_reverse(False)
+
+
+# ---------------------------------------------------------------------------------------------- traffic build
+def _library(stem):
+    import glob
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    libs = sorted(glob.glob(os.path.join(here, stem + ".*so")))
+    return libs[0] if libs else None
+
+
+def trace_available() -> bool:
+    """True when this install has the traffic build of the emulator (torch_lowbit/_msl_trace*.so)."""
+    return available() and _library("_msl_trace") is not None
+
+
+class Trace:
+    """Launch records of the traffic build; see :func:`traced`."""
+
+    def __init__(self, path):
+        import ctypes
+        self.library = path
+        self._lib = ctypes.CDLL(path)
+        self._lib.msl_emu_trace_take.restype = ctypes.c_char_p
+
+    def take(self):
+        """One dict per kernel launch since the last call: kernel, grid, threadgroup, buffers (name, kind, size,
+        read / write counts), sites (per buffer, direction and instruction address). See csrc/emu/trace.cpp."""
+        import json
+        return json.loads(self._lib.msl_emu_trace_take().decode())
+
+
+@contextlib.contextmanager
+def traced():
+    """Run ``torch.ops.lowbit_emu.*`` inside this block on the traffic build of the emulator.
+
+    The same plans and kernels run; every device-memory access of every kernel is recorded (slower). Yields a
+    :class:`Trace`; call ``take()`` after each op to get its launches.
+    """
+    path = _library("_msl_trace")
+    if not available() or path is None:
+        raise RuntimeError("torch_lowbit: the traffic build of the emulator (torch_lowbit/_msl_trace*.so) is not "
+                           "built in this install (it is built with the emulator unless TORCH_LOWBIT_TRACE=0)")
+    trace = Trace(path)
+    _C._load_emulator(path)
+    try:
+        trace.take()  # drop records of earlier traced runs
+        yield trace
+    finally:
+        _C._load_emulator(_library("_msl_emu"))

@@ -148,6 +148,7 @@ void* buffer_ptr(int i) {
 }
 void* tg_buffer_ptr(int i) { return tl_worker->tgmem[i].data(); }
 void (*trace_tg_hook)(void*, size_t) = nullptr;
+void (*launch_hook)(const char*, const LaunchParams*, bool) = nullptr;
 const LaunchParams* current_launch() { return tl_cur ? &tl_cur->launch->p : nullptr; }
 void tg_poison(void* p, size_t n, unsigned long* ep) {  // first toucher in each threadgroup fills with 0xFF (NaN / -1)
   if (*ep != tl_worker->epoch) {
@@ -382,6 +383,7 @@ int launch(KernelThunk k, const LaunchParams& p) {
   if (nw <= 0) nw = int(std::thread::hardware_concurrency());
   nw = int(std::max<uint64_t>(1, std::min<uint64_t>(uint64_t(nw), L.ntg)));
   auto body = [&L] {
+    tl_warned_divergence = 0;  // one divergence warning per worker and launch (the calling thread is reused)
     Worker w;
     w.altstack.resize(64 * 1024);
     stack_t ss{};
@@ -454,7 +456,9 @@ int msl_emu_run(const char* kernel, int nbuf, void** host, const size_t* sizes, 
     if (!(flags[i] & 2)) memcpy(g[i].data, host[i], sizes[i]);
     p.buffers[i] = g[i].data, p.buffer_sizes[i] = sizes[i];
   }
+  if (msl::rt::launch_hook) msl::rt::launch_hook(kernel, &p, true);
   int ne = msl::rt::launch(k, p);
+  if (msl::rt::launch_hook) msl::rt::launch_hook(kernel, &p, false);
   if (errbuf && errcap) snprintf(errbuf, errcap, "%s", msl::rt::errors_text());
   for (int i = 0; i < nbuf; i++) {
     if (!host[i]) continue;

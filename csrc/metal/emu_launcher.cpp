@@ -15,11 +15,13 @@ using RunFn = int (*)(const char*, int, void**, const size_t*, const int*, const
                       const size_t*, int, char*, size_t);
 using SetReverseFn = void (*)(int);
 using HasKernelFn = int (*)(const char*);
+using SetArgInfoFn = void (*)(int, const char* const*, const int*);
 
 struct EmuApi {
   RunFn run = nullptr;
   SetReverseFn set_reverse = nullptr;
   HasKernelFn has_kernel = nullptr;
+  SetArgInfoFn set_arg_info = nullptr;  // only in the traffic build (_msl_trace): names its per-buffer counts
 };
 EmuApi g_api;
 std::mutex g_api_mu;
@@ -42,6 +44,7 @@ void load_emulator(const std::string& path) {
   a.run = reinterpret_cast<RunFn>(dlsym(h, "msl_emu_run"));
   a.set_reverse = reinterpret_cast<SetReverseFn>(dlsym(h, "msl_emu_set_reverse"));
   a.has_kernel = reinterpret_cast<HasKernelFn>(dlsym(h, "msl_emu_has_kernel"));
+  a.set_arg_info = reinterpret_cast<SetArgInfoFn>(dlsym(h, "msl_emu_set_arg_info"));
   TORCH_CHECK(a.run && a.set_reverse && a.has_kernel, "torch_lowbit: ", path, " lacks the emulator's C API");
   g_api = a;
 }
@@ -88,6 +91,16 @@ void EmuLauncher::run(const Dispatch& d) {
   TORCH_CHECK(tg_total <= 32768, "metal emulator: ", d.kernel, " asks for ", tg_total,
               " bytes of dynamic threadgroup memory; Apple GPUs allow 32 KB");
   if (uint64_t(grid[0]) * grid[1] * grid[2] == 0) return;
+  if (e.set_arg_info) {
+    std::vector<const char*> names(n);
+    std::vector<int> kinds(n);  // 0 value, 1 read, 2 write, 3 read-write
+    for (int i = 0; i < n; i++) {
+      const Arg& a = d.args[i];
+      names[i] = a.name;
+      kinds[i] = a.is_value() ? 0 : a.access == Access::Read ? 1 : a.access == Access::Write ? 2 : 3;
+    }
+    e.set_arg_info(n, names.data(), kinds.data());
+  }
   std::string err(16384, '\0');
   const int nerr = e.run(d.kernel.c_str(), n, ptrs.data(), sizes.data(), flags.data(), grid, tg,
                          d.threadgroup_memory.data(), 0, err.data(), err.size());

@@ -1,0 +1,157 @@
+"""The emulator stays honest: kernels with planted bugs fail, their correct twins pass, and the guarantees the
+project relies on (guard pages, poisoned outputs, divergence reports, both thread orders) hold.
+
+The planted kernels (tests/planted/*.metal) are compiled at test time with the repo's csrc/emu runtime into a
+library of their own (tests/emu_ctypes.py), never into the shipped emulator.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import torch_lowbit
+from torch_lowbit import _C
+
+import emu_ctypes as E
+
+pytestmark = pytest.mark.skipif(E.compiler() is None, reason="needs g++ to build the planted kernels")
+
+GEMV = os.path.join(E.PLANTED, "gemv.metal")
+GUARANTEES = os.path.join(E.PLANTED, "emu_guarantees.metal")
+DEQUANT_BUG = os.path.join(E.PLANTED, "fp8_dequantize_tail_bug.metal")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return E.Library(E.build([GEMV, GUARANTEES]))
+
+
+def gemv_case(N, K, seed=0):
+    rng = np.random.default_rng(seed)
+    W = E.random_fp8(rng, (N, K))
+    x = rng.standard_normal(K).astype(np.float32)
+    scale = (rng.random(N) + 0.5).astype(np.float32)
+    ref = (E.fp8_to_f64(W) @ x.astype(np.float64)) * scale
+    args = np.array([N, K], np.uint32)
+    return [W, x, scale, np.zeros(N, np.float32), args], ref
+
+
+def run_gemv(lib, kernel, N, K, reverse=False, per_thread=False):
+    bufs, ref = gemv_case(N, K)
+    if per_thread:
+        lib.run(kernel, bufs, grid=((N + 63) // 64,), tg=(64,), outputs=(3,), reverse=reverse)
+    else:
+        lib.run(kernel, bufs, grid=((N + 3) // 4,), tg=(128,), outputs=(3,), reverse=reverse)
+    return bufs[3], ref
+
+
+def close(y, ref, K):
+    # fp32 accumulation of K products of magnitude <= 448 * |x|: a loose bound that a bug never meets
+    return np.allclose(y, ref, rtol=1e-4, atol=1e-4 * np.sqrt(K) * 448)
+
+
+# ---------------------------------------------------------------------------------------------- planted bugs
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("kernel", ["gemv_ok", "gemv_ok_ladder", "gemv_tiled_ok"])
+@pytest.mark.parametrize("N,K", [(5, 131), (9, 256), (1, 7)])
+def test_correct_gemvs_pass(lib, kernel, N, K, reverse):
+    y, ref = run_gemv(lib, kernel, N, K, reverse)
+    assert close(y, ref, K)
+
+
+@pytest.mark.parametrize("N,K", [(16, 5), (8, 130)])
+def test_wrong_tail_bound_is_caught(lib, N, K):
+    # N * K is a multiple of 16: the overread on the last row reaches the guard page -> a reported fault;
+    # every other row reads into the next one and counts the tail twice -> a wrong result
+    with pytest.raises(E.KernelError, match=r"(?s)gemv_bug_tail.*past the end of \[\[buffer\(0\)\]\].*threadgroup"):
+        run_gemv(lib, "gemv_bug_tail", N, K)
+    y, ref = run_gemv(lib, "gemv_ok", N, K)
+    assert close(y, ref, K)
+
+
+def test_wrong_lane_reduction_is_caught(lib):
+    y, ref = run_gemv(lib, "gemv_bug_ladder", 6, 300)
+    assert not close(y, ref, 300)
+    y, ref = run_gemv(lib, "gemv_ok_ladder", 6, 300)
+    assert close(y, ref, 300)
+
+
+def test_missing_barrier_is_caught_in_one_of_the_orders(lib):
+    # N = 6 with 4 rows per threadgroup: the last threadgroup has idle simdgroups, as in real dispatches
+    results = [close(*run_gemv(lib, "gemv_tiled_bug_no_barrier", 6, 300, reverse=r), 300) for r in (False, True)]
+    assert not all(results)
+
+
+def test_barrier_skipped_by_returning_threads_is_reported(lib):
+    with pytest.raises(E.KernelError, match="exited the kernel while others wait at threadgroup_barrier"):
+        run_gemv(lib, "gemv_tiled_bug_early_return", 6, 300)  # rows 6, 7 of the last threadgroup return early
+    y, ref = run_gemv(lib, "gemv_tiled_bug_early_return", 8, 300)  # no early return: the kernel is right
+    assert close(y, ref, 300)
+
+
+# ---------------------------------------------------------------------------------------------- guarantees
+def test_unwritten_outputs_stay_poisoned(lib):
+    out = np.zeros(64, np.float32)
+    lib.run("write_even_only", [out], grid=(1,), tg=(64,), outputs=(0,))
+    assert np.array_equal(out[::2], np.arange(0, 64, 2, dtype=np.float32))
+    assert (out[1::2].view(np.uint32) == 0xFFFFFFFF).all()
+
+
+def test_divergent_simd_op_is_reported_every_time(lib):
+    for _ in range(2):  # the report must not be once per process
+        with pytest.raises(E.KernelError, match="lanes wait at different simd ops"):
+            lib.run("divergent_simd", [np.zeros(32, np.float32)], grid=(1,), tg=(32,), outputs=(0,))
+
+
+def test_divergent_barrier_is_reported(lib):
+    with pytest.raises(E.KernelError, match="wait at different threadgroup_barriers"):
+        lib.run("divergent_barrier", [np.zeros(64, np.float32)], grid=(1,), tg=(64,), outputs=(0,))
+
+
+def test_reversed_thread_order_changes_a_racy_result(lib):
+    got = []
+    for reverse in (False, True):
+        out = np.zeros(64, np.uint32)
+        lib.run("racy_last_writer", [out], grid=(1,), tg=(64,), outputs=(0,), reverse=reverse)
+        assert (out == out[0]).all()
+        got.append(int(out[0]))
+    assert got == [63, 0]  # the last writer in each order
+
+
+# ---------------------------------------------------------------------------------------------- through the op
+@pytest.fixture
+def planted_dequantize():
+    """torch.ops.lowbit_emu running the kernels of DEQUANT_BUG instead of metal/*.metal."""
+    if not torch_lowbit.emulator.available():
+        pytest.skip("the emulator is not built")
+    path = E.build([DEQUANT_BUG])
+    _C._load_emulator(path)
+    try:
+        yield
+    finally:
+        _C._load_emulator(torch_lowbit.emulator._library("_msl_emu"))
+
+
+def test_read_past_a_buffer_names_kernel_buffer_and_thread(planted_dequantize):
+    w = torch.randint(0, 0x7E, (16, 5), dtype=torch.uint8)  # 80 bytes: the overread reaches the guard page
+    with pytest.raises(RuntimeError) as e:
+        torch.ops.lowbit_emu.fp8_dequantize(w, torch.ones(1), None, torch.float32)
+    msg = str(e.value)
+    assert "fp8_dequantize_float" in msg and "past the end of [[buffer(0)]]" in msg
+    assert "threadgroup (0,3,0) thread (1,3,0)" in msg and "[[buffer(0)]] weight" in msg
+
+
+def test_unwritten_output_elements_show_through_the_op(planted_dequantize):
+    w = torch.randint(0, 0x7E, (5, 9), dtype=torch.uint8)
+    out = torch.ops.lowbit_emu.fp8_dequantize(w, torch.ones(1), None, torch.float16)
+    assert not torch.isnan(out[:, :-1]).any()
+    assert (out[:, -1].view(torch.int16) == -1).all()  # 0xFFFF: never written
+
+
+def test_the_real_kernels_are_back_after_the_planted_ones():
+    if not torch_lowbit.emulator.available():
+        pytest.skip("the emulator is not built")
+    w = torch.randint(0, 0x7E, (16, 5), dtype=torch.uint8)
+    out = torch.ops.lowbit_emu.fp8_dequantize(w, torch.ones(1), None, torch.float32)
+    assert torch.equal(out, w.view(torch.float8_e4m3fn).float())

@@ -1,0 +1,77 @@
+"""The traffic report (`python -m torch_lowbit.bench --suite metal-traffic`): its counts are right on kernels
+whose traffic is known, and the suite runs every op call it lists (or says why it skips one)."""
+import ctypes
+import json
+import os
+
+import numpy as np
+import pytest
+
+import torch_lowbit
+from torch_lowbit.bench import metal_traffic as MT
+
+import emu_ctypes as E
+
+GEMV = os.path.join(E.PLANTED, "gemv.metal")
+needs_gxx = pytest.mark.skipif(E.compiler() is None, reason="needs g++ to build the planted kernels")
+
+
+@pytest.fixture(scope="module")
+def traced_lib():
+    lib = E.Library(E.build([GEMV], trace=True))
+    lib.lib.msl_emu_trace_take.restype = ctypes.c_char_p
+    lib.lib.msl_emu_set_arg_info.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+                                             ctypes.POINTER(ctypes.c_int)]
+    return lib
+
+
+def traced_gemv(lib, kernel, N, K, per_thread=False):
+    rng = np.random.default_rng(0)
+    W = E.random_fp8(rng, (N, K))
+    x = rng.standard_normal(K).astype(np.float32)
+    scale = np.ones(N, np.float32)
+    y = np.zeros(N, np.float32)
+    names = [b"weight", b"x", b"scale", b"y", b"args"]
+    kinds = [1, 1, 1, 2, 0]
+    lib.lib.msl_emu_set_arg_info(5, (ctypes.c_char_p * 5)(*names), (ctypes.c_int * 5)(*kinds))
+    grid, tg = (((N + 63) // 64,), (64,)) if per_thread else (((N + 3) // 4,), (128,))
+    lib.run(kernel, [W, x, scale, y, np.array([N, K], np.uint32)], grid=grid, tg=tg, outputs=(3,))
+    assert np.allclose(y, E.fp8_to_f64(W) @ x.astype(np.float64), rtol=1e-4, atol=1e-2)
+    records = json.loads(lib.lib.msl_emu_trace_take().decode())
+    assert [r["kernel"] for r in records] == [kernel]
+    case = MT.Case(kernel, "none", lambda: (), lambda a: N * K + 4 * K + 4 * N, True)
+    return MT.summarize(case, (), records), records[0]
+
+
+@needs_gxx
+def test_coalesced_gemv_reads_each_weight_once_in_full_lines(traced_lib):
+    m, rec = traced_gemv(traced_lib, "gemv_ok", 8, 1024)
+    weight = next(b for b in rec["buffers"] if b["name"] == "weight")
+    assert weight["read"]["requested"] == 8 * 1024 and weight["read"]["sectors"] * 32 == 8 * 1024
+    assert weight["read"]["instrs"] == 8 * 1024 // 128  # one 128-byte SIMD load per 32 lanes x 4 bytes
+    assert m.line_use == 1.0 and m.read_ratio == pytest.approx(1.0, abs=0.005)
+    assert m.written == 32  # 8 floats: one sector
+    assert next(b for b in rec["buffers"] if b["name"] == "args")["kind"] == "value"
+
+
+@needs_gxx
+def test_unaligned_rows_and_uncoalesced_loads_show_in_line_use(traced_lib):
+    m, _ = traced_gemv(traced_lib, "gemv_ok", 8, 1000)  # rows start mid-line: loads straddle two lines
+    assert 0.4 < m.line_use < 0.9
+    m, _ = traced_gemv(traced_lib, "gemv_row_per_thread", 64, 256, per_thread=True)
+    # 32 lanes x 4 bytes from 32 different lines (at most 16: consecutive loads of a thread are combined)
+    assert m.line_use <= 16 / 128
+    assert m.read_ratio == pytest.approx(1.0, abs=0.02)  # still every weight once
+
+
+def test_suite_lists_every_op_call(capsys):
+    if not torch_lowbit.emulator.trace_available():
+        pytest.skip("no traffic build of the emulator in this install")
+    assert MT.run(["--N", "40", "--K", "72"]) == 0
+    out = capsys.readouterr().out
+    for case in MT.cases(40, 72):
+        assert case.label in out
+    row = next(line for line in out.splitlines() if line.startswith("fp8_dequantize"))
+    assert "fp8_dequantize_bfloat" in row
+    # weights + per-channel scale, each once; 2 bytes written per element
+    assert f"{(40 * 72 + 40 * 4) / 1e6:.3f}" in row and f"{40 * 72 * 2 / 1e6:.3f}" in row

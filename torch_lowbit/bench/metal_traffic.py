@@ -1,0 +1,239 @@
+"""Device-memory traffic of the Metal kernels, measured in the emulator: ``--suite metal-traffic``.
+
+No Apple GPU is available here, so the decode kernels' speed is predicted from what they read: each op call
+runs through ``torch.ops.lowbit_emu`` (the same plans and kernels as the mps device) on the traffic build of
+the emulator (torch_lowbit/_msl_trace*.so, csrc/emu/trace.cpp), which records every load and store of every
+GPU thread and groups them into SIMD instructions. Per op call and shape it prints:
+
+  read       bytes read from device memory, counted in 32 B sectors: the weight buffer (argument named
+             ``weight`` or ``wq``) per threadgroup -- weights stream from DRAM, so what two threadgroups both
+             read costs twice -- every other buffer once per launch (activations and scales stay in cache)
+  ideal      the weights the call needs, once, plus activations, scales, bias and offsets
+  line use   for the weight loads: bytes the lanes used / the 128 B lines each SIMD instruction touched
+  time       (read + written) / (BW * efficiency), by default 400 GB/s at 85% (an M-series Max-class GPU)
+
+Goals for the decode kernels (M = 1 fp8 GEMV, grouped decode, int8 GEMV): read <= 1.02 x ideal and line use
+>= 90% (pass/fail columns). Ops whose Metal kernel does not exist yet are listed and skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+WEIGHT_ARGS = ("weight", "wq")  # the schemas' names of the weight argument; plans name the buffer after them
+SECTOR = 32
+READ_GOAL = 1.02
+LINE_USE_GOAL = 0.90
+
+
+@dataclass
+class Case:
+    label: str
+    op: str
+    make: Callable[[], tuple]      # () -> positional args of torch.ops.lowbit_emu.<op>
+    ideal: Callable[[tuple], int]  # args -> ideal bytes read
+    decode: bool                   # the goals apply
+
+
+@dataclass
+class Measured:
+    case: Case
+    launches: List[dict] = field(default_factory=list)
+    read: int = 0
+    written: int = 0
+    ideal: int = 0
+    weight_line_bytes: int = 0
+    weight_used_bytes: int = 0
+    skipped: Optional[str] = None
+
+    @property
+    def line_use(self):
+        return self.weight_used_bytes / self.weight_line_bytes if self.weight_line_bytes else float("nan")
+
+    @property
+    def read_ratio(self):
+        return self.read / self.ideal if self.ideal else float("nan")
+
+
+def nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def buffer_read_bytes(buf: dict) -> int:
+    if buf["kind"] not in ("read", "readwrite"):
+        return 0
+    sectors = buf["read"]["sectors_tg"] if buf["name"] in WEIGHT_ARGS else buf["read"]["sectors"]
+    return sectors * SECTOR
+
+
+def summarize(case: Case, args: tuple, launches: List[dict]) -> Measured:
+    m = Measured(case, launches, ideal=case.ideal(args))
+    for rec in launches:
+        for buf in rec["buffers"]:
+            m.read += buffer_read_bytes(buf)
+            if buf["kind"] != "value":
+                m.written += buf["write"]["sectors"] * SECTOR
+            if buf["name"] in WEIGHT_ARGS:
+                m.weight_line_bytes += buf["read"]["line_bytes"]
+                m.weight_used_bytes += buf["read"]["used_bytes"]
+    return m
+
+
+# ---------------------------------------------------------------------------------------------- cases
+def _fp8(shape, gen):
+    b = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    b[(b & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+    return b
+
+
+def cases(N: int, K: int, experts: int = 8, tokens: int = 4) -> List[Case]:
+    gen = torch.Generator().manual_seed(0)
+    bn = bk = 128
+
+    def x(M):
+        return torch.randn(M, K, generator=gen).to(torch.bfloat16)
+
+    def fp8_mm_ideal(a):
+        xx, w, s, bias, _ = a
+        return nbytes(xx) + nbytes(w) + nbytes(s) + nbytes(bias)
+
+    def grouped_ideal(a):
+        xx, w, s, offsets, ids, _ = a
+        used = sorted(set(int(e) for e in ids.tolist() if e >= 0))
+        per_expert = (nbytes(w) + nbytes(s)) // w.shape[0]
+        return nbytes(xx) + len(used) * per_expert + nbytes(offsets) + nbytes(ids)
+
+    def int8_ideal(a):
+        xq, xs, wq, ws, bias, _ = a
+        return nbytes(xq) + nbytes(xs) + nbytes(wq) + nbytes(ws) + nbytes(bias)
+
+    def dequant_ideal(a):
+        w, s, _, _ = a
+        return nbytes(w) + nbytes(s)
+
+    def blocks(n, k):
+        return (n + bn - 1) // bn, (k + bk - 1) // bk
+
+    E, T = experts, tokens
+    # decode MoE: every token is its own group, routed to a different expert (top-k routing after sorting)
+    ids = torch.arange(T, dtype=torch.int32) * (E // T if T <= E else 1) % E
+    offsets = torch.arange(T + 1, dtype=torch.int32)
+    return [
+        Case(f"fp8_mm M=1 N={N} K={K} per-channel bf16", "fp8_mm",
+             lambda: (x(1), _fp8((N, K), gen), torch.rand(N, generator=gen) + 0.5, None, None), fp8_mm_ideal, True),
+        Case(f"fp8_mm M=1 N={N} K={K} block {bn}x{bk} bf16", "fp8_mm",
+             lambda: (x(1), _fp8((N, K), gen), torch.rand(*blocks(N, K), generator=gen) + 0.5, None, [bn, bk]),
+             fp8_mm_ideal, True),
+        Case(f"fp8_grouped_mm decode T={T} E={E} N={N} K={K} per-channel", "fp8_grouped_mm",
+             lambda: (x(T), _fp8((E, N, K), gen), torch.rand(E, N, generator=gen) + 0.5, offsets, ids, None),
+             grouped_ideal, True),
+        Case(f"int8_mm M=1 N={N} K={K}", "int8_mm",
+             lambda: (torch.randint(-127, 128, (1, K), dtype=torch.int8, generator=gen), torch.rand(1) + 0.5,
+                      torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen),
+                      torch.rand(N, generator=gen) + 0.5, None, torch.bfloat16), int8_ideal, True),
+        Case(f"fp8_dequantize N={N} K={K} per-channel -> bf16", "fp8_dequantize",
+             lambda: (_fp8((N, K), gen), torch.rand(N, generator=gen) + 0.5, None, torch.bfloat16), dequant_ideal,
+             False),
+    ]
+
+
+def measure(case: Case, trace) -> Measured:
+    args = case.make()
+    try:
+        getattr(torch.ops.lowbit_emu, case.op)(*args)
+    except NotImplementedError as e:
+        trace.take()
+        m = Measured(case)
+        m.skipped = str(e).splitlines()[0]
+        return m
+    return summarize(case, args, trace.take())
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _mb(b):
+    return f"{b / 1e6:.3f}"
+
+
+def format_table(rows: List[Measured], bandwidth_gbs: float, efficiency: float) -> str:
+    bw = bandwidth_gbs * 1e9 * efficiency
+    head = (f"{'op call':<56} {'kernels':<28} {'read MB':>9} {'ideal MB':>9} {'x ideal':>8} {'line use':>9} "
+            f"{'write MB':>9} {'time us':>8} {'read<=1.02x':>11} {'lines>=90%':>10}")
+    out = [head, "-" * len(head)]
+    for m in rows:
+        if m.skipped:
+            out.append(f"{m.case.label:<56} skipped: {m.skipped}")
+            continue
+        kernels = ",".join(sorted({r["kernel"] for r in m.launches})) or "(no launch)"
+        time_us = (m.read + m.written) / bw * 1e6
+        ok_read = ok_lines = "-"
+        if m.case.decode:
+            ok_read = "pass" if m.read_ratio <= READ_GOAL else "FAIL"
+            ok_lines = "pass" if m.line_use >= LINE_USE_GOAL else "FAIL"
+        out.append(f"{m.case.label:<56} {kernels:<28} {_mb(m.read):>9} {_mb(m.ideal):>9} {m.read_ratio:>8.3f} "
+                   f"{100 * m.line_use:>8.1f}% {_mb(m.written):>9} {time_us:>8.1f} {ok_read:>11} {ok_lines:>10}")
+    out.append(f"time: (read + written) / ({bandwidth_gbs:g} GB/s x {efficiency:.0%}); read counts 32 B sectors, "
+               f"the weight per threadgroup, other buffers once per launch")
+    return "\n".join(out)
+
+
+def source_lines(library: str, pcs: List[int]) -> dict:
+    """pc offset -> 'file:line' through addr2line (the traffic build keeps line tables)."""
+    tool = shutil.which("addr2line")
+    if not tool or not pcs:
+        return {}
+    res = subprocess.run([tool, "-e", library] + [hex(p) for p in pcs], capture_output=True, text=True)
+    lines = res.stdout.splitlines()
+    return {p: os.path.basename(s) for p, s in zip(pcs, lines)}
+
+
+def format_sites(rec: dict, library: Optional[str]) -> str:
+    """Per memory instruction (buffer, direction, source line): how well its lanes' accesses coalesce."""
+    where = source_lines(library, sorted({s["pc"] for s in rec["sites"]})) if library else {}
+    names = {b["index"]: b["name"] for b in rec["buffers"]}
+    out = [f"  {rec['kernel']} grid {tuple(rec['grid'])} x threadgroup {tuple(rec['threadgroup'])}",
+           f"    {'buffer':<10} {'kind':<6} {'source':<28} {'simd instrs':>11} {'lanes':>6} {'bytes/instr':>11} "
+           f"{'line use':>9}"]
+    for s in rec["sites"]:
+        use = s["used_bytes"] / (128 * s["lines"]) if s["lines"] else float("nan")
+        out.append(f"    {names.get(s['buffer'], s['buffer']):<10} {'store' if s['write'] else 'load':<6} "
+                   f"{where.get(s['pc'], hex(s['pc'])):<28} {s['instrs']:>11} {s['lanes'] / s['instrs']:>6.1f} "
+                   f"{s['requested'] / s['instrs']:>11.1f} {100 * use:>8.1f}%")
+    return "\n".join(out)
+
+
+def run(argv) -> int:
+    from .. import emulator
+    p = argparse.ArgumentParser(prog="python -m torch_lowbit.bench --suite metal-traffic", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--N", type=int, default=4096, help="output features (default 4096, a Llama-3-8B projection)")
+    p.add_argument("--K", type=int, default=4096, help="input features (default 4096)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=4, help="decode tokens of the grouped case, one group each")
+    p.add_argument("--bandwidth", type=float, default=400.0, help="GB/s (default 400)")
+    p.add_argument("--efficiency", type=float, default=0.85, help="share of peak bandwidth reached (default 0.85)")
+    p.add_argument("--detail", action="store_true", help="also print every memory instruction with its source line")
+    p.add_argument("--only", default="", help="run only the cases whose label contains this text")
+    a = p.parse_args(argv)
+    if not emulator.trace_available():
+        print("metal-traffic: skipped: this install has no traffic build of the emulator "
+              "(torch_lowbit/_msl_trace*.so; built on non-macOS unless TORCH_LOWBIT_TRACE=0)")
+        return 0
+    rows = []
+    with emulator.traced() as trace:
+        for case in cases(a.N, a.K, a.experts, a.tokens):
+            if a.only and a.only not in case.label:
+                continue
+            m = measure(case, trace)
+            rows.append(m)
+            if a.detail and not m.skipped:
+                print(f"{case.label}:")
+                for rec in m.launches:
+                    print(format_sites(rec, trace.library))
+    print(format_table(rows, a.bandwidth, a.efficiency))
+    return 0
