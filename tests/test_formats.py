@@ -1,0 +1,296 @@
+"""Checkpoint formats: detection, loading into torch_lowbit layers (vs the float64 model with the dequantized
+weights), ignore lists, the report, and every error path."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import torch_lowbit.nn as tlnn
+from checkpoints import FORMAT_OF, SPECS, config_for, make_checkpoint, write_dir
+from tiny_models import TinyLM, linear_names
+from torch_lowbit.formats import CheckpointError, detect_format, load_quantized
+from torch_lowbit.formats.detect import matches
+
+pytestmark = pytest.mark.skipif(not hasattr(tlnn, "Fp8Linear"),
+                                reason="torch_lowbit.nn.Fp8Linear / Int8Linear have not landed in this tree yet")
+
+IDS = torch.tensor([[3, 17, 42, 5, 88, 1, 0, 64, 23], [96, 2, 2, 50, 11, 7, 33, 8, 70]])
+QUANTIZED = {  # linear names each checkpoint quantizes (the tiny model's 2 layers)
+    n for n in linear_names(TinyLM()) if not (n == "lm_head" or n.endswith("mlp.gate")
+                                              or n == "model.layers.1.self_attn.o_proj")}
+
+
+def _model(seed=1, meta=False, **kw):
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return TinyLM(**kw)
+    return TinyLM(**kw)
+
+
+def _source_model():
+    return _model(seed=0)
+
+
+def _assert_logits_close(model, ref, rtol):
+    with torch.no_grad():
+        out = model(IDS)
+        want = ref(IDS)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    err = (out.double() - want).abs().max().item()
+    assert err <= rtol * want.abs().max().item(), f"max error {err:.3g} vs max |logit| {want.abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("spec", sorted(SPECS))
+def test_directory_checkpoint_matches_float64_dequantized_model(tmp_path, spec):
+    sd, ref = make_checkpoint(_source_model(), spec)
+    write_dir(tmp_path, sd, spec)
+    model = _model()
+    report = load_quantized(model, tmp_path, dtype=torch.float32)
+    assert report.format == FORMAT_OF[spec] == str(detect_format(tmp_path))
+    assert set(report.converted) == QUANTIZED
+    layer_type = tlnn.Int8Linear if spec == "ct-int8" else tlnn.Fp8Linear
+    assert all(isinstance(model.get_submodule(n), layer_type) for n in QUANTIZED)
+    assert type(model.lm_head) is nn.Linear and type(model.model.layers[1].self_attn.o_proj) is nn.Linear
+    assert "lm_head" in report.high_precision
+    assert report.missing_keys == [] and report.unused_keys == (["scaled_fp8"] if spec == "comfy" else [])
+    # W8A8 rounds activations to int8 per token (about 0.4% each); everything else is fp32 arithmetic
+    _assert_logits_close(model, ref, 5e-2 if spec == "ct-int8" else 2e-5)
+
+
+@pytest.mark.parametrize("spec", ["hf-fp8-block", "ct-fp8-channel", "modelopt-tensor", "ct-int8", "comfy"])
+def test_state_dict_with_config_on_a_meta_model(spec):
+    sd, ref = make_checkpoint(_source_model(), spec)
+    model = _model(meta=True)
+    report = load_quantized(model, sd, config=config_for(spec), dtype=torch.float32)
+    assert report.missing_keys == []
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    _assert_logits_close(model, ref, 5e-2 if spec == "ct-int8" else 2e-5)
+
+
+def test_loaded_weights_and_scales_are_the_checkpoint_tensors_normalized():
+    sd, _ = make_checkpoint(_source_model(), "ct-fp8-block")
+    model = _model()
+    load_quantized(model, sd, config=config_for("ct-fp8-block"), dtype=torch.float32)
+    name = "model.layers.0.mlp.down_proj"  # [48, 80]: stored padded to [48, 96] with weight_shape_original
+    layer = model.get_submodule(name)
+    assert sd[f"{name}.weight"].shape == (48, 96)
+    assert torch.equal(layer.weight.view(torch.uint8), sd[f"{name}.weight"].view(torch.uint8)[:, :80])
+    assert layer.weight_scale.dtype == torch.float32  # bf16 in the checkpoint, widened
+    assert torch.equal(layer.weight_scale, sd[f"{name}.weight_scale"].float())
+    assert tuple(layer.block_size) == (16, 32)
+    # per-channel [N, 1] -> [N]
+    sd, _ = make_checkpoint(_source_model(), "fbgemm")
+    model = _model()
+    load_quantized(model, sd, config=config_for("fbgemm"))
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.weight_scale.shape == (48,) and torch.equal(q.weight_scale, sd["model.layers.0.self_attn.q_proj.weight_scale"][:, 0])
+    assert q.bias is not None and torch.equal(q.bias.float(), sd["model.layers.0.self_attn.q_proj.bias"].float())
+
+
+def test_modelopt_input_scale_reaches_the_layer():
+    sd, _ = make_checkpoint(_source_model(), "modelopt-tensor")
+    model = _model()
+    load_quantized(model, sd, config=config_for("modelopt-tensor"))
+    assert float(model.model.layers[0].mlp.up_proj.input_scale) == 0.5
+
+
+def test_sharded_directory_and_bf16_model(tmp_path):
+    sd, ref = make_checkpoint(_source_model(), "hf-fp8-block")
+    write_dir(tmp_path, sd, "hf-fp8-block", shards=3)
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) == 3
+    model = _model().to(torch.bfloat16)
+    report = load_quantized(model, tmp_path)
+    assert set(report.converted) == QUANTIZED and report.unused_keys == [] and report.missing_keys == []
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        out = model(IDS).double()
+        want = ref(IDS)
+    assert (out - want).abs().max() <= 0.1 * want.abs().max()  # bf16 activations throughout
+
+
+def test_single_safetensors_file_without_config(tmp_path):
+    sd, ref = make_checkpoint(_source_model(), "comfy")
+    path = tmp_path / "flux-ish-fp8-scaled.safetensors"
+    save_file(sd, str(path))
+    model = _model()
+    report = load_quantized(model, path, dtype=torch.float32)
+    assert report.format == "diffusion-fp8" and report.details["kind"] == "ComfyUI scaled fp8"
+    _assert_logits_close(model, ref, 2e-5)
+
+
+def test_report_lists_unused_missing_and_high_precision():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    sd["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(1.0)
+    sd["some.other.tensor"] = torch.zeros(3)
+    del sd["model.norm.weight"]
+    model = _model()
+    report = load_quantized(model, sd, config=config_for("hf-fp8-block"))
+    assert report.unused_keys == ["model.layers.0.self_attn.k_proj.k_scale", "some.other.tensor"]
+    assert report.missing_keys == ["model.norm.weight"]
+    assert report.high_precision["lm_head"] == "in the ignore list"
+    assert report.converted["model.layers.0.mlp.gate_proj"] == "Fp8Linear(block 16x32)"
+    assert report.details["weight_block_size"] == (16, 32)
+    assert "unused keys" in str(report)
+    with pytest.raises(CheckpointError, match="strict load"):
+        load_quantized(_model(), sd, config=config_for("hf-fp8-block"), strict=True)
+
+
+def test_unquantized_linear_not_in_ignore_list_stays_high_precision():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    name = "model.layers.0.mlp.up_proj"
+    sd[f"{name}.weight"] = torch.randn(80, 48).to(torch.bfloat16)
+    del sd[f"{name}.weight_scale_inv"]
+    model = _model()
+    report = load_quantized(model, sd, config=config_for("hf-fp8-block"))
+    assert report.high_precision[name] == "stored as torch.bfloat16"
+    assert type(model.get_submodule(name)) is nn.Linear
+    assert torch.equal(model.get_submodule(name).weight, sd[f"{name}.weight"].float())
+
+
+def test_tied_embeddings_stay_tied():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    del sd["lm_head.weight"]
+    model = _model(meta=True)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    report = load_quantized(model, sd, config=config_for("hf-fp8-block"))
+    assert report.missing_keys == []
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
+
+
+# ------------------------------------------------------------------------------------------ detection
+@pytest.mark.parametrize("spec", sorted(SPECS))
+def test_detect_format_from_state_dict_and_config(spec):
+    sd, _ = make_checkpoint(_source_model(), spec)
+    assert detect_format(sd, config=config_for(spec)).name == FORMAT_OF[spec]
+
+
+def test_detect_without_config_from_tensor_names():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    fmt = detect_format(sd)
+    assert fmt.name == "fp8" and fmt.block_size == (128, 128)
+    sd, _ = make_checkpoint(_source_model(), "diffusion-raw")
+    fmt = detect_format(sd)
+    assert fmt.name == "diffusion-fp8" and not fmt.scale_required and fmt.details["kind"] == "raw e4m3 (scale 1)"
+    assert detect_format(sd, config={"quantization_config": {"quant_method": "fp8"}}).block_size == (128, 128)
+
+
+@pytest.mark.parametrize("name,pattern,hit", [
+    ("lm_head", "lm_head", True),
+    ("model.layers.0.mlp.gate", "mlp.gate", True),
+    ("model.layers.0.mlp.gate_proj", "mlp.gate", False),
+    ("model.layers.0.mlp.gate_proj", "gate", False),
+    ("model.layers.1.self_attn.q_proj", "model.layers.1", True),
+    ("model.layers.10.self_attn.q_proj", "model.layers.1", False),
+    ("model.layers.10.self_attn.q_proj", "model.layers.1.*", False),
+    ("model.layers.1.self_attn.q_proj", "model.layers.1.*", True),
+    ("model.layers.3.mlp.gate", "*.mlp.gate", True),
+    ("model.layers.3.mlp.gate_proj", "*.mlp.gate", False),
+    ("model.layers.3.mlp.gate", r"re:.*mlp\.gate$", True),
+    ("model.layers.3.mlp.gate_proj", r"re:.*mlp\.gate$", False),
+    ("model.layers.3.mlp.gate_proj", "re:model.layers.3", True),
+])
+def test_ignore_pattern_semantics(name, pattern, hit):
+    assert matches(name, pattern) is hit
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_pickle_files_are_refused_without_reading_them(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(CheckpointError, match=r"refusing to read .*pytorch_model\.bin.*pickle"):
+        load_quantized(_model(), tmp_path)
+    with pytest.raises(CheckpointError, match=r"refusing to read .*model\.pt"):
+        load_quantized(_model(), tmp_path / "model.pt")
+
+
+def test_unknown_quant_method():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    with pytest.raises(CheckpointError, match="unknown quant_method 'awq'"):
+        load_quantized(_model(), sd, config={"quantization_config": {"quant_method": "awq", "bits": 4}})
+
+
+def test_unsupported_compressed_tensors_format():
+    sd, _ = make_checkpoint(_source_model(), "ct-fp8-channel")
+    cfg = config_for("ct-fp8-channel")
+    cfg["quantization_config"]["format"] = "pack-quantized"
+    with pytest.raises(CheckpointError, match="'pack-quantized' is not supported"):
+        load_quantized(_model(), sd, config=cfg)
+
+
+def test_missing_scale_names_the_tensor():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    del sd["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj\.weight_scale_inv is missing"):
+        load_quantized(_model(), sd, config=config_for("hf-fp8-block"))
+
+
+def test_weight_shape_mismatch_names_the_tensor():
+    sd, _ = make_checkpoint(_source_model(), "ct-fp8-channel")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight has shape \[48, 48\].*"
+                                              r"expects \[64, 64\]"):
+        load_quantized(_model(H=64), sd, config=config_for("ct-fp8-channel"))
+
+
+def test_high_precision_shape_mismatch_names_the_tensor():
+    sd, _ = make_checkpoint(_source_model(), "ct-fp8-channel")
+    with pytest.raises(CheckpointError, match=r"model\.embed_tokens\.weight has shape \[97, 48\]"):
+        load_quantized(_model(V=50), sd, config=config_for("ct-fp8-channel"))
+
+
+def test_scale_shape_mismatch_names_the_tensor():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    sd["model.layers.0.mlp.up_proj.weight_scale_inv"] = torch.ones(3, 3)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_scale_inv has shape \[3, 3\]"):
+        load_quantized(_model(), sd, config=config_for("hf-fp8-block"))
+
+
+def test_sharded_index_with_a_missing_shard(tmp_path):
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    write_dir(tmp_path, sd, "hf-fp8-block", shards=2)
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(CheckpointError, match=r"shard 'model-00002-of-00002\.safetensors' .* is missing"):
+        load_quantized(_model(), tmp_path)
+
+
+def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    write_dir(tmp_path, sd, "hf-fp8-block", shards=2)
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.extra.weight"] = "model-00001-of-00002.safetensors"
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"'model\.extra\.weight' is listed .* does not contain it"):
+        load_quantized(_model(), tmp_path)
+
+
+def test_quantized_weight_of_an_ignored_module_is_an_error():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    cfg = config_for("hf-fp8-block")
+    cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head", "mlp.gate", "self_attn"]
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight is .*ignore list"):
+        load_quantized(_model(), sd, config=cfg)
+
+
+def test_int8_weight_in_an_fp8_format_and_e5m2_are_errors():
+    sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
+    sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(80, 48, dtype=torch.int8)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight is int8"):
+        load_quantized(_model(), sd, config=config_for("hf-fp8-block"))
+    sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(80, 48, dtype=torch.float8_e5m2)
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight is torch\.float8_e5m2"):
+        load_quantized(_model(), sd, config=config_for("hf-fp8-block"))
+
+
+def test_not_a_quantized_checkpoint():
+    sd = {k: v.to(torch.bfloat16) for k, v in _source_model().state_dict().items()}
+    with pytest.raises(CheckpointError, match="no quantization config and no float8_e4m3fn tensors"):
+        load_quantized(_model(), sd)
+
+
+def test_modelopt_non_fp8_algorithm_is_refused():
+    sd, _ = make_checkpoint(_source_model(), "modelopt-tensor")
+    with pytest.raises(CheckpointError, match="ModelOpt quant_algo 'NVFP4' is not supported"):
+        load_quantized(_model(), sd, config={"quantization": {"quant_algo": "NVFP4"}})

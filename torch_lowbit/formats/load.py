@@ -1,0 +1,234 @@
+"""load_quantized: put a quantized checkpoint into a model, swapping its nn.Linear layers (and MoE experts) for
+torch_lowbit layers, without ever materializing a high-precision copy of a quantized weight."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .detect import QuantFormat, detect
+from .moe import is_experts_module, load_experts
+from .source import CheckpointError, Source, open_source
+from .tensors import read_quantized, weight_kind
+
+
+@dataclass
+class LoadReport:
+    """What load_quantized did.
+
+    format: the detected format (modelopt, compressed-tensors, fp8, fbgemm_fp8, diffusion-fp8).
+    converted: module name -> what it became (e.g. ``"Fp8Linear(block 128x128)"``, ``"Int8Linear(channel)"``).
+    high_precision: name of each nn.Linear / experts module loaded unquantized -> why (in the ignore list, or
+    stored unquantized in the checkpoint).
+    unused_keys: checkpoint tensors that went nowhere. missing_keys: model tensors the checkpoint did not provide
+    (left as they were). details: what the checkpoint's config said (block size, quant_algo, ...).
+    notes: anything the caller should know (e.g. static input scales not used).
+    """
+    format: str
+    converted: Dict[str, str] = field(default_factory=dict)
+    high_precision: Dict[str, str] = field(default_factory=dict)
+    unused_keys: List[str] = field(default_factory=list)
+    missing_keys: List[str] = field(default_factory=list)
+    details: Dict[str, Any] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    def __str__(self):
+        lines = [f"format: {self.format} {self.details}",
+                 f"converted: {len(self.converted)} modules", f"high precision: {len(self.high_precision)} modules"]
+        for title, keys in (("unused keys", self.unused_keys), ("missing keys", self.missing_keys)):
+            shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+            lines.append(f"{title}: {shown or 'none'}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _target_device(device, old: Optional[torch.Tensor]):
+    if device is not None:
+        return torch.device(device)
+    if old is not None and old.device.type != "meta":
+        return old.device
+    return torch.device("cpu")
+
+
+def _inside(name: str, done) -> bool:
+    """Is `name` (a module or tensor name) one of the modules in `done` or under one of them?"""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in done for i in range(1, len(parts) + 1))
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    return type(m) is nn.Linear or (isinstance(m, nn.Linear) and not hasattr(m, "weight_scale"))
+
+
+def _describe(q) -> str:
+    if q.block_size is not None:
+        return f"block {q.block_size[0]}x{q.block_size[1]}"
+    return q.granularity
+
+
+def _swap_linear(model, name, linear, q, src, device, dtype, used, report):
+    from ..nn import Fp8Linear, Int8Linear
+    from ..nn.experts import to_fp8_storage
+
+    dev = _target_device(device, linear.weight)
+    bias = None
+    if linear.bias is not None:
+        bkey = f"{name}.bias"
+        if bkey in src:
+            b = src.get(bkey)
+            if tuple(b.shape) != (linear.out_features,):
+                raise CheckpointError(f"{bkey} has shape {list(b.shape)}, expected [{linear.out_features}]")
+            bias = b.to(device=dev, dtype=dtype or (linear.bias.dtype if linear.bias.is_floating_point()
+                                                     else torch.bfloat16))
+            used.add(bkey)
+        else:
+            report.missing_keys.append(bkey)
+    if q.kind == "fp8":
+        layer = Fp8Linear.from_quantized(to_fp8_storage(q.weight, dev), q.scale.to(dev), bias,
+                                         block_size=q.block_size,
+                                         input_scale=None if q.input_scale is None else q.input_scale.to(dev))
+        report.converted[name] = f"Fp8Linear({_describe(q)})"
+    else:
+        layer = Int8Linear.from_quantized(q.weight.to(dev), q.scale.to(dev), bias)
+        report.converted[name] = "Int8Linear(channel)"
+    model.set_submodule(name, layer)
+    used.update(q.keys)
+
+
+def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, report):
+    """Every parameter / persistent buffer outside the converted modules, like load_state_dict(strict=False);
+    meta tensors are replaced, others copied in place (so tied weights stay tied)."""
+    groups: Dict[int, List[str]] = {}
+    tensors = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if t is None or _inside(key, done):
+            continue
+        groups.setdefault(id(t), []).append(key)
+        tensors[id(t)] = t
+    for tid, keys in groups.items():
+        old = tensors[tid]
+        found = [k for k in keys if k in src]
+        if not found:
+            report.missing_keys.extend(keys)
+            continue
+        key = found[0]
+        if tuple(src.shape(key)) != tuple(old.shape):
+            raise CheckpointError(f"{key} has shape {list(src.shape(key))} but the model expects {list(old.shape)}")
+        value = src.get(key)
+        used.update(found)
+        if value.dtype in (torch.float8_e4m3fn, torch.int8) and old.is_floating_point():
+            value = _upcast_unscaled(key, value, src, fmt, used)
+        tdtype = dtype if (dtype is not None and old.is_floating_point()) else old.dtype
+        tdev = _target_device(device, old)
+        if old.device.type == "meta" or old.device != tdev or old.dtype != tdtype:
+            new = value.to(device=tdev, dtype=tdtype)
+            if isinstance(old, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=old.requires_grad)  # one object for all tied names
+            for k in keys:
+                _assign(model, k, new)
+        else:
+            with torch.no_grad():
+                old.copy_(value)
+
+
+def _upcast_unscaled(key, value, src, fmt: QuantFormat, used):
+    """A quantized tensor in a module torch_lowbit does not convert: only diffusion files, whose fp8 means
+    float(w) * scale_weight, are upcast (exactly); anything else would silently lose its scale."""
+    if fmt.name != "diffusion-fp8" or value.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"{key} is {value.dtype} but the model's tensor there is floating point and not part of "
+                              f"an nn.Linear torch_lowbit converts")
+    skey = key.rsplit(".", 1)[0] + "." + fmt.scale_key
+    out = value.float()
+    if key.endswith(".weight") and skey in src:
+        out = out * src.get(skey).float()
+        used.add(skey)
+    return out
+
+
+def _assign(model, key, new):
+    mod_name, _, attr = key.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if isinstance(new, nn.Parameter):
+        mod._parameters[attr] = new
+    else:
+        mod._buffers[attr] = new
+
+
+def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dict] = None, device=None,
+                   dtype: Optional[torch.dtype] = None, strict: bool = False) -> LoadReport:
+    """Load a quantized checkpoint into `model`, in place, and return a :class:`LoadReport`.
+
+    path_or_state_dict: a checkpoint directory (config.json with quantization_config and/or hf_quant_config.json;
+    one .safetensors file or shards with model.safetensors.index.json), a single .safetensors file, or a state
+    dict (then pass ``config`` unless the format shows in the tensors). ``.bin`` / ``.pt`` files are refused:
+    nothing is ever unpickled. Tensors are read one at a time from memory-mapped files, so peak memory stays near
+    the quantized size; build the model on the meta device (``with torch.device("meta"): model = ...``) to avoid
+    allocating its dense weights at all.
+
+    Each ``nn.Linear`` whose checkpoint weight is float8_e4m3fn (or int8 for compressed-tensors W8A8) and that
+    the checkpoint's ignore list (``ignore`` / ``modules_to_not_convert`` / ``exclude_modules``: exact names,
+    dotted component runs, fnmatch wildcards, ``re:`` regexes) does not name becomes an ``Fp8Linear`` /
+    ``Int8Linear``; MoE experts modules become ``Fp8Experts`` (see ``torch_lowbit.formats.moe``). Everything else
+    (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``. device: where the loaded
+    tensors go (default: where each model tensor is, cpu for meta). dtype: dtype of the high-precision
+    parameters and biases (default: each model tensor's own). strict: raise if any key is unused or missing.
+    """
+    src = open_source(path_or_state_dict)
+    try:
+        fmt = detect(src, config)
+        report = LoadReport(format=fmt.name, details=dict(fmt.details))
+        used = set()
+        done = set()  # modules replaced or filled here: _load_rest leaves them alone
+
+        for name, mod in list(model.named_modules()):
+            if not name or not is_experts_module(mod) or _inside(name, done):
+                continue
+            res = load_experts(src, fmt, name, mod, device, dtype)
+            if res is None:
+                continue
+            layer, keys, desc, quantized = res
+            used.update(keys)
+            done.add(name)
+            if quantized:
+                model.set_submodule(name, layer)
+                report.converted[name] = desc
+            else:
+                report.high_precision[name] = desc
+
+        for name, mod in list(model.named_modules()):
+            if not _is_plain_linear(mod) or _inside(name, done):
+                continue
+            wkey = f"{name}.weight"
+            if wkey not in src:
+                continue
+            kind = weight_kind(fmt, wkey, src.dtype(wkey))
+            if kind is None:
+                report.high_precision[name] = ("in the ignore list" if fmt.is_ignored(name)
+                                               else f"stored as {src.dtype(wkey)}")
+                continue
+            if fmt.is_ignored(name):
+                raise CheckpointError(f"{wkey} is {src.dtype(wkey)} but {name} is in the checkpoint's ignore list")
+            q = read_quantized(src, fmt, name, kind, (mod.out_features, mod.in_features))
+            _swap_linear(model, name, mod, q, src, device, dtype, used, report)
+            done.add(name)
+
+        _load_rest(model, src, fmt, done, device, dtype, used, report)
+        report.unused_keys = sorted(k for k in src.keys() if k not in used)
+        _add_notes(fmt, report)
+        if strict and (report.unused_keys or report.missing_keys):
+            raise CheckpointError(f"strict load: {len(report.unused_keys)} unused keys "
+                                  f"{report.unused_keys[:5]}, {len(report.missing_keys)} missing keys "
+                                  f"{report.missing_keys[:5]}")
+        return report
+    finally:
+        src.close()
+
+
+def _add_notes(fmt: QuantFormat, report: LoadReport):
+    if any(v.startswith("Int8Linear") for v in report.converted.values()):
+        report.notes.append("Int8Linear quantizes activations per token at run time (static input scales, "
+                            "if any, are not used)")
+    if fmt.name == "fp8" and fmt.details.get("config") == "none (inferred)":
+        report.notes.append("no config: weight_scale_inv read as blocks of 128x128")

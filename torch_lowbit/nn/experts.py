@@ -1,0 +1,225 @@
+"""Fp8Experts: the SwiGLU experts of a mixture-of-experts block, with stacked FP8 weights, run by fp8_grouped_mm.
+
+Interface of transformers' fused experts modules (``Qwen3MoeExperts`` and friends since transformers 5):
+``forward(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]``; the router that picks the experts
+stays outside. Expert e computes ``down_e(silu(gate_e(x)) * up_e(x))``, with ``gate_up[e]`` holding the gate rows
+first, then the up rows.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._ops import fp8_grouped_mm
+
+FP8_MAX = 448.0  # largest finite e4m3fn value
+GRANULARITIES = ("tensor", "channel", "block")
+
+
+def fp8_storage_dtype(device) -> torch.dtype:
+    """float8_e4m3fn where the device can hold it; uint8 with the same bits otherwise (mps before torch 2.15)."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type in ("cpu", "meta"):
+        return torch.float8_e4m3fn
+    try:
+        torch.empty(1, dtype=torch.float8_e4m3fn, device=device)
+        return torch.float8_e4m3fn
+    except (RuntimeError, TypeError):
+        return torch.uint8
+
+
+def to_fp8_storage(t: torch.Tensor, device=None) -> torch.Tensor:
+    """Move fp8 weights to `device`, as uint8 bits where that device cannot hold float8 (never a value cast)."""
+    device = t.device if device is None else torch.device(device)
+    if t.dtype == torch.float8_e4m3fn and fp8_storage_dtype(device) == torch.uint8:
+        t = t.view(torch.uint8)
+    return t.to(device)
+
+
+def scale_shape(E: int, N: int, K: int, granularity: str, block_size=None) -> Tuple[int, ...]:
+    """Shape of the fp32 scale of a stacked [E, N, K] fp8 weight for each granularity."""
+    if granularity == "tensor":
+        return (E,)
+    if granularity == "channel":
+        return (E, N)
+    if granularity == "block":
+        bn, bk = block_size
+        return (E, math.ceil(N / bn), math.ceil(K / bk))
+    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+
+
+def quantize_fp8(w: torch.Tensor, granularity: str = "channel",
+                 block_size: Optional[Sequence[int]] = (128, 128)) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax FP8 quantization of dense weights ``w [..., N, K]`` (each leading index separately).
+
+    Returns ``(q, scale)`` with q float8_e4m3fn and ``w ~= q * scale``; scale fp32 of shape ``[...]`` (tensor),
+    ``[..., N]`` (channel) or ``[..., ceil(N/bn), ceil(K/bk)]`` (block). An all-zero group gets scale 1.
+    """
+    if w.dim() < 2:
+        raise ValueError(f"quantize_fp8: w must be [..., N, K], got shape {tuple(w.shape)}")
+    wf = w.detach().float()
+    N, K = wf.shape[-2:]
+    if granularity == "tensor":
+        amax = wf.abs().amax(dim=(-2, -1)) if wf.numel() else wf.new_zeros(wf.shape[:-2])
+        expand = lambda s: s[..., None, None]  # noqa: E731
+    elif granularity == "channel":
+        amax = wf.abs().amax(dim=-1) if K else wf.new_zeros(wf.shape[:-1])
+        expand = lambda s: s[..., None]  # noqa: E731
+    elif granularity == "block":
+        if block_size is None or len(block_size) != 2 or min(block_size) < 1:
+            raise ValueError(f"quantize_fp8: block granularity needs block_size=(bn, bk), got {block_size!r}")
+        bn, bk = (int(b) for b in block_size)
+        nb, kb = math.ceil(N / bn), math.ceil(K / bk)
+        padded = F.pad(wf.abs(), (0, kb * bk - K, 0, nb * bn - N))
+        amax = padded.reshape(*wf.shape[:-2], nb, bn, kb, bk).amax(dim=(-3, -1))
+
+        def expand(s):
+            return s.repeat_interleave(bn, dim=-2)[..., :N, :].repeat_interleave(bk, dim=-1)[..., :K]
+    else:
+        raise ValueError(f"quantize_fp8: granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / expand(scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _granularity_of(scale: torch.Tensor) -> str:
+    return {1: "tensor", 2: "channel", 3: "block"}[scale.dim()]
+
+
+def _normalize_scale(name: str, scale: torch.Tensor, E: int, N: int, K: int, block_size) -> torch.Tensor:
+    """[E] / [E, 1] / [E, 1, 1] -> [E]; [E, N] / [E, N, 1] -> [E, N]; [E, nb, kb] (with block_size) kept; fp32."""
+    s = scale.detach().to(torch.float32)
+    shape = tuple(s.shape)
+    if block_size is not None:
+        want = scale_shape(E, N, K, "block", block_size)
+        if shape == want:
+            return s.contiguous()
+    if shape in ((E,), (E, 1), (E, 1, 1)):
+        return s.reshape(E).contiguous()
+    if shape in ((E, N), (E, N, 1)):
+        return s.reshape(E, N).contiguous()
+    expected = f"[{E}] (per tensor), [{E}, {N}] (per channel)"
+    if block_size is not None:
+        expected += f" or {list(scale_shape(E, N, K, 'block', block_size))} (blocks of {tuple(block_size)})"
+    else:
+        expected += " or [E, ceil(N/bn), ceil(K/bk)] with block_size"
+    raise ValueError(f"Fp8Experts: {name} has shape {list(shape)}; expected {expected}")
+
+
+class Fp8Experts(nn.Module):
+    """E SwiGLU experts with FP8 weights: ``gate_up [E, 2I, H]`` (gate rows, then up rows), ``down [E, H, I]``.
+
+    Scales (fp32), chosen per projection: ``[E]`` per tensor, ``[E, rows]`` per channel, or
+    ``[E, ceil(rows/bn), ceil(cols/bk)]`` per block with ``block_size=(bn, bk)``.
+
+    ``forward(hidden [T, H] (or [..., H]), topk_ids [T, k], topk_weights [T, k])``: token t gets
+    ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])``. A negative id skips that slot (a token whose
+    ids are all negative gets zeros); experts that receive no token cost nothing. Token-expert pairs are sorted by
+    expert so that each expert's rows are one group of ``fp8_grouped_mm``; the weighted results are summed per
+    token in fp32 and rounded once to hidden's dtype. No host synchronization and no data-dependent Python
+    control flow: the layer traces under ``torch.compile(fullgraph=True)``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, granularity: str = "channel",
+                 block_size: Optional[Sequence[int]] = None, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"Fp8Experts: granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if granularity == "block" and block_size is None:
+            block_size = (128, 128)
+        E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
+        self.block_size = None if block_size is None else tuple(int(b) for b in block_size)
+        self.dtype = dtype  # dtype of the dense model this layer stands in for (activations keep their own)
+        wdtype = fp8_storage_dtype(device)
+        self.register_buffer("gate_up", torch.zeros(E, 2 * I, H, dtype=torch.uint8, device=device).view(wdtype))
+        self.register_buffer("down", torch.zeros(E, H, I, dtype=torch.uint8, device=device).view(wdtype))
+        bs = self.block_size if granularity == "block" else None
+        self.register_buffer("gate_up_scale", torch.ones(scale_shape(E, 2 * I, H, granularity, bs), device=device))
+        self.register_buffer("down_scale", torch.ones(scale_shape(E, H, I, granularity, bs), device=device))
+
+    # ------------------------------------------------------------------------------------------ builders
+    @classmethod
+    def from_quantized(cls, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                       down_scale: torch.Tensor, *, block_size: Optional[Sequence[int]] = None,
+                       dtype: torch.dtype = torch.bfloat16) -> "Fp8Experts":
+        """Wrap already-quantized stacked weights (float8_e4m3fn or uint8 bits) without copying them."""
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            if w.dim() != 3 or w.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                raise ValueError(f"Fp8Experts: {name} must be a 3-D float8_e4m3fn (or uint8) tensor, "
+                                 f"got {w.dtype} of shape {tuple(w.shape)}")
+        E, I2, H = gate_up.shape
+        if I2 % 2:
+            raise ValueError(f"Fp8Experts: gate_up must be [E, 2I, H] (gate rows then up rows), got {tuple(gate_up.shape)}")
+        I = I2 // 2
+        if tuple(down.shape) != (E, H, I):
+            raise ValueError(f"Fp8Experts: down must be [E, H, I] = {[E, H, I]} to match gate_up {list(gate_up.shape)}, "
+                             f"got {list(down.shape)}")
+        bs = None if block_size is None else tuple(int(b) for b in block_size)
+        gus = _normalize_scale("gate_up_scale", gate_up_scale, E, 2 * I, H, bs)
+        ds = _normalize_scale("down_scale", down_scale, E, H, I, bs)
+        m = cls(E, H, I, granularity=_granularity_of(gus), block_size=bs, device="meta", dtype=dtype)
+        device = gate_up.device
+        m.gate_up = to_fp8_storage(gate_up, device)
+        m.down = to_fp8_storage(down, device)
+        m.gate_up_scale = gus.to(device)
+        m.down_scale = ds.to(device)
+        return m
+
+    @classmethod
+    def from_float(cls, gate_up: torch.Tensor, down: torch.Tensor, granularity: str = "channel",
+                   block_size: Optional[Sequence[int]] = (128, 128)) -> "Fp8Experts":
+        """Quantize dense stacked weights ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` (absmax, symmetric)."""
+        if gate_up.dim() != 3 or down.dim() != 3:
+            raise ValueError(f"Fp8Experts.from_float: gate_up and down must be 3-D, got {tuple(gate_up.shape)} "
+                             f"and {tuple(down.shape)}")
+        bs = tuple(block_size) if granularity == "block" else None
+        q_gu, s_gu = quantize_fp8(gate_up, granularity, bs)
+        q_d, s_d = quantize_fp8(down, granularity, bs)
+        dtype = gate_up.dtype if gate_up.is_floating_point() else torch.bfloat16
+        return cls.from_quantized(q_gu, s_gu, q_d, s_d, block_size=bs, dtype=dtype)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def _block_for(self, scale: torch.Tensor):
+        return self.block_size if scale.dim() == 3 else None
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        out_shape = hidden.shape
+        x = hidden.reshape(-1, H)
+        T = x.shape[0]
+        k = topk_ids.shape[-1]
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        torch._assert_async((ids < E).all(), "Fp8Experts: topk_ids must be < num_experts (negative ids skip a slot)")
+        # skipped slots get id E: after sorting they lie past offsets[E], in no group, and come out as zeros
+        ids = torch.where(ids < 0, torch.full_like(ids, E), ids)
+        order = torch.argsort(ids, stable=True)
+        sorted_ids = ids[order]
+        bounds = torch.arange(E + 1, device=ids.device, dtype=torch.int64)
+        offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+        expert_ids = torch.arange(E, device=ids.device, dtype=torch.int32)
+        tokens = order // k
+
+        gu = fp8_grouped_mm(x[tokens], self.gate_up, self.gate_up_scale, offsets, expert_ids,
+                            self._block_for(self.gate_up_scale))
+        gate, up = gu.float().split(I, dim=-1)
+        act = (F.silu(gate) * up).to(x.dtype)
+        y = fp8_grouped_mm(act, self.down, self.down_scale, offsets, expert_ids, self._block_for(self.down_scale))
+
+        w = topk_weights.reshape(-1)[order].float()
+        w = torch.where(sorted_ids < E, w, torch.zeros_like(w))  # a skipped slot's weight may be anything
+        contrib = y.float() * w[:, None]
+        # back to (token, slot) order, then a fixed-order sum over the k slots: deterministic on every device
+        per_slot = torch.empty_like(contrib).index_copy_(0, order, contrib)
+        out = per_slot.reshape(T, k, H).sum(dim=1)
+        return out.to(hidden.dtype).reshape(out_shape)
+
+    def extra_repr(self) -> str:
+        gran = f"gate_up {_granularity_of(self.gate_up_scale)}, down {_granularity_of(self.down_scale)}"
+        bs = f", block_size={self.block_size}" if self.block_size is not None else ""
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, {gran}{bs}")
