@@ -63,14 +63,33 @@ inline Chunk16 load_fp8_chunk(device const uchar* w, uint len) {
   return c;
 }
 
+// 16 activations at a 16-byte aligned x as floats (exact): two 16-byte loads for half / bfloat,
+inline Chunk16 load_x16_aligned(device const float* x) {
+  Chunk16 c;
+  for (uint i = 0; i < 4; i++) {
+    c.q[i] = *(device const float4*)(x + 4 * i);
+  }
+  return c;
+}
+
+// four for float.
+template <typename T>
+inline Chunk16 load_x16_aligned(device const T* x) {
+  Chunk16 c;
+  for (uint h = 0; h < 2; h++) {
+    const uint4 v = *(device const uint4*)(x + 8 * h);
+    c.q[2 * h] = float4(as_type<vec<T, 4>>(v.xy));
+    c.q[2 * h + 1] = float4(as_type<vec<T, 4>>(v.zw));
+  }
+  return c;
+}
+
 // Activations x[0 .. len) as floats (exact for every T), zeros past len. Vec: x is 16-byte aligned, len == 16.
 template <typename T, bool Vec>
 inline Chunk16 load_x_chunk(device const T* x, uint len) {
   Chunk16 c;
   if (Vec) {
-    for (uint i = 0; i < 4; i++) {
-      c.q[i] = float4(*(device const vec<T, 4>*)(x + 4 * i));
-    }
+    c = load_x16_aligned(x);
   } else {
     for (uint i = 0; i < 4; i++) {
       for (uint j = 0; j < 4; j++) {
