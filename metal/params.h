@@ -25,6 +25,7 @@ struct ScaleParams {
 
 struct Fp8DequantizeParams {
   uint N, K;
+  uint vec4;  // K % 4 == 0 and the weight starts 4-byte aligned: 4-byte weight loads, 4-element stores
   ScaleParams scale;
 };
 

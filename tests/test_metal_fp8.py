@@ -10,7 +10,8 @@ import torch
 
 import torch_lowbit
 from conftest import backends_for
-from reference import assert_matmul_close, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm
+from reference import (assert_matmul_close, expand_scale, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm,
+                       ref_fp8_mm)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SUFFIX = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
@@ -176,6 +177,23 @@ def test_mm_empty_sizes(backend, M, N, K):
                                backend.to(torch.ones(1)), backend.to(bias), None).cpu()
     assert out.shape == (M, N)
     assert torch.equal(out, bias.to(torch.bfloat16).expand(M, N))  # K == 0: an empty sum plus bias
+
+
+# ---------------------------------------------------------------------------------------------- fp8_dequantize
+# K % 4 == 0 takes the 4-wide path (uchar4 load, 4-element store); block scales with bk % 4 != 0 change inside
+# a group of 4; a weight starting 1 byte into its storage must fall back to the element-wise path.
+@pytest.mark.parametrize("backend", backends_for("fp8_dequantize"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["tensor", "channel", "block_odd", "block16"])
+@pytest.mark.parametrize("K,offset", [(64, 0), (36, 0), (64, 1)])
+def test_dequantize_vector_path(backend, dtype, kind, K, offset):
+    g = _gen("dq", kind, K, offset)
+    N = 7
+    bits = random_fp8_bits((N * K + offset,), g, allow_nan=True)[offset:].view(N, K)
+    scale, block = _scale(kind, N, K, g)
+    out = backend.op("fp8_dequantize")(backend.to(bits), backend.to(scale), block, dtype).cpu()
+    ref = (fp8_bits_to_f64(bits) * expand_scale(scale, N, K, block)).to(dtype)
+    torch.testing.assert_close(out, ref, rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------------- fp8_grouped_mm
