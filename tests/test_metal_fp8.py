@@ -283,3 +283,27 @@ def test_grouped_malformed_offsets_rejected(backend, offsets, ids, match):
         backend.op("fp8_grouped_mm")(backend.to(torch.ones(T, K)), backend.to(torch.zeros(E, N, K, dtype=torch.uint8)),
                                      backend.to(torch.ones(E)), backend.to(torch.tensor(offsets, dtype=torch.int32)),
                                      backend.to(torch.tensor(ids, dtype=torch.int32)), None)
+
+
+# On mps the plan cannot read offsets / expert_ids without a device sync: the kernels clamp offsets to [0, T]
+# and treat ids outside [0, E) as -1. Run them that way in the emulator (guard pages after every buffer).
+@pytest.mark.skipif(not torch_lowbit.emulator.available(), reason="the Metal emulator is not built in this install")
+@pytest.mark.parametrize("T", [5, 40])  # decode and prefill kernels
+def test_grouped_kernels_clamp_malformed_values_like_on_mps(T):
+    run = torch_lowbit._C._emu_fp8_grouped_mm_unvalidated
+    g = _gen("clamp", T)
+    E, N, K = 2, 9, 48
+    x = _x((T, K), torch.bfloat16, g)
+    bits = random_fp8_bits((E, N, K), g)
+    s = torch.rand(E, generator=g) + 0.5
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    # offsets below 0 / past T clamp; an out-of-range id on an empty group and on a live group acts as -1
+    cases = [([-3, 2, 2, T + 4], [0, 7, 1], [0, 2, 2, T], [0, -1, 1]),
+             ([0, 2, 4], [1, -5], [0, 2, 4], [1, -1])]
+    for off, ids, off_ok, ids_ok in cases:
+        out = run(x, bits, s, i32(off), i32(ids))
+        ref, absref = ref_fp8_grouped_mm(x, bits, s, i32(off_ok), i32(ids_ok))
+        assert_matmul_close(out, ref, absref)
+    # decreasing offsets: overlapping rows are unspecified, but nothing is read or written out of bounds
+    out = run(x, bits, s, i32([0, 4, 2, 3, T + 100]), i32([0, 1, 1, 0]))
+    assert out.shape == (T, N)
