@@ -63,7 +63,7 @@ inline Chunk16 load_fp8_chunk(device const uchar* w, uint len) {
   return c;
 }
 
-// 16 activations at a 16-byte aligned x as floats (exact): two 16-byte loads for half / bfloat,
+// 16 activations at a 16-byte aligned x as floats (exact), in 16-byte loads: four for float,
 inline Chunk16 load_x16_aligned(device const float* x) {
   Chunk16 c;
   for (uint i = 0; i < 4; i++) {
@@ -72,7 +72,7 @@ inline Chunk16 load_x16_aligned(device const float* x) {
   return c;
 }
 
-// four for float.
+// two for half / bfloat.
 template <typename T>
 inline Chunk16 load_x16_aligned(device const T* x) {
   Chunk16 c;
