@@ -4,6 +4,20 @@
 
 #include "metal/emu_launcher.h"
 #include "metal/plan_int8_mm.h"
+#include "metal/plans.h"
+
+namespace {
+
+// fp8_grouped_mm in the emulator as the mps device runs it: offsets and expert ids are not read on the host,
+// so the kernels' own clamping is what keeps malformed values inside the buffers (a test hook).
+at::Tensor emu_fp8_grouped_mm_unvalidated(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                                          const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids) {
+  lowbit::metal::EmuLauncher l;
+  return lowbit::metal::plan_fp8_grouped_mm(lowbit::metal::Target{l, /*host_visible=*/false}, x, weight, scale,
+                                            offsets, expert_ids, std::nullopt);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_load_emulator", &lowbit::metal::load_emulator, "load torch_lowbit/_msl_emu*.so (the MSL emulator)");
@@ -16,4 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::string(lowbit::metal::int8_mm_kernel_name(lowbit::metal::choose_int8_mm_kernel(M, N, K)));
       },
       "the int8_mm Metal kernel variant the plan picks for an [M, K] x [N, K]^T product (for tests)");
+  m.def("_metal_fp8_mm_kernel", &lowbit::metal::fp8_mm_kernel_name, "the Metal kernel fp8_mm runs for (M, x dtype)");
+  m.def("_metal_fp8_grouped_mm_kernel", &lowbit::metal::fp8_grouped_mm_kernel_name,
+        "the Metal kernel fp8_grouped_mm runs for (T rows, G groups, x dtype)");
+  m.def("_emu_fp8_grouped_mm_unvalidated", &emu_fp8_grouped_mm_unvalidated,
+        "fp8_grouped_mm in the emulator without host-side checks of offsets / expert_ids, as on mps (tests)");
 }

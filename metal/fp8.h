@@ -30,6 +30,15 @@ inline float4 fp8x4_to_float4(uchar4 b) {
   return select(v, float4(as_type<float>(kFp8QuietNaN)), nan_code);
 }
 
+// Four codes -> half4: exact (every e4m3 value is a half), for kernels that stage decoded weights as half.
+inline half4 fp8x4_to_half4(uchar4 b) {
+  const ushort4 s = ushort4(b);
+  const ushort4 h = ((s & ushort(0x80)) << ushort(8)) | ((s & ushort(0x7F)) << ushort(7));
+  const half4 v = as_type<half4>(h) * half(256.0f);
+  const bool4 nan_code = (s & ushort(0x7F)) == ushort(0x7F);
+  return select(v, half4(as_type<half>(ushort(0x7E00))), nan_code);  // fp16 quiet NaN
+}
+
 // A number format as a type: reads like a cast at every use (`float(w)`).
 struct fp8_e4m3 {
   uchar bits;

@@ -5,10 +5,12 @@
 #include <metal_stdlib>
 #define LOWBIT_PARAMS_NAMESPACE_BEGIN
 #define LOWBIT_PARAMS_NAMESPACE_END
+#define LOWBIT_CONSTANT constant constexpr
 #else
 #include <cstdint>
 #define LOWBIT_PARAMS_NAMESPACE_BEGIN namespace lowbit::metal { using uint = uint32_t;
 #define LOWBIT_PARAMS_NAMESPACE_END }
+#define LOWBIT_CONSTANT inline constexpr
 #endif
 
 LOWBIT_PARAMS_NAMESPACE_BEGIN
@@ -23,6 +25,39 @@ struct ScaleParams {
 
 struct Fp8DequantizeParams {
   uint N, K;
+  uint vec4;  // K % 4 == 0 and the weight starts 4-byte aligned: 4-byte weight loads, 4-element stores
+  ScaleParams scale;
+};
+
+// ---- fp8 ----
+// Kernel geometry: the .metal instantiations and the plans' grids both use these.
+LOWBIT_CONSTANT uint kFp8GemvSimdgroups = 2;  // simdgroups per threadgroup of every GEMV-style kernel
+LOWBIT_CONSTANT uint kFp8GemvColsM1 = 4;      // M == 1 GEMV: output columns (weight rows) per simdgroup
+LOWBIT_CONSTANT uint kFp8GemvColsRows = 2;    // multi-row GEMV: output columns per simdgroup
+LOWBIT_CONSTANT uint kFp8GemvRows = 8;        // multi-row GEMV: activation rows per pass
+LOWBIT_CONSTANT uint kFp8GemmTile = 32;       // tiled GEMM: BM = BN = BK
+LOWBIT_CONSTANT uint kFp8GemmThreads = 128;   // tiled GEMM: 4 simdgroups, 2 x 2 over the output tile
+
+// Fp8MmParams::flags / Fp8GroupedMmParams::flags
+enum Fp8Flags : uint {
+  // K % 16 == 0 and x and the weight start 16-byte aligned: every row starts aligned, so kernels may use
+  // uint4 / vec<T, 4> loads; otherwise they use byte-aligned packed or scalar loads.
+  kFp8VecLoads = 1u,
+  kFp8HasBias = 2u,  // fp8_mm only: bias [N] (fp32) is bound and added
+};
+
+// fp8_mm: out[M, N] = x[M, K] @ (dec(w[N, K]) * scale)^T + bias
+struct Fp8MmParams {
+  uint M, N, K;
+  uint flags;
+  ScaleParams scale;
+};
+
+// fp8_grouped_mm: x[T, K], w[E, N, K], offsets[G + 1], expert_ids[G] -> out[T, N]
+struct Fp8GroupedMmParams {
+  uint T, N, K, E, G;
+  uint flags;
+  uint scale_stride;  // floats of scale per expert: 1 (tensor), N (channel) or nb * kb (block)
   ScaleParams scale;
 };
 

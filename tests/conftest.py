@@ -17,7 +17,7 @@ import torch_lowbit
 sys.path.insert(0, os.path.dirname(__file__))
 
 # The ops that have Metal kernels: the Metal issues add theirs here.
-METAL_OPS = {"fp8_dequantize", "int8_quantize", "int8_mm"}
+METAL_OPS = {"fp8_mm", "fp8_dequantize", "fp8_grouped_mm", "int8_quantize", "int8_mm"}
 
 
 class Backend:

@@ -10,6 +10,7 @@ at::Tensor plan_fp8_dequantize(Target t, const at::Tensor& weight, const at::Ten
   Fp8DequantizeParams p{};
   p.N = checked_u32("N", w.N);
   p.K = checked_u32("K", w.K);
+  p.vec4 = w.K % 4 == 0 && w.bits.storage_offset() % 4 == 0;  // out is fresh: its rows are then aligned too
   p.scale = scale_params(w.layout);
   // one thread per 4 bytes of a row; 64 x 4 threads per threadgroup
   const uint32_t groups_k = checked_u32("K / 4", ceil_div(w.K, 4));

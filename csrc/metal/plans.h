@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 
 #include "metal/launcher.h"
 
@@ -30,6 +31,13 @@ const char* kernel_dtype_suffix(at::ScalarType t);
 ScaleParams scale_params(const ScaleLayout& l);
 
 uint32_t checked_u32(const char* what, int64_t v);  // sizes travel as 32-bit in params structs
+
+// kFp8VecLoads: K % 16 == 0 and x and the weight bits start 16-byte aligned in their buffers
+bool fp8_vec_loads_ok(const at::Tensor& x, const at::Tensor& bits, int64_t K);
+
+// The kernel (host_name) each plan picks, exposed to Python (torch_lowbit._C) so tests pin the thresholds.
+std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype);
+std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype);
 
 // ---- one function per op; each lives in plan_<op>.cpp ----
 at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,

@@ -136,7 +136,7 @@ struct alignas(sizeof(T) * (N == 3 ? 4 : N)) vec : vstore<T, N> {
   static constexpr int size = N;
 
   vec() = default;
-  vec(const vec&) = default;
+  vec(const vec& o) { __builtin_memcpy(this->v, o.v, sizeof(T) * N); }  // one access, like a GPU vector load
   vec& operator=(const vec& o) { __builtin_memcpy(this->v, o.v, sizeof(T) * N); return *this; }  // one access, like a GPU vector op
   vec(T s) { for (int i = 0; i < N; i++) this->v[i] = s; }                        // splat
   template <class S, std::enable_if_t<is_scalar_v<S> && !std::is_same_v<S, T>, int> = 0>
@@ -232,6 +232,10 @@ template <class To, class From> inline To as_type(const From& f) {
   To t;
   std::memcpy((void*)&t, (const void*)&f, sizeof(To));
   return t;
+}
+// a swizzle (v.xy) is stored as its whole source vector: reinterpret the selected components only
+template <class To, class V, class T, int N, int... I> inline To as_type(const swz<V, T, N, I...>& s) {
+  return as_type<To>(V(s));
 }
 
 #define MSL_MAP1(name, expr)                                                                          \

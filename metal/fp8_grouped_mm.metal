@@ -1,0 +1,142 @@
+// fp8_grouped_mm (MoE): group g owns rows offsets[g] .. offsets[g + 1] of x and uses expert expert_ids[g].
+// Both kernels reuse the dense bodies (fp8_gemv.h, fp8_gemm.h) with the expert's weight and scale slices.
+//   fp8_grouped_gemv_*  decode, few rows per group: grid (ceil(N / 4), G + 1), 64 threads = 2 simdgroups of
+//                       2 output columns each; a group's rows go in passes of 8 (one pass for <= 8 rows),
+//                       so each selected expert's weights are read once per group.
+//   fp8_grouped_gemm_*  prefill, many rows per group: grid (ceil(N / 32), ceil(T / 32), G + 1), 128 threads;
+//                       grid y covers the largest possible group, threadgroups past their group's rows exit.
+// Grid slot g == G zeroes the rows in no group; a group with expert id -1 zeroes its rows; an empty group
+// returns at once. offsets are clamped to [0, T] and ids outside [0, E) act as -1, so malformed values
+// (validated on the host where the plan can read them, not on mps) never index outside a buffer.
+#include <metal_stdlib>
+#include "fp8_gemv.h"
+#include "fp8_gemm.h"
+using namespace metal;
+
+struct GroupSpan {
+  uint begin, end;  // rows [begin, end), 0 <= begin <= end <= T
+  int expert;       // -1: zero rows
+};
+
+inline uint clamp_row(int o, uint T) {
+  return o < 0 ? 0u : min(uint(o), T);
+}
+
+inline GroupSpan group_span(device const int* offsets, device const int* ids, uint g,
+                            constant Fp8GroupedMmParams& p) {
+  GroupSpan s;
+  s.begin = clamp_row(offsets[g], p.T);
+  s.end = max(s.begin, clamp_row(offsets[g + 1], p.T));
+  const int e = ids[g];
+  s.expert = (e >= 0 && uint(e) < p.E) ? e : -1;
+  return s;
+}
+
+// out[r0 .. r1, c0 .. c1) = 0, spread over the threadgroup's threads
+template <typename T>
+inline void zero_rows(device T* out, uint N, uint r0, uint r1, uint c0, uint c1, uint tid, uint nthreads) {
+  if (r0 >= r1 || c0 >= c1) {
+    return;
+  }
+  const uint cols = c1 - c0;
+  for (uint i = tid; i < (r1 - r0) * cols; i += nthreads) {
+    out[ulong(r0 + i / cols) * N + c0 + i % cols] = T(0.0f);
+  }
+}
+
+// Rows in no group: before offsets[0] and from offsets[G] on (groups are contiguous between the two)
+template <typename T>
+inline void zero_rows_in_no_group(device T* out, device const int* offsets, constant Fp8GroupedMmParams& p, uint r0,
+                                  uint r1, uint c0, uint c1, uint tid, uint nthreads) {
+  const uint first = clamp_row(offsets[0], p.T), last = clamp_row(offsets[p.G], p.T);
+  zero_rows<T>(out, p.N, r0, min(r1, first), c0, c1, tid, nthreads);
+  zero_rows<T>(out, p.N, max(r0, last), r1, c0, c1, tid, nthreads);
+}
+
+template <typename T>
+kernel void fp8_grouped_gemv(
+    device const T* x [[buffer(0)]],
+    device const uchar* w [[buffer(1)]],
+    device const float* scale [[buffer(2)]],
+    device const int* offsets [[buffer(3)]],
+    device const int* expert_ids [[buffer(4)]],
+    device T* out [[buffer(5)]],
+    constant Fp8GroupedMmParams& p [[buffer(6)]],
+    uint2 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint kThreads = kFp8GemvSimdgroups * 32;
+  constexpr uint kCols = kFp8GemvSimdgroups * kFp8GemvColsRows;  // output columns per threadgroup
+  const uint g = tgid.y;
+  const uint c0 = tgid.x * kCols, c1 = min(c0 + kCols, p.N);
+  if (g == p.G) {
+    zero_rows_in_no_group<T>(out, offsets, p, 0, p.T, c0, c1, tid, kThreads);
+    return;
+  }
+  const GroupSpan s = group_span(offsets, expert_ids, g, p);
+  if (s.begin == s.end) {
+    return;
+  }
+  if (s.expert < 0) {
+    zero_rows<T>(out, p.N, s.begin, s.end, c0, c1, tid, kThreads);
+    return;
+  }
+  const uint n0 = c0 + sg * kFp8GemvColsRows;
+  if (n0 >= p.N) {
+    return;  // the whole simdgroup; no barrier follows
+  }
+  device const uchar* we = w + ulong(s.expert) * p.N * p.K;
+  device const float* se = scale + ulong(s.expert) * p.scale_stride;
+  const bool vec_loads = (p.flags & kFp8VecLoads) != 0;
+  for (uint r = s.begin; r < s.end; r += kFp8GemvRows) {
+    fp8_gemv_rows<T, kFp8GemvRows, kFp8GemvColsRows>(x + ulong(r) * p.K, min(kFp8GemvRows, s.end - r), we, se,
+                                                     p.scale, se, false, out + ulong(r) * p.N, n0, p.N, p.K,
+                                                     vec_loads, lane);
+  }
+}
+
+template <typename T>
+kernel void fp8_grouped_gemm(
+    device const T* x [[buffer(0)]],
+    device const uchar* w [[buffer(1)]],
+    device const float* scale [[buffer(2)]],
+    device const int* offsets [[buffer(3)]],
+    device const int* expert_ids [[buffer(4)]],
+    device T* out [[buffer(5)]],
+    constant Fp8GroupedMmParams& p [[buffer(6)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup T xs[kFp8GemmTile * kGemmXStride];
+  threadgroup half ws[kFp8GemmTile * kGemmWStride];
+  const uint g = tgid.z;
+  const uint n0 = tgid.x * kFp8GemmTile, c1 = min(n0 + kFp8GemmTile, p.N);
+  if (g == p.G) {
+    const uint r0 = tgid.y * kFp8GemmTile;
+    zero_rows_in_no_group<T>(out, offsets, p, r0, min(r0 + kFp8GemmTile, p.T), n0, c1, tid, kFp8GemmThreads);
+    return;
+  }
+  const GroupSpan s = group_span(offsets, expert_ids, g, p);
+  if (s.end - s.begin <= tgid.y * kFp8GemmTile) {
+    return;  // past this group's rows (also every tile of an empty group); the whole threadgroup
+  }
+  const uint m0 = s.begin + tgid.y * kFp8GemmTile;
+  const uint rows = min(kFp8GemmTile, s.end - m0);
+  if (s.expert < 0) {
+    zero_rows<T>(out, p.N, m0, m0 + rows, n0, c1, tid, kFp8GemmThreads);
+    return;
+  }
+  device const uchar* we = w + ulong(s.expert) * p.N * p.K;
+  device const float* se = scale + ulong(s.expert) * p.scale_stride;
+  fp8_gemm_tile<T>(x + ulong(m0) * p.K, rows, we, se, p.scale, se, false, out + ulong(m0) * p.N, n0, p.N, p.K,
+                   (p.flags & kFp8VecLoads) != 0, xs, ws, tid, sg, lane);
+}
+
+template [[host_name("fp8_grouped_gemv_float")]] [[kernel]] decltype(fp8_grouped_gemv<float>) fp8_grouped_gemv<float>;
+template [[host_name("fp8_grouped_gemv_half")]] [[kernel]] decltype(fp8_grouped_gemv<half>) fp8_grouped_gemv<half>;
+template [[host_name("fp8_grouped_gemv_bfloat")]] [[kernel]] decltype(fp8_grouped_gemv<bfloat>) fp8_grouped_gemv<bfloat>;
+template [[host_name("fp8_grouped_gemm_float")]] [[kernel]] decltype(fp8_grouped_gemm<float>) fp8_grouped_gemm<float>;
+template [[host_name("fp8_grouped_gemm_half")]] [[kernel]] decltype(fp8_grouped_gemm<half>) fp8_grouped_gemm<half>;
+template [[host_name("fp8_grouped_gemm_bfloat")]] [[kernel]] decltype(fp8_grouped_gemm<bfloat>) fp8_grouped_gemm<bfloat>;
