@@ -1,5 +1,5 @@
 // fp8_dequantize: the dense weight dec(w) * scale in T. One thread per 4 consecutive K elements of a row:
-// with p.vec4 one 32-bit weight load (32 lanes read a whole 128-byte line) and one 4-element store; the
+// with p.vec4 one 32-bit weight load (32 lanes read a whole 128-byte line) and 4 adjacent stores; the
 // other cases (K % 4 != 0, or a weight not 4-byte aligned in its buffer) go element by element.
 #include <metal_stdlib>
 #include "fp8.h"
@@ -21,11 +21,9 @@ kernel void fp8_dequantize(
   const ulong row = ulong(n) * p.K;
   if (p.vec4 != 0) {  // K % 4 == 0: the 4 elements are in range
     const float4 v = fp8x4_to_float4(*(device const uchar4*)(w + row + k0));
-    float4 s;
-    for (uint j = 0; j < 4; j++) {
-      s[j] = weight_scale(p.scale, scale, n, k0 + j);  // block scales may change inside the 4 (bk % 4 != 0)
+    for (uint j = 0; j < 4; j++) {  // block scales may change inside the 4 (bk % 4 != 0)
+      out[row + k0 + j] = T(v[j] * weight_scale(p.scale, scale, n, k0 + j));
     }
-    *(device vec<T, 4>*)(out + row + k0) = vec<T, 4>(v * s);
     return;
   }
   const uint k_end = min(k0 + 4, p.K);
