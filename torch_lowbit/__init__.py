@@ -25,6 +25,9 @@ def _load_emulator():
 _load_emulator()
 
 from . import emulator  # noqa: E402,F401
+from . import nn  # noqa: E402,F401
+from .quantize import (Fp8WeightOnly, Int8Dynamic, quantize_, quantize_fp8,  # noqa: E402,F401
+                       quantize_int8)
 
 
 __version__ = "0.1.0"
