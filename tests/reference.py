@@ -104,7 +104,9 @@ def assert_matmul_close(out, ref, absref, dtype=None, acc_rtol=2e-6):
     nan_ref = torch.isnan(ref)
     assert torch.equal(torch.isnan(o), nan_ref), "NaN pattern differs from the reference"
     o, r, a = o[~nan_ref], ref[~nan_ref], absref[~nan_ref]
-    tol = 1.01 * _EPS[dtype] * r.abs() + acc_rtol * a + 1e-37
+    fi = torch.finfo(dtype)
+    # + half the subnormal step: outputs below the smallest normal are rounded with that absolute error
+    tol = 1.01 * _EPS[dtype] * r.abs() + acc_rtol * a + 0.5 * fi.smallest_normal * fi.eps
     # fp16 overflows past 65504: the reference overflows too
     err = (o - r).abs()
     bad = err > tol
