@@ -372,6 +372,22 @@ def test_quantize_tied_linear_stays_shared_and_root_linear():
     assert torch_lowbit.quantize_(head, torch_lowbit.Int8Dynamic(), filter_fn=lambda m, n: False) is head
 
 
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly(), torch_lowbit.Fp8WeightOnly("block", (16, 16)),
+                                    torch_lowbit.Int8Dynamic()])
+def test_quantize_a_meta_model_then_load_with_assign(config):
+    """The big-model flow: build on meta, quantize_, then load_state_dict(assign=True) from a checkpoint."""
+    torch.manual_seed(0)
+    real = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 8, bias=False))
+    torch_lowbit.quantize_(real, config)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 8, bias=False))
+    torch_lowbit.quantize_(model, config)
+    assert model[0].weight.device.type == "meta" and model[0].weight.dtype == real[0].weight.dtype
+    model.load_state_dict(real.state_dict(), assign=True)
+    x = _x((3, 64), torch.float32)
+    assert torch.equal(model(x), real(x))
+
+
 def test_quantize_bad_config():
     with pytest.raises(TypeError, match="config must be torch_lowbit.Fp8WeightOnly"):
         torch_lowbit.quantize_(Tiny(), "fp8")
