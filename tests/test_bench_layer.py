@@ -10,7 +10,7 @@ from torch_lowbit.bench import layer
 def test_layer_suite_runs_and_writes_json(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(layer, "LLAMA3_8B", [("a_proj", 48, 64, 2), ("b_proj", 17, 130, 1)])
     path = tmp_path / "out.json"
-    assert bench_main.main(["--m", "1,3", "--repeat", "2", "--device", "cpu", "--json", str(path)]) == 0
+    assert bench_main.main(["--m", "1,3", "--repeat", "2", "--device", "cpu", "--working-set-mb", "1", "--json", str(path)]) == 0
     out, err = capsys.readouterr()
     assert "[2/2] b_proj" in err and "decoder layer (7)" in out and "max rel err" in out
     rows = json.loads(path.read_text())["rows"]

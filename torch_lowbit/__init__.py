@@ -2,6 +2,8 @@
 
 Ops: ``torch.ops.lowbit.{fp8_mm, fp8_dequantize, fp8_grouped_mm, int8_quantize, int8_mm}`` (wrapped here
 with docstrings). ``torch.ops.lowbit_emu.*`` runs the Metal kernels in the MSL emulator (tests only).
+Quantization: ``quantize_fp8``, ``quantize_int8``; layers ``torch_lowbit.nn.Fp8Linear`` / ``Int8Linear``; whole
+models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic())``. Benchmarks: ``python -m torch_lowbit.bench``.
 """
 import glob as _glob
 import os as _os

@@ -12,6 +12,9 @@ the model (weights normal(0, 0.02), activations normal(0, 1)).
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
+import math
 import platform
 import sys
 import time
@@ -32,6 +35,11 @@ LLAMA3_8B = [
 MODES = ("fp8", "int8")
 TARGET_S = 0.5     # time spent measuring one (shape, M, mode): repeats shrink as calls get slower
 LONG_CALL_S = 1.0  # a CPU call this long is timed once: warm-up has nothing left to warm at that length
+# Decode streams every weight from DRAM once per token. A single weight of these sizes can stay in a large
+# last-level cache (300 MB on some servers) and show cache bandwidth, so each measurement cycles through copies
+# of the layer that add up to at least this many bytes.
+WORKING_SET_MB = 512
+MAX_COPIES = 32
 
 
 def log(msg):
@@ -60,7 +68,16 @@ def rel_err(y, ref):
 
 
 def weight_bytes(layer):
-    return sum(t.numel() * t.element_size() for t in (layer.weight, layer.weight_scale))
+    return sum(t.numel() * t.element_size() for t in (layer.weight, getattr(layer, "weight_scale", None))
+               if t is not None)
+
+
+def cycling(layer, working_set_mb):
+    """The layer and enough deep copies of it to exceed the working set, called in turn."""
+    n = min(MAX_COPIES, max(1, math.ceil(working_set_mb * 2 ** 20 / weight_bytes(layer))))
+    layers = [layer] + [copy.deepcopy(layer) for _ in range(n - 1)]
+    it = itertools.cycle(layers)
+    return lambda x: next(it)(x)
 
 
 def parse(argv):
@@ -72,6 +89,9 @@ def parse(argv):
                                                             "(default 10; --quick: 3)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--quick", action="store_true", help="smaller prefill batch and fewer repeats")
+    p.add_argument("--working-set-mb", type=int, default=WORKING_SET_MB,
+                   help=f"cycle through copies of each layer adding up to this many MB, so weights come from "
+                        f"memory, not cache (default {WORKING_SET_MB}; 0: one copy)")
     a = p.parse_args(argv)
     a.device = a.device or best_device()
     try:
@@ -95,16 +115,17 @@ def measure_shape(names, N, K, args, gen):
     lin.weight.data = w
     t0 = time.perf_counter()
     layers = {"fp8": Fp8Linear.from_float(lin, "channel").to(dev), "int8": Int8Linear.from_float(lin).to(dev)}
-    lin = lin.to(dev)
     log(f"  {names} {N}x{K}: quantized to fp8 and int8 in {time.perf_counter() - t0:.1f} s")
+    calls = {mode: cycling(layer, args.working_set_mb) for mode, layer in layers.items()}
+    calls["bf16"] = cycling(lin.to(dev), args.working_set_mb)
     rows = []
     for M in args.ms:
         x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(dev)
-        t_bf16, y_bf16, n_bf16 = timed(lambda: lin(x), dev, args.repeat, args.target_s)
+        t_bf16, y_bf16, n_bf16 = timed(lambda: calls["bf16"](x), dev, args.repeat, args.target_s)
         log(f"  {names} M={M} bf16: {t_bf16 * 1e3:.2f} ms ({n_bf16} timed)")
         for mode in MODES:
-            layer = layers[mode]
-            t, y, n = timed(lambda: layer(x), dev, args.repeat, args.target_s)
+            layer, call = layers[mode], calls[mode]
+            t, y, n = timed(lambda: call(x), dev, args.repeat, args.target_s)
             rows.append(dict(layer=names, shape=f"{N}x{K}", N=N, K=K, M=M, mode=mode, bf16_ms=t_bf16 * 1e3,
                              lowbit_ms=t * 1e3, speedup=t_bf16 / t, weight_gbs=weight_bytes(layer) / t / 1e9,
                              max_rel_err=rel_err(y, y_bf16), timed_calls=n, weight_bytes=weight_bytes(layer)))
