@@ -104,7 +104,9 @@ def assert_matmul_close(out, ref, absref, dtype=None, acc_rtol=2e-6):
     nan_ref = torch.isnan(ref)
     assert torch.equal(torch.isnan(o), nan_ref), "NaN pattern differs from the reference"
     o, r, a = o[~nan_ref], ref[~nan_ref], absref[~nan_ref]
-    tol = 1.01 * _EPS[dtype] * r.abs() + acc_rtol * a + 1e-37
+    fi = torch.finfo(dtype)
+    # + half the subnormal step: outputs below the smallest normal are rounded with that absolute error
+    tol = 1.01 * _EPS[dtype] * r.abs() + acc_rtol * a + 0.5 * fi.smallest_normal * fi.eps
     # fp16 overflows past 65504: the reference overflows too
     err = (o - r).abs()
     bad = err > tol
@@ -112,3 +114,57 @@ def assert_matmul_close(out, ref, absref, dtype=None, acc_rtol=2e-6):
         bad &= ~(torch.isinf(o) & (r.abs() > 65504))
     assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements off; worst err {float(err.max()):.3g} "
                            f"tol there {float(tol[err.argmax()]):.3g}")
+
+
+# ---------------------------------------------------------------------------------------------- quantization
+def _e4m3_positive_values() -> np.ndarray:
+    """float64 values of the codes 0x00..0x7E (every finite non-negative e4m3fn value), ascending."""
+    return fp8_bits_to_f64(torch.arange(0x7F, dtype=torch.uint8)).numpy()
+
+
+def f32_to_fp8_bits_ref(r: np.ndarray) -> np.ndarray:
+    """float32 values within +-448 -> e4m3fn codes by round-to-nearest, ties to the even code (uint8 numpy)."""
+    vals = _e4m3_positive_values()
+    a = np.abs(r.astype(np.float64))
+    assert np.all(a <= 448.0), "the reference encoder expects saturated values"
+    hi = np.searchsorted(vals, a, side="left")  # first code whose value is >= a (a <= 448 = vals[-1])
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = a - vals[lo], vals[hi] - a
+    code = np.where(d_lo < d_hi, lo, hi)
+    code = np.where(d_lo == d_hi, np.where(lo % 2 == 0, lo, hi), code)  # a tie goes to the even mantissa
+    code = np.where(d_hi == 0, hi, code)
+    return (code | np.where(np.signbit(r), 0x80, 0)).astype(np.uint8)
+
+
+def ref_quantize_fp8(w: torch.Tensor, granularity: str, block_size=(128, 128)):
+    """(codes uint8 [N, K], scale float32, scale expanded to [N, K] float64): scale = amax / 448 in float32,
+    codes of clamp(w / scale, +-448) rounded to nearest even, in float32 arithmetic (numpy, not torch)."""
+    w32 = w.float().numpy()
+    N, K = w32.shape
+    if granularity == "tensor":
+        amax = np.array([np.abs(w32).max() if w32.size else 0.0], np.float32)
+        scale = (amax / np.float32(448)).astype(np.float32)
+        full = np.broadcast_to(scale.reshape(1, 1), (N, K))
+    elif granularity == "channel":
+        amax = np.abs(w32).max(axis=1) if K else np.zeros(N, np.float32)
+        scale = (amax / np.float32(448)).astype(np.float32)
+        full = np.broadcast_to(scale.reshape(N, 1), (N, K))
+    else:
+        bn, bk = block_size
+        nb, kb = -(-N // bn), -(-K // bk)
+        scale = np.zeros((nb, kb), np.float32)
+        for i in range(nb):
+            for j in range(kb):
+                blk = w32[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+                scale[i, j] = np.float32(np.abs(blk).max() if blk.size else 0.0) / np.float32(448)
+        full = scale[np.arange(N) // bn][:, np.arange(K) // bk] if N and K else np.zeros((N, K), np.float32)
+    safe = np.where(full == 0, np.float32(1), full).astype(np.float32)
+    ratio = np.clip((w32 / safe).astype(np.float32), -448, 448)
+    codes = f32_to_fp8_bits_ref(ratio)
+    return torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(np.ascontiguousarray(full, np.float64))
+
+
+def ref_quantize_int8(w: torch.Tensor):
+    """(q int8, scale float32 [N]) of symmetric per-row quantization: the per-row rule of int8_quantize."""
+    q, scale, _ = ref_int8_quantize(w)
+    return q, scale

@@ -70,33 +70,72 @@ def _check(cond, msg):
         raise RuntimeError(msg)
 
 
+# The fakes repeat the dtype / rank / K checks of csrc/checks.cpp with the same wording, so that a traced model
+# (torch.compile, torch.export) fails at trace time with the message eager would give. Shape relations go through
+# torch._check, which also works on symbolic sizes. Scale layouts are left to the real kernels.
+_FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+
+
+def _check_float(op, name, t):
+    _check(t.dtype in _FLOAT_DTYPES, f"{op}: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+
+
+def _check_fp8_weight(op, weight, scale, dim):
+    _check(weight.dtype in _FP8_WEIGHT_DTYPES,
+           f"{op}: weight must be float8_e4m3fn or uint8 (fp8 e4m3 bits), got {weight.dtype}")
+    _check(weight.dim() == dim, f"{op}: weight must be {'[N, K]' if dim == 2 else '[E, N, K]'}, got shape "
+                                f"{tuple(weight.shape)}")
+    _check(scale.dtype in _FLOAT_DTYPES, f"{op}: scale must be float32, bfloat16 or float16, got {scale.dtype}")
+
+
 def _fake_fp8_mm(x, weight, scale, bias=None, block_size=None):
-    _check(weight.dim() == 2, f"fp8_mm: weight must be [N, K], got shape {tuple(weight.shape)}")
-    _check(x.dtype in _FLOAT_DTYPES, f"fp8_mm: x must be bfloat16, float16 or float32, got {x.dtype}")
-    torch._check(x.shape[-1] == weight.shape[1], lambda: "fp8_mm: x's last dimension must equal weight's K")
+    op = "fp8_mm"
+    _check_float(op, "x", x)
+    _check(x.dim() >= 1, f"{op}: x must have at least one dimension [..., K]")
+    _check_fp8_weight(op, weight, scale, 2)
+    torch._check(x.shape[-1] == weight.shape[1], lambda: f"{op}: x's last dimension must equal weight's K")
+    if bias is not None:
+        _check(bias.dim() == 1, f"{op}: bias must be [N], got shape {tuple(bias.shape)}")
+        torch._check(bias.shape[0] == weight.shape[0], lambda: f"{op}: bias must be [N]")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _fake_fp8_dequantize(weight, scale, block_size=None, dtype=torch.bfloat16):
-    _check(weight.dim() == 2, f"fp8_dequantize: weight must be [N, K], got shape {tuple(weight.shape)}")
+    op = "fp8_dequantize"
+    _check(dtype in _FLOAT_DTYPES, f"{op}: dtype must be bfloat16, float16 or float32, got {dtype}")
+    _check_fp8_weight(op, weight, scale, 2)
     return weight.new_empty(tuple(weight.shape), dtype=dtype)
 
 
 def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=None):
-    _check(x.dim() == 2, f"fp8_grouped_mm: x must be [T, K], got shape {tuple(x.shape)}")
-    _check(weight.dim() == 3, f"fp8_grouped_mm: weight must be [E, N, K], got shape {tuple(weight.shape)}")
-    torch._check(x.shape[1] == weight.shape[2], lambda: "fp8_grouped_mm: x's last dimension must equal weight's K")
+    op = "fp8_grouped_mm"
+    _check_float(op, "x", x)
+    _check(x.dim() == 2, f"{op}: x must be [T, K], got shape {tuple(x.shape)}")
+    _check_fp8_weight(op, weight, scale, 3)
+    torch._check(x.shape[1] == weight.shape[2], lambda: f"{op}: x's last dimension must equal weight's K")
+    _check(offsets.dtype == torch.int32, f"{op}: offsets must be int32, got {offsets.dtype}")
+    _check(offsets.dim() == 1, f"{op}: offsets must be [G + 1] with G >= 0, got shape {tuple(offsets.shape)}")
+    if expert_ids is not None:
+        _check(expert_ids.dtype == torch.int32, f"{op}: expert_ids must be int32, got {expert_ids.dtype}")
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
 def _fake_int8_quantize(x):
-    _check(x.dim() >= 1, "int8_quantize: x must have at least one dimension [..., K]")
+    op = "int8_quantize"
+    _check_float(op, "x", x)
+    _check(x.dim() >= 1, f"{op}: x must have at least one dimension [..., K]")
     return x.new_empty(tuple(x.shape), dtype=torch.int8), x.new_empty(tuple(x.shape[:-1]), dtype=torch.float32)
 
 
 def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
-    _check(wq.dim() == 2, f"int8_mm: wq must be [N, K], got shape {tuple(wq.shape)}")
-    torch._check(xq.shape[-1] == wq.shape[1], lambda: "int8_mm: xq's last dimension must equal wq's K")
+    op = "int8_mm"
+    _check(xq.dtype == torch.int8, f"{op}: xq must be int8, got {xq.dtype}")
+    _check(xq.dim() >= 1, f"{op}: xq must have at least one dimension [..., K]")
+    _check(wq.dtype == torch.int8, f"{op}: wq must be int8, got {wq.dtype}")
+    _check(wq.dim() == 2, f"{op}: wq must be [N, K], got shape {tuple(wq.shape)}")
+    _check(out_dtype is None or out_dtype in _FLOAT_DTYPES,
+           f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    torch._check(xq.shape[-1] == wq.shape[1], lambda: f"{op}: xq's last dimension must equal wq's K")
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype or torch.bfloat16)
 
 

@@ -1,2 +1,6 @@
-"""torch_lowbit.nn: drop-in modules backed by torch_lowbit's ops."""
-from .experts import Fp8Experts  # noqa: F401
+"""Quantized drop-in modules: ``Fp8Linear`` (W8A16), ``Int8Linear`` (W8A8 dynamic) and ``Fp8Experts`` (MoE)."""
+from .experts import Fp8Experts
+from .fp8_linear import Fp8Linear
+from .int8_linear import Int8Linear
+
+__all__ = ["Fp8Linear", "Int8Linear", "Fp8Experts"]

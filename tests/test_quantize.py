@@ -1,0 +1,187 @@
+"""quantize_fp8 / quantize_int8 against numpy references: scales, codes, saturation, zero blocks, partial edge
+blocks, round-trip error bounds, bad input."""
+import numpy as np
+import pytest
+import torch
+
+import torch_lowbit
+from reference import fp8_bits_to_f64, ref_quantize_fp8, ref_quantize_int8
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(1, 1), (3, 5), (17, 33), (70, 300), (130, 129)]
+
+
+def _weight(N, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed + N * 7 + K)
+    w = torch.randn(N, K, generator=g) * 0.05
+    if N * K > 4:  # a few outliers, as real weights have, so scales differ a lot between rows / blocks
+        idx = torch.randint(0, N * K, (max(1, N * K // 50),), generator=g)
+        w.view(-1)[idx] *= 30
+    return w.to(dtype)
+
+
+def _check_fp8(w, granularity, block_size=(128, 128)):
+    q, s = torch_lowbit.quantize_fp8(w, granularity, block_size)
+    codes, ref_s, full = ref_quantize_fp8(w, granularity, block_size)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and q.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == ref_s.shape
+    assert torch.equal(s, ref_s)  # the same float32 division: bit exact
+    got = fp8_bits_to_f64(q.view(torch.uint8))
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, fp8_bits_to_f64(codes))
+    return q, s, full
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_scales_and_codes_match_reference(dtype, N, K, granularity):
+    _check_fp8(_weight(N, K, dtype), granularity, (32, 64))
+
+
+@pytest.mark.parametrize("block_size", [(128, 128), (1, 1), (16, 7), (200, 3)])
+def test_fp8_block_shapes_partial_edges(block_size):
+    w = _weight(130, 129, torch.bfloat16)
+    _, s, _ = _check_fp8(w, "block", block_size)
+    bn, bk = block_size
+    assert s.shape == (-(-130 // bn), -(-129 // bk))
+
+
+def test_fp8_scale_shapes():
+    w = _weight(70, 300, torch.float32)
+    assert torch_lowbit.quantize_fp8(w, "tensor")[1].shape == (1,)
+    assert torch_lowbit.quantize_fp8(w, "channel")[1].shape == (70,)
+    assert torch_lowbit.quantize_fp8(w, "block")[1].shape == (1, 3)
+    assert torch_lowbit.quantize_fp8(w)[1].shape == (1,)  # the default is per tensor
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_saturates_the_largest_values_to_448(granularity):
+    # amax / (amax / 448) can round just above 448: the cast must still give 448, never NaN
+    w = torch.tensor([[3.0, -1e-3, 7.0e-7], [-0.3, 0.1, 2.5e4]])
+    vals = np.float32(np.random.default_rng(0).uniform(0.1, 1e4, 4000))
+    over = vals[(vals / (vals / np.float32(448))).astype(np.float32) > np.float32(448)]
+    assert len(over), "no rounding-over case found to test saturation with"
+    w[0, 0], w[1, 2] = float(over[0]), -float(over[1])
+    q, s, _ = _check_fp8(w, granularity, (1, 2))
+    d = q.float()
+    assert d[0, 0] == 448 and d[1, 2] == -448
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_zero_rows_and_blocks_give_scale_0_and_no_nan(granularity):
+    w = _weight(40, 70, torch.bfloat16)
+    w[8:16] = 0  # whole rows, and with block (8, 32) whole blocks
+    w[:, 32:64] = 0
+    if granularity == "tensor":
+        w.zero_()
+    q, s, _ = _check_fp8(w, granularity, (8, 32))
+    assert (s == 0).any()
+    assert not torch.isnan(q.float()).any() and (q.float()[8:16] == 0).all()
+
+
+@pytest.mark.parametrize("N,K", [(0, 5), (5, 0), (0, 0)])
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_empty(N, K, granularity):
+    q, s = torch_lowbit.quantize_fp8(torch.zeros(N, K), granularity, (4, 4))
+    assert q.shape == (N, K)
+    assert s.shape == {"tensor": (1,), "channel": (N,), "block": (-(-N // 4), -(-K // 4))}[granularity]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_round_trip_error_bound(dtype, granularity):
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 relative in the normal range; below 2^-6 (subnormals) the
+    # step is 2^-9, so the error is at most 2^-10 * scale there
+    w = _weight(70, 300, dtype)
+    q, s, full = _check_fp8(w, granularity, (32, 64))
+    w64 = w.double()
+    deq = fp8_bits_to_f64(q.view(torch.uint8)) * full
+    err = (deq - w64).abs()
+    bound = torch.maximum(w64.abs() * 2.0 ** -4, full * 2.0 ** -10) * (1 + 1e-6) + 1e-30
+    assert (err <= bound).all()
+    assert err.max() > 0  # the bound is not vacuous
+
+
+def test_fp8_computes_in_float32_not_the_weights_dtype():
+    # a bf16 scale (8 bits) would be off by up to 2^-9 relative; the float32 one is exact to the reference
+    w = _weight(9, 17, torch.bfloat16)
+    _, s = torch_lowbit.quantize_fp8(w, "channel")
+    assert torch.equal(s, w.float().abs().amax(1) / 448)
+    assert not torch.equal(s, (w.abs().amax(1) / 448).float())
+
+
+@pytest.mark.parametrize("w,kwargs,exc,match", [
+    (torch.zeros(4, 4, dtype=torch.int32), {}, ValueError, "w must be a floating-point weight"),
+    (torch.zeros(4, 4).to(torch.float8_e4m3fn), {}, ValueError, "w must be a floating-point weight"),
+    (torch.zeros(2, 4, 4), {}, ValueError, r"w must be \[N, K\]"),
+    (torch.zeros(4), {}, ValueError, r"w must be \[N, K\]"),
+    ([[1.0]], {}, TypeError, "w must be a torch.Tensor"),
+    (torch.zeros(4, 4), {"granularity": "row"}, ValueError, "granularity must be one of"),
+    (torch.zeros(4, 4), {"granularity": "block", "block_size": (0, 4)}, ValueError, "block_size must be two positive"),
+    (torch.zeros(4, 4), {"granularity": "block", "block_size": (4,)}, ValueError, "block_size must be two positive"),
+    (torch.zeros(4, 4), {"granularity": "block", "block_size": (2.5, 4)}, ValueError, "block_size must be two pos"),
+    (torch.tensor([[1.0, float("nan")]]), {}, ValueError, "w contains NaN or inf"),
+    (torch.tensor([[1.0], [float("inf")]]), {"granularity": "channel"}, ValueError, "w contains NaN or inf"),
+])
+def test_fp8_bad_input(w, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        torch_lowbit.quantize_fp8(w, **kwargs)
+
+
+def test_fp8_on_a_device_that_cannot_hold_fp8(monkeypatch):
+    # what mps before torch 2.15 does: the codes come back as uint8 bits, the same bytes
+    w = _weight(17, 33, torch.bfloat16)
+    ref_q, ref_s = torch_lowbit.quantize_fp8(w, "channel")
+    monkeypatch.setattr(torch_lowbit._storage, "_device_type_holds_fp8", lambda device_type: False)
+    q, s = torch_lowbit.quantize_fp8(w, "channel")
+    assert q.dtype == torch.uint8 and torch.equal(q, ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+
+
+# ---------------------------------------------------------------------------------------------- int8
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_int8_matches_reference(dtype, N, K):
+    w = _weight(N, K, dtype)
+    q, s = torch_lowbit.quantize_int8(w)
+    rq, rs = ref_quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == (N, K) and s.dtype == torch.float32 and s.shape == (N,)
+    assert torch.equal(s, rs) and torch.equal(q, rq)
+    assert q.min() >= -127 and (q.abs().amax(1) == 127).all()  # symmetric: the row max maps to +-127
+
+
+def test_int8_rounds_half_to_even():
+    w = torch.tensor([[127.0, 2.5, 3.5, -2.5, -3.5, 0.5, 1.5, -126.5]])  # scale exactly 1
+    q, s = torch_lowbit.quantize_int8(w)
+    assert s.tolist() == [1.0]
+    assert q.tolist() == [[127, 2, 4, -2, -4, 0, 2, -126]]
+
+
+def test_int8_zero_rows_and_empty():
+    w = _weight(6, 10, torch.float32)
+    w[2] = 0
+    q, s = torch_lowbit.quantize_int8(w)
+    assert s[2] == 0 and (q[2] == 0).all() and torch.isfinite(s).all()
+    q, s = torch_lowbit.quantize_int8(torch.zeros(3, 0))
+    assert q.shape == (3, 0) and s.tolist() == [0, 0, 0]
+    q, s = torch_lowbit.quantize_int8(torch.zeros(0, 3))
+    assert q.shape == (0, 3) and s.shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_round_trip_error_bound(dtype):
+    w = _weight(70, 300, dtype)
+    q, s = torch_lowbit.quantize_int8(w)
+    err = (q.double() * s.double()[:, None] - w.double()).abs()
+    assert (err <= s.double()[:, None] * (0.5 + 1e-5)).all()
+    assert err.max() > 0
+
+
+@pytest.mark.parametrize("w,exc,match", [
+    (torch.zeros(4, 4, dtype=torch.int8), ValueError, "quantize_int8: w must be a floating-point weight"),
+    (torch.zeros(4), ValueError, r"quantize_int8: w must be \[N, K\]"),
+    (torch.tensor([[float("inf"), 1.0]]), ValueError, "w contains NaN or inf"),
+])
+def test_int8_bad_input(w, exc, match):
+    with pytest.raises(exc, match=match):
+        torch_lowbit.quantize_int8(w)

@@ -1,0 +1,185 @@
+"""The main job: the linear layers of one Llama-3-8B decoder layer, FP8 (W8A16) and INT8 (W8A8) against bf16.
+
+Each distinct weight shape is measured once (q/o share 4096x4096, k/v 1024x4096, gate/up 14336x4096) with the
+real layers (nn.Linear in bf16, Fp8Linear per channel, Int8Linear), for decode (M = 1) and a prefill batch, on
+the best device (mps if available, else cpu). The table ends with the whole decoder layer (7 linears).
+
+Columns: bf16 / lowbit time (median, ms), speedup = bf16 / lowbit, weight GB/s = bytes of the low-bit weight and
+its scales / lowbit time, and the error: max |y_lowbit - y_bf16| / max |y_bf16| over the output, where y_bf16 is
+what nn.Linear with the bf16 weight returns (the path the layer replaces), so it is the quantization error seen by
+the model (weights normal(0, 0.02), activations normal(0, 1)).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import math
+import platform
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+from ..nn import Fp8Linear, Int8Linear
+from .timing import median_time, print_table, sync, write_json
+
+# (names, N, K, how many of the 7 linears of a decoder layer have this shape)
+LLAMA3_8B = [
+    ("q_proj,o_proj", 4096, 4096, 2),
+    ("k_proj,v_proj", 1024, 4096, 2),
+    ("gate_proj,up_proj", 14336, 4096, 2),
+    ("down_proj", 4096, 14336, 1),
+]
+MODES = ("fp8", "int8")
+TARGET_S = 0.5     # time spent measuring one (shape, M, mode): repeats shrink as calls get slower
+LONG_CALL_S = 1.0  # a CPU call this long is timed once: warm-up has nothing left to warm at that length
+# Decode streams every weight from DRAM once per token. A single weight of these sizes can stay in a large
+# last-level cache (300 MB on some servers) and show cache bandwidth, so each measurement cycles through copies
+# of the layer that add up to at least this many bytes.
+WORKING_SET_MB = 512
+MAX_COPIES = 32
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def best_device():
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def timed(fn, device, repeat, target_s):
+    """(seconds per call, first output, calls timed). The first call is the warm-up, and its output is kept."""
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    first = time.perf_counter() - t0
+    if first > LONG_CALL_S and str(device) == "cpu":
+        return first, out, 1
+    n = max(1, min(repeat, int(target_s / max(first, 1e-6))))
+    return median_time(fn, device, warmup=0, repeat=n), out, n
+
+
+def rel_err(y, ref):
+    y, ref = y.double().cpu(), ref.double().cpu()
+    return float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def weight_bytes(layer):
+    return sum(t.numel() * t.element_size() for t in (layer.weight, getattr(layer, "weight_scale", None))
+               if t is not None)
+
+
+def cycling(layer, working_set_mb):
+    """The layer and enough deep copies of it to exceed the working set, called in turn."""
+    n = min(MAX_COPIES, max(1, math.ceil(working_set_mb * 2 ** 20 / weight_bytes(layer))))
+    layers = [layer] + [copy.deepcopy(layer) for _ in range(n - 1)]
+    it = itertools.cycle(layers)
+    return lambda x: next(it)(x)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m torch_lowbit.bench --suite layer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or mps (default: mps if available, else cpu)")
+    p.add_argument("--m", default=None, help="comma-separated batch sizes M (default 1,64; --quick: 1,16)")
+    p.add_argument("--repeat", type=int, default=None, help="at most this many timed calls per measurement "
+                                                            "(default 10; --quick: 3)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--quick", action="store_true", help="smaller prefill batch and fewer repeats")
+    p.add_argument("--working-set-mb", type=int, default=WORKING_SET_MB,
+                   help=f"cycle through copies of each layer adding up to this many MB, so weights come from "
+                        f"memory, not cache (default {WORKING_SET_MB}; 0: one copy)")
+    a = p.parse_args(argv)
+    a.device = a.device or best_device()
+    try:
+        a.ms = [int(m) for m in (a.m or ("1,16" if a.quick else "1,64")).split(",")]
+    except ValueError:
+        p.error(f"--m must be comma-separated integers, got {a.m!r}")
+    if any(m < 1 for m in a.ms):
+        p.error("--m values must be >= 1")
+    a.repeat = (3 if a.quick else 10) if a.repeat is None else a.repeat
+    if a.repeat < 1:
+        p.error("--repeat must be >= 1")
+    a.target_s = TARGET_S / 3 if a.quick else TARGET_S
+    return a
+
+
+def measure_shape(names, N, K, args, gen):
+    """Rows for one weight shape: every M and mode."""
+    dev = args.device
+    w = (torch.randn(N, K, generator=gen) * 0.02).to(torch.bfloat16)
+    lin = nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
+    lin.weight.data = w
+    t0 = time.perf_counter()
+    layers = {"fp8": Fp8Linear.from_float(lin, "channel").to(dev), "int8": Int8Linear.from_float(lin).to(dev)}
+    log(f"  {names} {N}x{K}: quantized to fp8 and int8 in {time.perf_counter() - t0:.1f} s")
+    calls = {mode: cycling(layer, args.working_set_mb) for mode, layer in layers.items()}
+    calls["bf16"] = cycling(lin.to(dev), args.working_set_mb)
+    rows = []
+    for M in args.ms:
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(dev)
+        t_bf16, y_bf16, n_bf16 = timed(lambda: calls["bf16"](x), dev, args.repeat, args.target_s)
+        log(f"  {names} M={M} bf16: {t_bf16 * 1e3:.2f} ms ({n_bf16} timed)")
+        for mode in MODES:
+            layer, call = layers[mode], calls[mode]
+            t, y, n = timed(lambda: call(x), dev, args.repeat, args.target_s)
+            rows.append(dict(layer=names, shape=f"{N}x{K}", N=N, K=K, M=M, mode=mode, bf16_ms=t_bf16 * 1e3,
+                             lowbit_ms=t * 1e3, speedup=t_bf16 / t, weight_gbs=weight_bytes(layer) / t / 1e9,
+                             max_rel_err=rel_err(y, y_bf16), timed_calls=n, weight_bytes=weight_bytes(layer)))
+            log(f"  {names} M={M} {mode}: {t * 1e3:.2f} ms ({n} timed), {t_bf16 / t:.2f}x bf16, "
+                f"err {rows[-1]['max_rel_err']:.2e}")
+    return rows
+
+
+def layer_totals(rows):
+    """The whole decoder layer per (M, mode): times summed over the 7 linears."""
+    count = {names: c for names, _, _, c in LLAMA3_8B}
+    out = []
+    for M in sorted({r["M"] for r in rows}):
+        for mode in MODES:
+            rs = [r for r in rows if r["M"] == M and r["mode"] == mode]
+            bf16 = sum(r["bf16_ms"] * count[r["layer"]] for r in rs)
+            low = sum(r["lowbit_ms"] * count[r["layer"]] for r in rs)
+            nbytes = sum(r["weight_bytes"] * count[r["layer"]] for r in rs)
+            out.append(dict(layer="decoder layer (7)", shape="", M=M, mode=mode, bf16_ms=bf16, lowbit_ms=low,
+                            speedup=bf16 / low, weight_gbs=nbytes / (low / 1e3) / 1e9,
+                            max_rel_err=max(r["max_rel_err"] for r in rs)))
+    return out
+
+
+def run(argv) -> int:
+    args = parse(argv)
+    dev = args.device
+    try:
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        print(f"--device {dev} is not usable here: {e}", file=sys.stderr)
+        return 2
+    log(f"torch_lowbit layer bench: Llama-3-8B decoder layer on {dev} (torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {platform.machine()}), M = {args.ms}")
+    gen = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    rows = []
+    with torch.inference_mode():
+        for i, (names, N, K, _) in enumerate(LLAMA3_8B):
+            log(f"[{i + 1}/{len(LLAMA3_8B)}] {names} ({N}x{K}), {time.perf_counter() - start:.0f} s elapsed")
+            rows += measure_shape(names, N, K, args, gen)
+    rows.sort(key=lambda r: (r["M"], r["mode"]))
+    table = rows + layer_totals(rows)
+    table.sort(key=lambda r: (r["M"], r["mode"]))
+    print(f"Llama-3-8B decoder layer, {dev}; fp8 = Fp8Linear (per-channel, W8A16), int8 = Int8Linear (W8A8 dynamic); "
+          f"err = max|y - y_bf16| / max|y_bf16|")
+    print_table(table, [("layer", "layer", None), ("shape", "N x K", None), ("M", "M", None), ("mode", "mode", None),
+                        ("bf16_ms", "bf16 ms", "{:.2f}"), ("lowbit_ms", "lowbit ms", "{:.2f}"),
+                        ("speedup", "speedup", "{:.2f}x"), ("weight_gbs", "weight GB/s", "{:.1f}"),
+                        ("max_rel_err", "max rel err", "{:.2e}")])
+    log(f"done in {time.perf_counter() - start:.0f} s")
+    if args.json:
+        write_json(args.json, table, suite="layer", device=str(dev), torch=torch.__version__,
+                   threads=torch.get_num_threads(), ms=args.ms, err="max|y - y_bf16| / max|y_bf16|",
+                   weight_gbs="(weight + scale bytes) / lowbit time")
+        log(f"wrote {args.json}")
+    return 0

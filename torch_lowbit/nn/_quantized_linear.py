@@ -1,0 +1,70 @@
+"""What Fp8Linear and Int8Linear share: dtype-stable quantized buffers under ``.to()`` / ``.half()``, and
+loading checkpoint scales whose shape differs only by size-1 dims (``[N, 1]`` vs ``[N]``, 0-d vs ``[1]``)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def _squeezed(shape):
+    return [d for d in shape if d != 1]
+
+
+class QuantizedLinear(nn.Module):
+    # Buffers whose dtype is part of the format: a module-wide dtype conversion (model.half(), .to(bf16)) must
+    # move them but never convert them (an fp8 weight is a floating tensor to nn.Module and would be converted).
+    _format_buffers = ("weight", "weight_scale")
+    # Scales: float32 in the module; loaded from fp32 / bf16 / fp16 checkpoints and reshaped by size-1 dims.
+    _scale_buffers = ("weight_scale",)
+
+    in_features: int
+    out_features: int
+
+    def _move_format_buffer(self, name: str, t: torch.Tensor, fn) -> torch.Tensor:
+        moved = fn(t)
+        return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: self._buffers[n] for n in self._format_buffers if self._buffers.get(n) is not None}
+        for n in kept:
+            self._buffers[n] = None  # hidden from nn.Module._apply, keeping the buffers' order
+        try:
+            super()._apply(fn, recurse)
+            moved = {n: self._move_format_buffer(n, t, fn) for n, t in kept.items()}
+        except BaseException:
+            self._buffers.update(kept)
+            raise
+        self._buffers.update(moved)
+        return self
+
+    def _adopt_optional_buffer(self, name, state_dict, prefix):
+        """Give a buffer that is None here the checkpoint's tensor (e.g. an input_scale), so it loads."""
+        key = prefix + name
+        if key in state_dict and getattr(self, name) is None:
+            v = state_dict[key]
+            setattr(self, name, torch.empty(v.shape, dtype=torch.float32, device=self.weight.device))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name in self._scale_buffers:
+            key, cur = prefix + name, getattr(self, name)
+            if key not in state_dict or cur is None:
+                continue
+            v = state_dict[key]
+            if v.shape != cur.shape and _squeezed(v.shape) == _squeezed(cur.shape):
+                v = v.reshape(cur.shape)
+            if v.is_floating_point() and v.dtype != cur.dtype:
+                v = v.to(cur.dtype)
+            state_dict[key] = v
+        self._load_weight_entry(state_dict, prefix + "weight", error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _load_weight_entry(self, state_dict, key, error_msgs):
+        raise NotImplementedError
+
+    @staticmethod
+    def _reject_weight(state_dict, key, error_msgs, expected):
+        got = state_dict.pop(key).dtype
+        error_msgs.append(f"{key}: expected {expected}, got {got}; quantize the weight first (from_float, "
+                          f"quantize_fp8, quantize_int8) instead of loading a float weight into a quantized layer")
