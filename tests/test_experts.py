@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import torch_lowbit.nn as tlnn
 from reference import fp8_bits_to_f64, random_fp8_bits
-from torch_lowbit.nn.experts import Fp8Experts, quantize_fp8
+from torch_lowbit.nn.experts import Fp8Experts
 
 
 def _dequant(bits, scale, block):
@@ -134,9 +134,16 @@ def test_from_float_quantizes_within_fp8_precision(granularity):
     assert layer.gate_up_scale.dim() == {"tensor": 1, "channel": 2, "block": 3}[granularity]
 
 
-def test_quantize_fp8_all_zero_rows_get_scale_one():
-    q, s = quantize_fp8(torch.zeros(2, 4, 8), "channel")
-    assert torch.equal(s, torch.ones(2, 4)) and torch.equal(q.float(), torch.zeros(2, 4, 8))
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_from_float_all_zero_expert_gives_zero_scales_and_outputs(granularity):
+    gate_up = torch.randn(2, 8, 16)
+    gate_up[1] = 0  # expert 1 is all zeros: its scales are 0 (quantize_fp8's rule) and its output 0, not NaN
+    down = torch.randn(2, 16, 4)
+    layer = Fp8Experts.from_float(gate_up, down, granularity, (4, 8))
+    assert torch.equal(layer.gate_up_scale[1], torch.zeros_like(layer.gate_up_scale[1]))
+    assert torch.equal(layer.gate_up[1].float(), torch.zeros(8, 16))
+    out = layer(torch.randn(3, 16), torch.ones(3, 1, dtype=torch.int64), torch.ones(3, 1))
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_state_dict_round_trip_and_uint8_bits():

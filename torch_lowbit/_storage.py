@@ -24,8 +24,8 @@ def _device_type_holds_fp8(device_type: str) -> bool:
 
 
 def fp8_storage_dtype(device) -> torch.dtype:
-    """``float8_e4m3fn`` if tensors of that dtype can live on ``device``, else ``uint8`` (their bits)."""
-    return FP8 if _device_type_holds_fp8(torch.device(device).type) else torch.uint8
+    """``float8_e4m3fn`` if tensors of that dtype can live on ``device`` (None: the CPU), else ``uint8`` (their bits)."""
+    return FP8 if _device_type_holds_fp8(torch.device(device if device is not None else "cpu").type) else torch.uint8
 
 
 def as_stored_fp8(t: torch.Tensor) -> torch.Tensor:
@@ -42,3 +42,12 @@ def as_fp8_dtype(t: torch.Tensor) -> torch.Tensor:
     if fp8_storage_dtype(t.device) != FP8:
         t = t.cpu()
     return t.view(FP8)
+
+
+def to_fp8_storage(t: torch.Tensor, device=None) -> torch.Tensor:
+    """Move fp8 codes to ``device`` in the dtype that device holds them (uint8 bits where it cannot hold
+    float8_e4m3fn): the bytes are reinterpreted before the move, never value-converted."""
+    device = t.device if device is None else torch.device(device)
+    if t.dtype == FP8 and fp8_storage_dtype(device) != FP8:
+        t = t.view(torch.uint8)
+    return as_stored_fp8(t.to(device))

@@ -70,7 +70,7 @@ def _describe(q) -> str:
 
 def _swap_linear(model, name, linear, q, src, device, dtype, used, report):
     from ..nn import Fp8Linear, Int8Linear
-    from ..nn.experts import to_fp8_storage
+    from .._storage import to_fp8_storage
 
     dev = _target_device(device, linear.weight)
     bias = None

@@ -15,29 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._ops import fp8_grouped_mm
+from .._storage import as_fp8_dtype, fp8_storage_dtype, to_fp8_storage
+from ..quantize import quantize_fp8
 
-FP8_MAX = 448.0  # largest finite e4m3fn value
 GRANULARITIES = ("tensor", "channel", "block")
-
-
-def fp8_storage_dtype(device) -> torch.dtype:
-    """float8_e4m3fn where the device can hold it; uint8 with the same bits otherwise (mps before torch 2.15)."""
-    device = torch.device(device if device is not None else "cpu")
-    if device.type in ("cpu", "meta"):
-        return torch.float8_e4m3fn
-    try:
-        torch.empty(1, dtype=torch.float8_e4m3fn, device=device)
-        return torch.float8_e4m3fn
-    except (RuntimeError, TypeError):
-        return torch.uint8
-
-
-def to_fp8_storage(t: torch.Tensor, device=None) -> torch.Tensor:
-    """Move fp8 weights to `device`, as uint8 bits where that device cannot hold float8 (never a value cast)."""
-    device = t.device if device is None else torch.device(device)
-    if t.dtype == torch.float8_e4m3fn and fp8_storage_dtype(device) == torch.uint8:
-        t = t.view(torch.uint8)
-    return t.to(device)
 
 
 def scale_shape(E: int, N: int, K: int, granularity: str, block_size=None) -> Tuple[int, ...]:
@@ -52,38 +33,13 @@ def scale_shape(E: int, N: int, K: int, granularity: str, block_size=None) -> Tu
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
-def quantize_fp8(w: torch.Tensor, granularity: str = "channel",
-                 block_size: Optional[Sequence[int]] = (128, 128)) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax FP8 quantization of dense weights ``w [..., N, K]`` (each leading index separately).
-
-    Returns ``(q, scale)`` with q float8_e4m3fn and ``w ~= q * scale``; scale fp32 of shape ``[...]`` (tensor),
-    ``[..., N]`` (channel) or ``[..., ceil(N/bn), ceil(K/bk)]`` (block). An all-zero group gets scale 1.
-    """
-    if w.dim() < 2:
-        raise ValueError(f"quantize_fp8: w must be [..., N, K], got shape {tuple(w.shape)}")
-    wf = w.detach().float()
-    N, K = wf.shape[-2:]
-    if granularity == "tensor":
-        amax = wf.abs().amax(dim=(-2, -1)) if wf.numel() else wf.new_zeros(wf.shape[:-2])
-        expand = lambda s: s[..., None, None]  # noqa: E731
-    elif granularity == "channel":
-        amax = wf.abs().amax(dim=-1) if K else wf.new_zeros(wf.shape[:-1])
-        expand = lambda s: s[..., None]  # noqa: E731
-    elif granularity == "block":
-        if block_size is None or len(block_size) != 2 or min(block_size) < 1:
-            raise ValueError(f"quantize_fp8: block granularity needs block_size=(bn, bk), got {block_size!r}")
-        bn, bk = (int(b) for b in block_size)
-        nb, kb = math.ceil(N / bn), math.ceil(K / bk)
-        padded = F.pad(wf.abs(), (0, kb * bk - K, 0, nb * bn - N))
-        amax = padded.reshape(*wf.shape[:-2], nb, bn, kb, bk).amax(dim=(-3, -1))
-
-        def expand(s):
-            return s.repeat_interleave(bn, dim=-2)[..., :N, :].repeat_interleave(bk, dim=-1)[..., :K]
-    else:
-        raise ValueError(f"quantize_fp8: granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (wf / expand(scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+def _quantize_stacked(w: torch.Tensor, granularity: str, block_size) -> Tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8 of each expert of ``w [E, N, K]``, stacked: scales ``[E]``, ``[E, N]`` or ``[E, nb, kb]``."""
+    parts = [quantize_fp8(w[e], granularity, block_size or (128, 128)) for e in range(w.shape[0])]
+    q = torch.stack([as_fp8_dtype(p[0]) for p in parts]) if parts else torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scales = [p[1].reshape(()) if granularity == "tensor" else p[1] for p in parts]
+    s = torch.stack(scales) if parts else torch.ones(scale_shape(0, w.shape[1], w.shape[2], granularity, block_size))
+    return q, s
 
 
 def _granularity_of(scale: torch.Tensor) -> str:
@@ -178,8 +134,8 @@ class Fp8Experts(nn.Module):
             raise ValueError(f"Fp8Experts.from_float: gate_up and down must be 3-D, got {tuple(gate_up.shape)} "
                              f"and {tuple(down.shape)}")
         bs = tuple(block_size) if granularity == "block" else None
-        q_gu, s_gu = quantize_fp8(gate_up, granularity, bs)
-        q_d, s_d = quantize_fp8(down, granularity, bs)
+        q_gu, s_gu = _quantize_stacked(gate_up, granularity, bs)
+        q_d, s_d = _quantize_stacked(down, granularity, bs)
         dtype = gate_up.dtype if gate_up.is_floating_point() else torch.bfloat16
         return cls.from_quantized(q_gu, s_gu, q_d, s_d, block_size=bs, dtype=dtype)
 
