@@ -5,7 +5,7 @@
 
 #include <mutex>
 
-#include "metal/plans.h"
+#include "metal/planned_ops.h"
 
 namespace lowbit::metal {
 namespace {
@@ -114,46 +114,6 @@ void EmuLauncher::run(const Dispatch& d) {
 }  // namespace lowbit::metal
 
 // ---- torch.ops.lowbit_emu.*: the Metal plans on CPU tensors, run by the emulator ----
-namespace {
-using lowbit::metal::EmuLauncher;
-using lowbit::metal::Target;
-
-at::Tensor emu_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                      const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
-  EmuLauncher l;
-  return lowbit::metal::plan_fp8_mm(Target{l, true}, x, weight, scale, bias, block_size);
-}
-
-at::Tensor emu_fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at::OptionalIntArrayRef block_size,
-                              at::ScalarType dtype) {
-  EmuLauncher l;
-  return lowbit::metal::plan_fp8_dequantize(Target{l, true}, weight, scale, block_size, dtype);
-}
-
-at::Tensor emu_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                              const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
-                              at::OptionalIntArrayRef block_size) {
-  EmuLauncher l;
-  return lowbit::metal::plan_fp8_grouped_mm(Target{l, true}, x, weight, scale, offsets, expert_ids, block_size);
-}
-
-std::tuple<at::Tensor, at::Tensor> emu_int8_quantize(const at::Tensor& x) {
-  EmuLauncher l;
-  return lowbit::metal::plan_int8_quantize(Target{l, true}, x);
-}
-
-at::Tensor emu_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
-                       const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
-  EmuLauncher l;
-  return lowbit::metal::plan_int8_mm(Target{l, true}, xq, x_scale, wq, w_scale, bias, out_dtype);
-}
-
-}  // namespace
-
 TORCH_LIBRARY_IMPL(lowbit_emu, CPU, m) {
-  m.impl("fp8_mm", &emu_fp8_mm);
-  m.impl("fp8_dequantize", &emu_fp8_dequantize);
-  m.impl("fp8_grouped_mm", &emu_fp8_grouped_mm);
-  m.impl("int8_quantize", &emu_int8_quantize);
-  m.impl("int8_mm", &emu_int8_mm);
+  lowbit::metal::PlannedOps<lowbit::metal::EmuLauncher, /*HostVisible=*/true>::register_all(m);
 }

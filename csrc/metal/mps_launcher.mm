@@ -22,7 +22,7 @@
 #include <unordered_map>
 
 #include "lowbit_metal_source.h"  // kLowbitMetalSource: every metal/*.metal, local includes inlined (setup.py)
-#include "metal/plans.h"
+#include "metal/planned_ops.h"
 
 namespace lowbit::metal {
 namespace {
@@ -175,47 +175,7 @@ class MpsLauncher final : public Launcher {
 }  // namespace lowbit::metal
 
 // ---- torch.ops.lowbit.* on the mps device: the same plans as the emulator, run by MpsLauncher ----
-namespace {
-using lowbit::metal::MpsLauncher;
-using lowbit::metal::Target;
-
-// host_visible = false: plans must not read tensor values on the host (that would sync the device)
-at::Tensor mps_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                      const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
-  MpsLauncher l;
-  return lowbit::metal::plan_fp8_mm(Target{l, false}, x, weight, scale, bias, block_size);
-}
-
-at::Tensor mps_fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at::OptionalIntArrayRef block_size,
-                              at::ScalarType dtype) {
-  MpsLauncher l;
-  return lowbit::metal::plan_fp8_dequantize(Target{l, false}, weight, scale, block_size, dtype);
-}
-
-at::Tensor mps_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                              const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
-                              at::OptionalIntArrayRef block_size) {
-  MpsLauncher l;
-  return lowbit::metal::plan_fp8_grouped_mm(Target{l, false}, x, weight, scale, offsets, expert_ids, block_size);
-}
-
-std::tuple<at::Tensor, at::Tensor> mps_int8_quantize(const at::Tensor& x) {
-  MpsLauncher l;
-  return lowbit::metal::plan_int8_quantize(Target{l, false}, x);
-}
-
-at::Tensor mps_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
-                       const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
-  MpsLauncher l;
-  return lowbit::metal::plan_int8_mm(Target{l, false}, xq, x_scale, wq, w_scale, bias, out_dtype);
-}
-
-}  // namespace
-
+// HostVisible = false: plans must not read tensor values on the host (that would sync the device).
 TORCH_LIBRARY_IMPL(lowbit, MPS, m) {
-  m.impl("fp8_mm", &mps_fp8_mm);
-  m.impl("fp8_dequantize", &mps_fp8_dequantize);
-  m.impl("fp8_grouped_mm", &mps_fp8_grouped_mm);
-  m.impl("int8_quantize", &mps_int8_quantize);
-  m.impl("int8_mm", &mps_int8_mm);
+  lowbit::metal::PlannedOps<lowbit::metal::MpsLauncher, /*HostVisible=*/false>::register_all(m);
 }

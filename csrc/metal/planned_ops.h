@@ -1,0 +1,51 @@
+// The five ops as kernels of one dispatch key: each call runs the op's plan through a fresh launcher L.
+// The emulator registers PlannedOps<EmuLauncher, true> for lowbit_emu/CPU, the MPS backend
+// PlannedOps<MpsLauncher, false> for lowbit/MPS, so both devices run literally the same plan code.
+#pragma once
+#include <torch/library.h>
+
+#include "metal/plans.h"
+
+namespace lowbit::metal {
+
+// HostVisible: may the plans read small tensors (offsets, expert ids) on the host? Yes for the emulator
+// (CPU tensors); no on mps, where it would sync the device: the kernels clamp instead.
+template <class L, bool HostVisible>
+struct PlannedOps {
+  static at::Tensor fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
+    L l;
+    return plan_fp8_mm(Target{l, HostVisible}, x, weight, scale, bias, block_size);
+  }
+  static at::Tensor fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale,
+                                   at::OptionalIntArrayRef block_size, at::ScalarType dtype) {
+    L l;
+    return plan_fp8_dequantize(Target{l, HostVisible}, weight, scale, block_size, dtype);
+  }
+  static at::Tensor fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                                   const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                   at::OptionalIntArrayRef block_size) {
+    L l;
+    return plan_fp8_grouped_mm(Target{l, HostVisible}, x, weight, scale, offsets, expert_ids, block_size);
+  }
+  static std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x) {
+    L l;
+    return plan_int8_quantize(Target{l, HostVisible}, x);
+  }
+  static at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq,
+                            const at::Tensor& w_scale, const std::optional<at::Tensor>& bias,
+                            std::optional<at::ScalarType> out_dtype) {
+    L l;
+    return plan_int8_mm(Target{l, HostVisible}, xq, x_scale, wq, w_scale, bias, out_dtype);
+  }
+
+  static void register_all(torch::Library& m) {
+    m.impl("fp8_mm", &fp8_mm);
+    m.impl("fp8_dequantize", &fp8_dequantize);
+    m.impl("fp8_grouped_mm", &fp8_grouped_mm);
+    m.impl("int8_quantize", &int8_quantize);
+    m.impl("int8_mm", &int8_mm);
+  }
+};
+
+}  // namespace lowbit::metal
