@@ -197,6 +197,8 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
   a.K = wq.size(1);
   TORCH_CHECK(xq.size(-1) == a.K, op, ": xq's last dimension (", xq.size(-1), ") must equal wq's K (", a.K,
               "); wq is [N, K] = ", wq.sizes());
+  TORCH_CHECK(a.K <= kInt8MaxK, op, ": K = ", a.K, " exceeds ", kInt8MaxK,
+              ", beyond which the int32 accumulator of xq @ wq^T can overflow");
   a.xq = flatten_rows(xq, &a.M);
   const std::vector<int64_t> lead(xq.sizes().begin(), xq.sizes().end() - 1);
   std::vector<int64_t> lead1 = lead;

@@ -79,6 +79,10 @@ Int8QuantizeArgs check_int8_quantize(const at::Tensor& x);
 Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
                          const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
 
+// Worst case |xq . wq| = K * 2^14 (every value -128): past this K an int32 accumulator could overflow, so
+// int8_mm refuses it on every backend rather than wrapping.
+constexpr int64_t kInt8MaxK = ((int64_t(1) << 31) - 1) / (int64_t(1) << 14);
+
 // ceil(a / b) for b > 0
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

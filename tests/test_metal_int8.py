@@ -238,7 +238,7 @@ def test_mm_bad_input(backend, args, match):
                                 for k in ("xq", "x_scale", "wq", "w_scale", "bias", "out_dtype")))
 
 
-@pytest.mark.parametrize("backend", [b for b in backends_for("int8_mm", emu_rev=False) if b.id != "cpu"])
+@pytest.mark.parametrize("backend", backends_for("int8_mm", emu_rev=False))
 def test_mm_refuses_k_that_could_overflow_int32(backend):
     K = 131072  # 131072 * (-128)^2 = 2^31
     xq = torch.zeros(1, K, dtype=torch.int8)

@@ -12,9 +12,6 @@ constexpr int64_t kInt8GemvMaxM = 8;
 // Tile shapes: must match metal/int8_gemv.metal and metal/int8_gemm.metal.
 constexpr int64_t kGemvRowsPerGroup = 64, kGemvXRows = 4, kGemvThreads = 256;
 constexpr int64_t kGemmBM = 32, kGemmBN = 64, kGemmThreads = 128;
-// Worst case |xq . wq| = K * 2^14 (all -128): past this K an int32 accumulator (the GEMV's, the CPU's)
-// could overflow, so it is refused rather than wrapped.
-constexpr int64_t kInt8MaxK = ((int64_t(1) << 31) - 1) / (int64_t(1) << 14);
 // 16-byte vector loads need rows that start on 16-byte boundaries.
 constexpr int64_t kVectorLoadBytes = 16;
 
@@ -36,8 +33,6 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
                         const at::Tensor& w_scale, const std::optional<at::Tensor>& bias,
                         std::optional<at::ScalarType> out_dtype) {
   const Int8MmArgs a = check_int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype);
-  TORCH_CHECK(a.K <= kInt8MaxK, "int8_mm: K = ", a.K, " exceeds ", kInt8MaxK,
-              ", beyond which the int32 accumulator of xq @ wq^T can overflow");
   at::Tensor out = at::empty({a.M, a.N}, a.xq.options().dtype(a.out_dtype));
   if (out.numel() == 0) return out.view(a.out_shape);
 
