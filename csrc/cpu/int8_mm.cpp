@@ -1,40 +1,126 @@
-// int8_mm on the CPU: exact int32 accumulation, then acc * x_scale[m] * w_scale[n] + bias in fp32.
+// int8_mm on the CPU: exact int32 accumulation (int8_kernels.h), then acc * x_scale[m] * w_scale[n] + bias in
+// fp32, rounded once to out_dtype. Few rows: GEMV-style tiles over the int8 rows as they are, weight rows split
+// across threads. More rows: a cache-blocked GEMM over sign-extended weight panels and packed activation strips.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "checks.h"
 #include "cpu/dispatch.h"
+#include "cpu/int8_kernels.h"
+#include "cpu/workspace.h"
 
 namespace lowbit::cpu {
 namespace {
+
+constexpr int64_t kGemmMinRows = 8;  // below: GEMV-style tiles (measured with bench --suite cpu)
+constexpr int64_t kMBlock = 128;     // activation rows packed at a time; their strips of one K chunk stay in L2
+constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (8 panels of 6)
+constexpr int64_t kKChunk = 512;     // k per panel: 6 x 512 int16 stay in L1
+static_assert(kNBlock % kPanelRows == 0 && kMBlock % kStrip == 0 && kKChunk % 2 == 0, "blocking");
+
+struct Epilogue {
+  const float* xs;
+  const float* ws;
+  int64_t ws_stride;  // 0: one scale for all columns
+  const float* bias;
+  float operator()(int64_t m, int64_t n, int32_t acc) const {
+    const float v = float(acc) * xs[m] * ws[n * ws_stride];
+    return bias ? v + bias[n] : v;
+  }
+};
+
+template <typename T>
+void gemv(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
+          const Epilogue& ep, T* out) {
+  const int64_t rows_per_pass = M == 1 ? 4 : 2;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1;) {
+      const int nr = int(std::min(rows_per_pass, n1 - n));
+      for (int64_t m = 0; m < M; m += kMaxTileRows) {
+        const int mr = int(std::min<int64_t>(kMaxTileRows, M - m));
+        int32_t acc[kMaxTileRows * kMaxTileRows];
+        kern.gemv_tile(mr, nr, x + m * K, w + n * K, K, acc);
+        for (int i = 0; i < mr; i++)
+          for (int r = 0; r < nr; r++) out[(m + i) * N + n + r] = T(ep(m + i, n + r, acc[i * nr + r]));
+      }
+      n += nr;
+    }
+  });
+}
+
+// Rows m0 .. m0 + mb of x as strips of kStrip rows of int16 pairs (zero beyond K and beyond mb).
+void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t K2, int16_t* dst) {
+  at::parallel_for(0, ceil_div(mb, kStrip), 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++)
+      for (int64_t i = 0; i < kStrip; i++) {
+        const int64_t m = j * kStrip + i;
+        int16_t* d = dst + j * K2 * kStrip + 2 * i;
+        for (int64_t k = 0; k < K2; k++)
+          d[(k / 2) * 2 * kStrip + k % 2] = m < mb && k < K ? int16_t(x[(m0 + m) * K + k]) : int16_t(0);
+      }
+  });
+}
+
+template <typename T>
+void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
+          const Epilogue& ep, T* out) {
+  const int64_t K2 = K + (K & 1);
+  constexpr int64_t kTile = kPanelRows * kStrip;
+  for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
+    const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, kStrip);
+    int16_t* xs = scratch<int16_t>(Slot::Activations, size_t(S * K2 * kStrip));
+    pack_strips(x, m0, mb, K, K2, xs);
+    at::parallel_for(0, ceil_div(N, kNBlock), 1, [&](int64_t b0, int64_t b1) {
+      constexpr int64_t P = kNBlock / kPanelRows;
+      int32_t* ct = scratch<int32_t>(Slot::Tile, size_t(P * S * kTile));
+      int16_t* panel = scratch<int16_t>(Slot::Panel, size_t(kPanelRows * kKChunk));
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t nb0 = b * kNBlock, nb1 = std::min(N, nb0 + kNBlock), np = ceil_div(nb1 - nb0, kPanelRows);
+        for (int64_t kc = 0; kc < K; kc += kKChunk) {
+          const int64_t cn = std::min(kKChunk, K - kc), len = cn + (cn & 1);
+          for (int64_t i = 0; i < np; i++) {
+            for (int r = 0; r < kPanelRows; r++) {
+              const int64_t row = nb0 + i * kPanelRows + r;
+              int16_t* d = panel + r * kKChunk;
+              const int8_t* src = w + row * K + kc;
+              for (int64_t k = 0; k < len; k++) d[k] = row < nb1 && k < cn ? int16_t(src[k]) : int16_t(0);
+            }
+            for (int64_t j = 0; j < S; j++)
+              kern.gemm_micro(panel, kKChunk, xs + (j * K2 + kc) * kStrip, len, ct + (i * S + j) * kTile, kc > 0);
+          }
+        }
+        for (int64_t i = 0; i < np; i++)
+          for (int r = 0; r < kPanelRows; r++) {
+            const int64_t row = nb0 + i * kPanelRows + r;
+            if (row >= nb1) break;
+            for (int64_t j = 0; j < S; j++)
+              for (int q = 0; q < kStrip; q++) {
+                const int64_t m = j * kStrip + q;
+                if (m >= mb) break;
+                out[(m0 + m) * N + row] = T(ep(m0 + m, row, ct[(i * S + j) * kTile + r * kStrip + q]));
+              }
+          }
+      }
+    });
+  }
+}
 
 at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
                    const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
   const Int8MmArgs a = check_int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype);
   at::Tensor out = at::empty({a.M, a.N}, a.xq.options().dtype(a.out_dtype));
-  const int64_t M = a.M, N = a.N, K = a.K;
+  if (a.M == 0 || a.N == 0) return out.view(a.out_shape);
+  const Epilogue ep{a.x_scale.data_ptr<float>(), a.w_scale.data_ptr<float>(), a.w_scale.numel() == 1 ? 0 : 1,
+                    a.bias ? a.bias->data_ptr<float>() : nullptr};
+  const Int8Kernels& kern = int8_kernels(isa());
   const int8_t* x = a.xq.data_ptr<int8_t>();
   const int8_t* w = a.wq.data_ptr<int8_t>();
-  const float* xs = a.x_scale.data_ptr<float>();
-  const float* ws = a.w_scale.data_ptr<float>();
-  const bool per_tensor = a.w_scale.numel() == 1 && N != 1;
-  const float* b = a.bias ? a.bias->data_ptr<float>() : nullptr;
   LOWBIT_DISPATCH_FLOAT_TYPES(a.out_dtype, "int8_mm", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; n++) {
-        const int8_t* wr = w + n * K;
-        const float wsn = per_tensor ? ws[0] : ws[n];
-        for (int64_t m = 0; m < M; m++) {
-          const int8_t* xr = x + m * K;
-          int32_t acc = 0;
-          for (int64_t k = 0; k < K; k++) acc += int32_t(xr[k]) * int32_t(wr[k]);
-          float v = float(acc) * xs[m] * wsn;
-          if (b) v += b[n];
-          o[m * N + n] = scalar_t(v);
-        }
-      }
-    });
+    if (a.M >= kGemmMinRows && a.K > 0) gemm(kern, x, a.M, w, a.N, a.K, ep, o);
+    else gemv(kern, x, a.M, w, a.N, a.K, ep, o);
   });
   return out.view(a.out_shape);
 }

@@ -1,0 +1,155 @@
+// AVX2 + FMA + F16C inner loops of the fp8 products (see fp8_kernels.h). Compiled with a target attribute,
+// called only when the CPU has those features (isa.cpp).
+#include "cpu/fp8_kernels.h"
+
+#if LOWBIT_X86
+#include <cstring>
+
+#include "cpu/fp8_simd.h"
+
+namespace lowbit::cpu {
+namespace {
+
+// The last, partial chunk of a segment: staged through a zero-padded copy (never read past a weight row).
+LOWBIT_TARGET_AVX2 inline void decode_tail(const uint8_t* code, int64_t n, __m256 out[4], __m256i& nan_acc) {
+  alignas(32) uint8_t tmp[kChunk] = {};
+  std::memcpy(tmp, code, size_t(n));
+  avx2::decode_chunk(tmp, out, nan_acc);
+}
+
+// acc[m][r] += the chunk at packed position p of activation row m times decoded weight chunk d of row r
+template <int MR, int NR>
+LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void fma_rows(__m256 (&acc)[MR][NR], int r, const __m256 d[4],
+                                                                       const float* xs, int64_t ldx, int64_t p) {
+  for (int m = 0; m < MR; m++) {
+    const float* xp = xs + m * ldx + p;
+    __m256 a = acc[m][r];
+    a = _mm256_fmadd_ps(_mm256_load_ps(xp), d[0], a);
+    a = _mm256_fmadd_ps(_mm256_load_ps(xp + 8), d[1], a);
+    a = _mm256_fmadd_ps(_mm256_load_ps(xp + 16), d[2], a);
+    a = _mm256_fmadd_ps(_mm256_load_ps(xp + 24), d[3], a);
+    acc[m][r] = a;
+  }
+}
+
+// x rows stay in L1 (a packed row of K floats), weight bytes stream from memory once per tile; every decoded
+// chunk feeds all MR activation rows.
+template <int MR, int NR, bool kBlock>
+LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
+                                    const float* const* bscale, const KSegments& seg, float* sums, bool* nan) {
+  __m256 tot[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) tot[m][r] = _mm256_setzero_ps();
+  __m256i nan_acc[NR];
+  for (int r = 0; r < NR; r++) nan_acc[r] = _mm256_setzero_si256();
+  for (int64_t s = 0; s < seg.count; s++) {
+    const int64_t k0 = seg.begin(s), n = seg.size(s), full = n / kChunk * kChunk;
+    const float* xs = x + s * seg.padded;
+    __m256 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < full; k += kChunk) {
+      for (int r = 0; r < NR; r++) {
+        __m256 d[4];
+        avx2::decode_chunk(w + r * K + k0 + k, d, nan_acc[r]);
+        fma_rows<MR, NR>(acc, r, d, xs, ldx, k);
+      }
+    }
+    if (full < n) {
+      for (int r = 0; r < NR; r++) {
+        __m256 d[4];
+        decode_tail(w + r * K + k0 + full, n - full, d, nan_acc[r]);
+        fma_rows<MR, NR>(acc, r, d, xs, ldx, full);
+      }
+    }
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < NR; r++) {
+        if (!kBlock) tot[m][r] = acc[m][r];
+        else if (s == 0) tot[m][r] = _mm256_mul_ps(_mm256_set1_ps(bscale[r][s]), acc[m][r]);
+        else tot[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(bscale[r][s]), acc[m][r], tot[m][r]);
+      }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = avx2::hsum(tot[m][r]);
+  for (int r = 0; r < NR; r++) nan[r] = nan[r] || avx2::has_nan_code(nan_acc[r]);
+}
+
+using GemvFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&, float*,
+                        bool*);
+
+template <int MR, int NR>
+constexpr GemvFn pick(bool block) {
+  return block ? &gemv_tile_t<MR, NR, true> : &gemv_tile_t<MR, NR, false>;
+}
+
+void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* const* bscale,
+               const KSegments& seg, float* sums, bool* nan) {
+  static const GemvFn table[2][kMaxTileRows][kMaxTileRows] = {
+#define LOWBIT_ROW(B, M) {pick<M, 1>(B), pick<M, 2>(B), pick<M, 3>(B), pick<M, 4>(B)}
+      {LOWBIT_ROW(false, 1), LOWBIT_ROW(false, 2), LOWBIT_ROW(false, 3), LOWBIT_ROW(false, 4)},
+      {LOWBIT_ROW(true, 1), LOWBIT_ROW(true, 2), LOWBIT_ROW(true, 3), LOWBIT_ROW(true, 4)},
+#undef LOWBIT_ROW
+  };
+  table[bscale != nullptr][mr - 1][nr - 1](x, ldx, w, K, bscale, seg, sums, nan);
+}
+
+LOWBIT_TARGET_AVX2 void decode_panel(const uint8_t* w, int64_t K, int nrows, int64_t k0, int64_t n, float* panel,
+                                     int64_t ldp, bool* nan) {
+  const int64_t full = n / kChunk * kChunk, padded = round_up_chunk(n);
+  for (int r = 0; r < kPanelRows; r++) {
+    float* dst = panel + r * ldp;
+    if (r >= nrows) {
+      std::memset(dst, 0, size_t(padded) * sizeof(float));
+      continue;
+    }
+    const uint8_t* src = w + r * K + k0;
+    __m256i nan_acc = _mm256_setzero_si256();
+    __m256 d[4];
+    for (int64_t k = 0; k < full; k += kChunk) {
+      avx2::decode_chunk(src + k, d, nan_acc);
+      for (int q = 0; q < 4; q++) _mm256_store_ps(dst + k + 8 * q, d[q]);
+    }
+    if (full < n) {
+      decode_tail(src + full, n - full, d, nan_acc);
+      for (int q = 0; q < 4; q++) _mm256_store_ps(dst + full + 8 * q, d[q]);
+    }
+    nan[r] = nan[r] || avx2::has_nan_code(nan_acc);
+  }
+}
+
+// 6 x 16 register tile: per position, two activation vectors and six broadcast weights feed 12 FMAs.
+LOWBIT_TARGET_AVX2 void gemm_micro(const float* panel, int64_t ldp, const float* xs, int64_t len, float* tile,
+                                   bool accumulate) {
+  static_assert(kPanelRows == 6 && kStrip == 16, "the register tile below is 6 x 16");
+  __m256 c[6][2];
+  for (int r = 0; r < 6; r++)
+    for (int h = 0; h < 2; h++) c[r][h] = accumulate ? _mm256_loadu_ps(tile + r * 16 + 8 * h) : _mm256_setzero_ps();
+  const float* p0 = panel;
+  const float* p1 = panel + ldp;
+  const float* p2 = panel + 2 * ldp;
+  const float* p3 = panel + 3 * ldp;
+  const float* p4 = panel + 4 * ldp;
+  const float* p5 = panel + 5 * ldp;
+  for (int64_t p = 0; p < len; p++) {
+    const __m256 b0 = _mm256_load_ps(xs + p * 16), b1 = _mm256_load_ps(xs + p * 16 + 8);
+    __m256 a;
+#define LOWBIT_FMA_ROW(R)                              \
+  a = _mm256_broadcast_ss(p##R + p);                  \
+  c[R][0] = _mm256_fmadd_ps(a, b0, c[R][0]);          \
+  c[R][1] = _mm256_fmadd_ps(a, b1, c[R][1]);
+    LOWBIT_FMA_ROW(0) LOWBIT_FMA_ROW(1) LOWBIT_FMA_ROW(2) LOWBIT_FMA_ROW(3) LOWBIT_FMA_ROW(4) LOWBIT_FMA_ROW(5)
+#undef LOWBIT_FMA_ROW
+  }
+  for (int r = 0; r < 6; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(tile + r * 16 + 8 * h, c[r][h]);
+}
+
+}  // namespace
+
+const Fp8Kernels& fp8_kernels_avx2() {
+  static const Fp8Kernels k{&gemv_tile, &decode_panel, &gemm_micro};
+  return k;
+}
+
+}  // namespace lowbit::cpu
+#endif

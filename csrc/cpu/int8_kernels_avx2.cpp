@@ -1,0 +1,112 @@
+// AVX2 inner loops of int8_mm (see int8_kernels.h). int8 x int8 is signed x signed, which the byte
+// multiply-add (vpmaddubsw: unsigned x signed, saturating) cannot do exactly; values are sign-extended to
+// int16 and multiplied with vpmaddwd, whose pair sums (at most 2 * 128 * 128) are exact in int32.
+#include "cpu/int8_kernels.h"
+
+#if LOWBIT_X86
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace lowbit::cpu {
+namespace {
+
+constexpr int kStep = 16;  // int8 values per vector step (sign-extended to 16 int16)
+
+LOWBIT_TARGET_AVX2 inline __m256i widen(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+LOWBIT_TARGET_AVX2 inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// acc[m][r] += the 16 products at x rows xp[m] and weight rows wp[r]
+template <int MR, int NR>
+LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void gemv_step(__m256i (&acc)[MR][NR], const int8_t* const* xp,
+                                                                        const int8_t* const* wp) {
+  __m256i xv[MR];
+  for (int m = 0; m < MR; m++) xv[m] = widen(xp[m]);
+  for (int r = 0; r < NR; r++) {
+    const __m256i wv = widen(wp[r]);
+    for (int m = 0; m < MR; m++) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(xv[m], wv));
+  }
+}
+
+template <int MR, int NR>
+LOWBIT_TARGET_AVX2 void gemv_tile_t(const int8_t* x, const int8_t* w, int64_t K, int32_t* out) {
+  __m256i acc[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_si256();
+  const int8_t* xp[MR];
+  const int8_t* wp[NR];
+  const int64_t full = K / kStep * kStep;
+  for (int64_t k = 0; k < full; k += kStep) {
+    for (int m = 0; m < MR; m++) xp[m] = x + m * K + k;
+    for (int r = 0; r < NR; r++) wp[r] = w + r * K + k;
+    gemv_step<MR, NR>(acc, xp, wp);
+  }
+  if (full < K) {  // the tail through zero-padded copies: never read past a row
+    int8_t xt[MR][kStep] = {}, wt[NR][kStep] = {};
+    for (int m = 0; m < MR; m++) {
+      std::memcpy(xt[m], x + m * K + full, size_t(K - full));
+      xp[m] = xt[m];
+    }
+    for (int r = 0; r < NR; r++) {
+      std::memcpy(wt[r], w + r * K + full, size_t(K - full));
+      wp[r] = wt[r];
+    }
+    gemv_step<MR, NR>(acc, xp, wp);
+  }
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) out[m * NR + r] = hsum_epi32(acc[m][r]);
+}
+
+using GemvFn = void (*)(const int8_t*, const int8_t*, int64_t, int32_t*);
+
+void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  static const GemvFn table[kMaxTileRows][kMaxTileRows] = {
+#define LOWBIT_ROW(M) {&gemv_tile_t<M, 1>, &gemv_tile_t<M, 2>, &gemv_tile_t<M, 3>, &gemv_tile_t<M, 4>}
+      LOWBIT_ROW(1), LOWBIT_ROW(2), LOWBIT_ROW(3), LOWBIT_ROW(4),
+#undef LOWBIT_ROW
+  };
+  table[mr - 1][nr - 1](x, w, K, acc);
+}
+
+// 6 x 16 register tile: per pair of k, two vectors of activation pairs and six broadcast weight pairs feed
+// 12 multiply-adds.
+LOWBIT_TARGET_AVX2 void gemm_micro(const int16_t* panel, int64_t ldp, const int16_t* xs, int64_t len, int32_t* tile,
+                                   bool accumulate) {
+  static_assert(kPanelRows == 6 && kStrip == 16, "the register tile below is 6 x 16");
+  __m256i c[6][2];
+  for (int r = 0; r < 6; r++)
+    for (int h = 0; h < 2; h++)
+      c[r][h] = accumulate ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * 16 + 8 * h))
+                           : _mm256_setzero_si256();
+  for (int64_t k = 0; k < len; k += 2) {
+    const __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16));
+    const __m256i b1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16 + 16));
+    for (int r = 0; r < 6; r++) {
+      int32_t pair;
+      std::memcpy(&pair, panel + r * ldp + k, sizeof(pair));
+      const __m256i a = _mm256_set1_epi32(pair);
+      c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(a, b0));
+      c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(a, b1));
+    }
+  }
+  for (int r = 0; r < 6; r++)
+    for (int h = 0; h < 2; h++) _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + r * 16 + 8 * h), c[r][h]);
+}
+
+}  // namespace
+
+const Int8Kernels& int8_kernels_avx2() {
+  static const Int8Kernels k{&gemv_tile, &gemm_micro};
+  return k;
+}
+
+}  // namespace lowbit::cpu
+#endif

@@ -1,0 +1,29 @@
+"""Test switches for the CPU backend.
+
+The CPU kernels pick an instruction set at run time (AVX2 + FMA + F16C where the CPU has them, portable code
+otherwise). ``cpu_isa("portable")`` forces the portable path inside a block, so tests run every path on one
+machine.
+"""
+import contextlib
+
+from . import _C
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels use now: ``"avx2"`` or ``"portable"``."""
+    return _C._cpu_isa()
+
+
+@contextlib.contextmanager
+def forced_cpu_isa(name: str):
+    """Cap the CPU kernels at ``name`` (``"portable"``, ``"avx2"`` or ``"best"``) inside this block."""
+    previous = _C._cpu_set_isa(name)
+    try:
+        yield
+    finally:
+        _C._cpu_set_isa(previous)
+
+
+def force_portable():
+    """Run the CPU kernels on their portable path inside this block."""
+    return forced_cpu_isa("portable")
