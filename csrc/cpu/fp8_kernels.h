@@ -6,8 +6,8 @@
 //   or one segment of all K. Each segment is padded to whole chunks of 32 (fp8_simd.h), so activations are
 //   packed segment by segment, chunk by chunk in kChunkOrder, zeros in the padding.
 // - GEMV-style tiles read MR packed activation rows [MR][ldx] and NR weight rows.
-// - GEMM micro-tiles are kPanelRows weight rows x kStrip activation rows: the weight rows decoded into a
-//   panel [kPanelRows][ldp], the activations packed as strips [position][kStrip] (x transposed).
+// - The GEMM decodes a panel of weight rows into the same packed positions and multiplies it with the packed
+//   activations in an optimized fp32 GEMM (fp8_matmul.cpp).
 #pragma once
 #include <cstdint>
 
@@ -25,8 +25,6 @@ struct KSegments {
   int64_t packed_size() const { return count * padded; }
 };
 
-constexpr int kPanelRows = 6;  // weight rows per GEMM micro-tile
-constexpr int kStrip = 16;     // activation rows per GEMM micro-tile (two AVX2 vectors)
 constexpr int kMaxTileRows = 4;  // the largest MR and NR of a GEMV tile
 
 struct Fp8Kernels {
@@ -35,12 +33,10 @@ struct Fp8Kernels {
   // nan[r] |= row r holds a NaN code (the path may instead let NaN flow through the sums).
   void (*gemv_tile)(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K,
                     const float* const* bscale, const KSegments& seg, float* sums, bool* nan);
-  // Decode codes [k0, k0 + n) of rows w + r * K, r < nrows, into panel[r * ldp + p], p < round_up_chunk(n)
-  // (zero padding); rows nrows..kPanelRows-1 are zero. nan[r] |= row r holds a NaN code in that range.
-  void (*decode_panel)(const uint8_t* w, int64_t K, int nrows, int64_t k0, int64_t n, float* panel, int64_t ldp,
-                       bool* nan);
-  // tile[r * kStrip + j] (+)= sum_{p < len} panel[r * ldp + p] * xs[p * kStrip + j]; len a multiple of 32.
-  void (*gemm_micro)(const float* panel, int64_t ldp, const float* xs, int64_t len, float* tile, bool accumulate);
+  // Decode codes [k0, k0 + n) of rows w + r * K, r < nrows, into dst[r * ldd + p], p < round_up_chunk(n)
+  // (packed positions, zero padding). nan[r] |= row r holds a NaN code in that range.
+  void (*decode_rows)(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd,
+                      bool* nan);
 };
 
 const Fp8Kernels& fp8_kernels_portable();

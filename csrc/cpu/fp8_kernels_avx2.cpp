@@ -93,61 +93,30 @@ void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, in
   table[bscale != nullptr][mr - 1][nr - 1](x, ldx, w, K, bscale, seg, sums, nan);
 }
 
-LOWBIT_TARGET_AVX2 void decode_panel(const uint8_t* w, int64_t K, int nrows, int64_t k0, int64_t n, float* panel,
-                                     int64_t ldp, bool* nan) {
-  const int64_t full = n / kChunk * kChunk, padded = round_up_chunk(n);
-  for (int r = 0; r < kPanelRows; r++) {
-    float* dst = panel + r * ldp;
-    if (r >= nrows) {
-      std::memset(dst, 0, size_t(padded) * sizeof(float));
-      continue;
-    }
+LOWBIT_TARGET_AVX2 void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst,
+                                    int64_t ldd, bool* nan) {
+  const int64_t full = n / kChunk * kChunk;
+  for (int64_t r = 0; r < nrows; r++) {
     const uint8_t* src = w + r * K + k0;
+    float* d = dst + r * ldd;
     __m256i nan_acc = _mm256_setzero_si256();
-    __m256 d[4];
+    __m256 v[4];
     for (int64_t k = 0; k < full; k += kChunk) {
-      avx2::decode_chunk(src + k, d, nan_acc);
-      for (int q = 0; q < 4; q++) _mm256_store_ps(dst + k + 8 * q, d[q]);
+      avx2::decode_chunk(src + k, v, nan_acc);
+      for (int q = 0; q < 4; q++) _mm256_storeu_ps(d + k + 8 * q, v[q]);
     }
     if (full < n) {
-      decode_tail(src + full, n - full, d, nan_acc);
-      for (int q = 0; q < 4; q++) _mm256_store_ps(dst + full + 8 * q, d[q]);
+      decode_tail(src + full, n - full, v, nan_acc);
+      for (int q = 0; q < 4; q++) _mm256_storeu_ps(d + full + 8 * q, v[q]);
     }
     nan[r] = nan[r] || avx2::has_nan_code(nan_acc);
   }
 }
 
-// 6 x 16 register tile: per position, two activation vectors and six broadcast weights feed 12 FMAs.
-LOWBIT_TARGET_AVX2 void gemm_micro(const float* panel, int64_t ldp, const float* xs, int64_t len, float* tile,
-                                   bool accumulate) {
-  static_assert(kPanelRows == 6 && kStrip == 16, "the register tile below is 6 x 16");
-  __m256 c[6][2];
-  for (int r = 0; r < 6; r++)
-    for (int h = 0; h < 2; h++) c[r][h] = accumulate ? _mm256_loadu_ps(tile + r * 16 + 8 * h) : _mm256_setzero_ps();
-  const float* p0 = panel;
-  const float* p1 = panel + ldp;
-  const float* p2 = panel + 2 * ldp;
-  const float* p3 = panel + 3 * ldp;
-  const float* p4 = panel + 4 * ldp;
-  const float* p5 = panel + 5 * ldp;
-  for (int64_t p = 0; p < len; p++) {
-    const __m256 b0 = _mm256_load_ps(xs + p * 16), b1 = _mm256_load_ps(xs + p * 16 + 8);
-    __m256 a;
-#define LOWBIT_FMA_ROW(R)                              \
-  a = _mm256_broadcast_ss(p##R + p);                  \
-  c[R][0] = _mm256_fmadd_ps(a, b0, c[R][0]);          \
-  c[R][1] = _mm256_fmadd_ps(a, b1, c[R][1]);
-    LOWBIT_FMA_ROW(0) LOWBIT_FMA_ROW(1) LOWBIT_FMA_ROW(2) LOWBIT_FMA_ROW(3) LOWBIT_FMA_ROW(4) LOWBIT_FMA_ROW(5)
-#undef LOWBIT_FMA_ROW
-  }
-  for (int r = 0; r < 6; r++)
-    for (int h = 0; h < 2; h++) _mm256_storeu_ps(tile + r * 16 + 8 * h, c[r][h]);
-}
-
 }  // namespace
 
 const Fp8Kernels& fp8_kernels_avx2() {
-  static const Fp8Kernels k{&gemv_tile, &decode_panel, &gemm_micro};
+  static const Fp8Kernels k{&gemv_tile, &decode_rows};
   return k;
 }
 

@@ -45,30 +45,15 @@ void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, in
   }
 }
 
-void decode_panel(const uint8_t* w, int64_t K, int nrows, int64_t k0, int64_t n, float* panel, int64_t ldp,
-                  bool* /*nan*/) {
-  for (int r = 0; r < kPanelRows; r++) {
-    if (r < nrows) decode_range(w + r * K + k0, n, panel + r * ldp);
-    else std::memset(panel + r * ldp, 0, size_t(round_up_chunk(n)) * sizeof(float));
-  }
-}
-
-void gemm_micro(const float* panel, int64_t ldp, const float* xs, int64_t len, float* tile, bool accumulate) {
-  float c[kPanelRows][kStrip];
-  for (int r = 0; r < kPanelRows; r++)
-    for (int j = 0; j < kStrip; j++) c[r][j] = accumulate ? tile[r * kStrip + j] : 0.f;
-  for (int64_t p = 0; p < len; p++)
-    for (int r = 0; r < kPanelRows; r++) {
-      const float a = panel[r * ldp + p];
-      for (int j = 0; j < kStrip; j++) c[r][j] += a * xs[p * kStrip + j];
-    }
-  std::memcpy(tile, c, sizeof(c));
+void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd,
+                 bool* /*nan*/) {
+  for (int64_t r = 0; r < nrows; r++) decode_range(w + r * K + k0, n, dst + r * ldd);
 }
 
 }  // namespace
 
 const Fp8Kernels& fp8_kernels_portable() {
-  static const Fp8Kernels k{&gemv_tile, &decode_panel, &gemm_micro};
+  static const Fp8Kernels k{&gemv_tile, &decode_rows};
   return k;
 }
 

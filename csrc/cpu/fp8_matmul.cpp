@@ -13,12 +13,9 @@
 namespace lowbit::cpu {
 namespace {
 
-// GEMM blocking. A block of kMBlock activation rows is packed once; for one K chunk its strips
-// (kMBlock x kKChunk floats = 128 KB) stay in L2 while every panel of a work item streams through them.
-constexpr int64_t kMBlock = 128;
-constexpr int64_t kNBlock = 48;   // weight rows per parallel work item (8 panels of 6)
-constexpr int64_t kKChunk = 256;  // codes per decoded panel: 6 x 256 floats stay in L1
-static_assert(kNBlock % kPanelRows == 0 && kMBlock % kStrip == 0 && kKChunk % kChunk == 0, "blocking");
+// GEMM: weight rows decoded per parallel work item (kGemmPanel x K floats, 4 MB at K = 4096), decoded once for
+// all M activation rows. Smaller panels make MKL choose its no-copy kernels, which measured slower.
+constexpr int64_t kGemmPanel = 256;
 
 // Tensor / channel scales multiply after the K reduction (block scales were applied per segment), then bias.
 inline float finish(const Fp8Operand& op, int64_t n, float sum, bool nan) {
@@ -34,91 +31,72 @@ inline const float* block_scale_row(const Fp8Operand& op, int64_t n) {
 }
 
 // One segment of one activation row into packed positions: chunk by chunk in kChunkOrder, zero padded.
-template <typename T, int64_t kStride>
+template <typename T>
 inline void pack_segment(const T* src, int64_t n, int64_t padded, float* dst) {
   for (int64_t c = 0; c < padded; c += kChunk)
     for (int p = 0; p < kChunk; p++) {
       const int64_t k = c + kChunkOrder[p];
-      dst[(c + p) * kStride] = k < n ? float(src[k]) : 0.f;
+      dst[c + p] = k < n ? float(src[k]) : 0.f;
     }
 }
 
-// Rows m0 .. m0 + mb of x as strips of kStrip rows: dst[(j * ld + position) * kStrip + i] for row m0 + kStrip j + i.
+// x [M, K] -> packed segments: segment s of row m at dst + s * seg_stride + m * row_stride.
 template <typename T>
-void pack_strips(const T* x, int64_t m0, int64_t mb, const KSegments& seg, float* dst) {
-  const int64_t ld = seg.packed_size(), K = seg.K;
-  at::parallel_for(0, ceil_div(mb, kStrip), 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; j++)
-      for (int64_t i = 0; i < kStrip; i++) {
-        float* d = dst + j * ld * kStrip + i;
-        const int64_t m = j * kStrip + i;
-        for (int64_t s = 0; s < seg.count; s++) {
-          float* ds = d + s * seg.padded * kStrip;
-          if (m < mb) pack_segment<T, kStrip>(x + (m0 + m) * K + seg.begin(s), seg.size(s), seg.padded, ds);
-          else for (int64_t p = 0; p < seg.padded; p++) ds[p * kStrip] = 0.f;
-        }
-      }
+void pack(const T* x, int64_t M, const KSegments& seg, float* dst, int64_t row_stride, int64_t seg_stride) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++)
+      for (int64_t s = 0; s < seg.count; s++)
+        pack_segment(x + m * seg.K + seg.begin(s), seg.size(s), seg.padded, dst + s * seg_stride + m * row_stride);
   });
 }
 
+// Decode a panel of weight rows into packed positions, then one optimized fp32 GEMM (torch's, MKL here) over
+// all M rows: the decoded panel is reused M times, and no dequantized copy of the whole weight exists. Block
+// scales: a batched GEMM gives each K segment's partial sums, which the epilogue scales and adds.
 template <typename T>
 void gemm(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& op, const KSegments& seg, T* out,
           int64_t ldo) {
-  const int64_t ld = seg.packed_size(), N = op.N, K = op.K;
+  const int64_t Kp = seg.packed_size(), N = op.N, kb = seg.count, P = seg.padded;
   const bool block = op.layout.kind == ScaleKind::Block;
-  constexpr int64_t kTile = kPanelRows * kStrip;
-  for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
-    const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, kStrip);
-    float* xs = scratch<float>(Slot::Activations, size_t(S * ld * kStrip));
-    pack_strips(x, m0, mb, seg, xs);
-    at::parallel_for(0, ceil_div(N, kNBlock), 1, [&](int64_t b0, int64_t b1) {
-      constexpr int64_t P = kNBlock / kPanelRows;
-      float* ct = scratch<float>(Slot::Tile, size_t(2 * P * S * kTile));  // totals, then block partials
-      float* pt = ct + P * S * kTile;
-      float* panel = scratch<float>(Slot::Panel, size_t(kPanelRows * kKChunk));
-      for (int64_t b = b0; b < b1; b++) {
-        const int64_t nb0 = b * kNBlock, nb1 = std::min(N, nb0 + kNBlock), np = ceil_div(nb1 - nb0, kPanelRows);
-        bool nan[kNBlock] = {};
-        for (int64_t s = 0; s < seg.count; s++) {
-          const int64_t k0 = seg.begin(s), n = seg.size(s);
-          for (int64_t kc = 0; kc < n; kc += kKChunk) {
-            const int64_t cn = std::min(kKChunk, n - kc);
-            const bool fresh = block ? kc == 0 : (kc == 0 && s == 0);
-            for (int64_t i = 0; i < np; i++) {
-              const int64_t r0 = nb0 + i * kPanelRows;
-              const int nrows = int(std::min<int64_t>(kPanelRows, nb1 - r0));
-              kern.decode_panel(op.w + r0 * K, K, nrows, k0 + kc, cn, panel, kKChunk, nan + i * kPanelRows);
-              for (int64_t j = 0; j < S; j++)
-                kern.gemm_micro(panel, kKChunk, xs + (j * ld + s * seg.padded + kc) * kStrip, round_up_chunk(cn),
-                                (block ? pt : ct) + (i * S + j) * kTile, !fresh);
-            }
-          }
-          if (!block) continue;
-          for (int64_t i = 0; i < np; i++)
-            for (int r = 0; r < kPanelRows; r++) {
-              const int64_t row = nb0 + i * kPanelRows + r;
-              const float sc = row < nb1 ? block_scale_row(op, row)[s] : 0.f;
-              for (int64_t j = 0; j < S; j++) {
-                float* c = ct + (i * S + j) * kTile + r * kStrip;
-                const float* p = pt + (i * S + j) * kTile + r * kStrip;
-                for (int q = 0; q < kStrip; q++) c[q] = s == 0 ? sc * p[q] : c[q] + sc * p[q];
-              }
-            }
-        }
-        for (int64_t i = 0; i < np; i++)
-          for (int r = 0; r < kPanelRows; r++) {
-            const int64_t row = nb0 + i * kPanelRows + r;
-            if (row >= nb1) break;
-            for (int64_t j = 0; j < S; j++)
-              for (int q = 0; q < kStrip; q++) {
-                const int64_t m = j * kStrip + q;
-                if (m >= mb) break;
-                out[(m0 + m) * ldo + row] = T(finish(op, row, ct[(i * S + j) * kTile + r * kStrip + q], nan[i * kPanelRows + r]));
-              }
-          }
-      }
-    });
+  float* xp = scratch<float>(Slot::Activations, size_t(M * Kp));
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor X;
+  if (block) {  // [segment][row][position]: one batch per K segment
+    pack(x, M, seg, xp, P, M * P);
+    X = at::from_blob(xp, {kb, M, P}, f32);
+  } else {
+    pack(x, M, seg, xp, Kp, P);
+    X = at::from_blob(xp, {M, Kp}, f32);
   }
+  at::parallel_for(0, ceil_div(N, kGemmPanel), 1, [&](int64_t b0, int64_t b1) {
+    float* panel = scratch<float>(Slot::Panel, size_t(kGemmPanel * Kp));
+    float* acc = scratch<float>(Slot::Tile, size_t((block ? kb : 1) * M * kGemmPanel));
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t r0 = b * kGemmPanel, nr = std::min(kGemmPanel, N - r0);
+      bool nan[kGemmPanel] = {};
+      for (int64_t s = 0; s < kb; s++)
+        kern.decode_rows(op.w + r0 * op.K, op.K, nr, seg.begin(s), seg.size(s), panel + s * P, Kp, nan);
+      if (block) {
+        at::Tensor C = at::from_blob(acc, {kb, M, nr}, f32);
+        at::bmm_out(C, X, at::from_blob(panel, {kb, P, nr}, {P, 1, Kp}, f32));
+      } else {
+        // panel @ x^T into a transposed accumulator: measured faster with MKL than x @ panel^T
+        at::Tensor C = at::from_blob(acc, {nr, M}, f32);
+        at::mm_out(C, at::from_blob(panel, {nr, Kp}, f32), X.t());
+      }
+      for (int64_t m = 0; m < M; m++)
+        for (int64_t r = 0; r < nr; r++) {
+          float sum = 0.f;
+          if (block) {
+            const float* bs = block_scale_row(op, r0 + r);
+            for (int64_t s = 0; s < kb; s++) sum += bs[s] * acc[(s * M + m) * nr + r];
+          } else {
+            sum = acc[r * M + m];
+          }
+          out[m * ldo + r0 + r] = T(finish(op, r0 + r, sum, nan[r]));
+        }
+    }
+  });
 }
 
 }  // namespace
@@ -135,12 +113,7 @@ KSegments k_segments(const ScaleLayout& layout, int64_t K) {
 
 template <typename T>
 void pack_rows(const T* x, int64_t M, const KSegments& seg, float* dst) {
-  const int64_t ld = seg.packed_size();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++)
-      for (int64_t s = 0; s < seg.count; s++)
-        pack_segment<T, 1>(x + m * seg.K + seg.begin(s), seg.size(s), seg.padded, dst + m * ld + s * seg.padded);
-  });
+  pack(x, M, seg, dst, seg.packed_size(), seg.padded);
 }
 
 template <typename T>

@@ -4,15 +4,21 @@
 //
 // Layouts:
 // - GEMV-style tiles read MR activation rows and NR weight rows as they are (int8, K apart).
-// - GEMM micro-tiles are kPanelRows weight rows x kStrip activation rows: the weight rows sign-extended into a
-//   panel of int16 [kPanelRows][ldp], the activations packed as strips of int16 pairs [pair][kStrip][2].
+// - GEMM micro-tiles are kInt8PanelRows weight rows x kStrip activation rows: the weight rows sign-extended into a
+//   panel of int16 [kInt8PanelRows][ldp], the activations packed as strips of int16 pairs [pair][kStrip][2].
 #pragma once
 #include <cstdint>
 
-#include "cpu/fp8_kernels.h"  // kPanelRows, kStrip, kMaxTileRows: the same register tiles as the fp8 GEMM
 #include "cpu/isa.h"
 
 namespace lowbit::cpu {
+
+constexpr int kStrip = 16;       // activation rows per GEMM micro-tile (two AVX2 vectors of int32)
+constexpr int kInt8TileRows = 4;  // the largest MR and NR of a GEMV tile
+
+// Weight rows per int8 GEMM micro-tile: 4 x 16 leaves AVX2 registers for the products that vpmaddwd makes
+// before they are added (a 6 x 16 tile would spill).
+constexpr int kInt8PanelRows = 4;
 
 struct Int8Kernels {
   // acc[m * nr + r] = sum_{k < K} x[m * K + k] * w[r * K + k], m < mr <= 4, r < nr <= 4

@@ -68,7 +68,7 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const int8_t* x, const int8_t* w, int64_t K,
 using GemvFn = void (*)(const int8_t*, const int8_t*, int64_t, int32_t*);
 
 void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
-  static const GemvFn table[kMaxTileRows][kMaxTileRows] = {
+  static const GemvFn table[kInt8TileRows][kInt8TileRows] = {
 #define LOWBIT_ROW(M) {&gemv_tile_t<M, 1>, &gemv_tile_t<M, 2>, &gemv_tile_t<M, 3>, &gemv_tile_t<M, 4>}
       LOWBIT_ROW(1), LOWBIT_ROW(2), LOWBIT_ROW(3), LOWBIT_ROW(4),
 #undef LOWBIT_ROW
@@ -76,29 +76,39 @@ void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int3
   table[mr - 1][nr - 1](x, w, K, acc);
 }
 
-// 6 x 16 register tile: per pair of k, two vectors of activation pairs and six broadcast weight pairs feed
-// 12 multiply-adds.
+// 4 x 16 register tile: per pair of k, two vectors of activation pairs and four broadcast weight pairs feed
+// 8 multiply-adds. Named accumulators, not an array, so that GCC keeps them in registers.
 LOWBIT_TARGET_AVX2 void gemm_micro(const int16_t* panel, int64_t ldp, const int16_t* xs, int64_t len, int32_t* tile,
                                    bool accumulate) {
-  static_assert(kPanelRows == 6 && kStrip == 16, "the register tile below is 6 x 16");
-  __m256i c[6][2];
-  for (int r = 0; r < 6; r++)
-    for (int h = 0; h < 2; h++)
-      c[r][h] = accumulate ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * 16 + 8 * h))
-                           : _mm256_setzero_si256();
+  static_assert(kInt8PanelRows == 4 && kStrip == 16, "the register tile below is 4 x 16");
+#define LOWBIT_ROWS(X) X(0) X(1) X(2) X(3)
+#define LOWBIT_LOAD(P) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P))
+#define LOWBIT_INIT(R)                                                                   \
+  __m256i c##R##a = accumulate ? LOWBIT_LOAD(tile + R * 16) : _mm256_setzero_si256();     \
+  __m256i c##R##b = accumulate ? LOWBIT_LOAD(tile + R * 16 + 8) : _mm256_setzero_si256(); \
+  const int16_t* p##R = panel + R * ldp;
+#define LOWBIT_MADD(R)                                                                   \
+  std::memcpy(&pair, p##R + k, sizeof(pair));                                            \
+  a = _mm256_set1_epi32(pair);                                                           \
+  c##R##a = _mm256_add_epi32(c##R##a, _mm256_madd_epi16(a, b0));                         \
+  c##R##b = _mm256_add_epi32(c##R##b, _mm256_madd_epi16(a, b1));
+#define LOWBIT_STORE(R)                                                                  \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + R * 16), c##R##a);               \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + R * 16 + 8), c##R##b);
+  LOWBIT_ROWS(LOWBIT_INIT)
   for (int64_t k = 0; k < len; k += 2) {
     const __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16));
     const __m256i b1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16 + 16));
-    for (int r = 0; r < 6; r++) {
-      int32_t pair;
-      std::memcpy(&pair, panel + r * ldp + k, sizeof(pair));
-      const __m256i a = _mm256_set1_epi32(pair);
-      c[r][0] = _mm256_add_epi32(c[r][0], _mm256_madd_epi16(a, b0));
-      c[r][1] = _mm256_add_epi32(c[r][1], _mm256_madd_epi16(a, b1));
-    }
+    int32_t pair;
+    __m256i a;
+    LOWBIT_ROWS(LOWBIT_MADD)
   }
-  for (int r = 0; r < 6; r++)
-    for (int h = 0; h < 2; h++) _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + r * 16 + 8 * h), c[r][h]);
+  LOWBIT_ROWS(LOWBIT_STORE)
+#undef LOWBIT_ROWS
+#undef LOWBIT_LOAD
+#undef LOWBIT_INIT
+#undef LOWBIT_MADD
+#undef LOWBIT_STORE
 }
 
 }  // namespace

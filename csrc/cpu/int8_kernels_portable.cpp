@@ -18,12 +18,12 @@ void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int3
 }
 
 void gemm_micro(const int16_t* panel, int64_t ldp, const int16_t* xs, int64_t len, int32_t* tile, bool accumulate) {
-  int32_t c[kPanelRows][kStrip];
-  for (int r = 0; r < kPanelRows; r++)
+  int32_t c[kInt8PanelRows][kStrip];
+  for (int r = 0; r < kInt8PanelRows; r++)
     for (int j = 0; j < kStrip; j++) c[r][j] = accumulate ? tile[r * kStrip + j] : 0;
   for (int64_t k = 0; k < len; k += 2) {
     const int16_t* xp = xs + k * kStrip;
-    for (int r = 0; r < kPanelRows; r++) {
+    for (int r = 0; r < kInt8PanelRows; r++) {
       const int32_t a0 = panel[r * ldp + k], a1 = panel[r * ldp + k + 1];
       for (int j = 0; j < kStrip; j++) c[r][j] += a0 * xp[2 * j] + a1 * xp[2 * j + 1];
     }

@@ -16,9 +16,9 @@ namespace {
 
 constexpr int64_t kGemmMinRows = 8;  // below: GEMV-style tiles (measured with bench --suite cpu)
 constexpr int64_t kMBlock = 128;     // activation rows packed at a time; their strips of one K chunk stay in L2
-constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (8 panels of 6)
-constexpr int64_t kKChunk = 512;     // k per panel: 6 x 512 int16 stay in L1
-static_assert(kNBlock % kPanelRows == 0 && kMBlock % kStrip == 0 && kKChunk % 2 == 0, "blocking");
+constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (12 panels of 4)
+constexpr int64_t kKChunk = 512;     // k per panel: 4 x 512 int16 stay in L1
+static_assert(kNBlock % kInt8PanelRows == 0 && kMBlock % kStrip == 0 && kKChunk % 2 == 0, "blocking");
 
 struct Epilogue {
   const float* xs;
@@ -38,9 +38,9 @@ void gemv(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1;) {
       const int nr = int(std::min(rows_per_pass, n1 - n));
-      for (int64_t m = 0; m < M; m += kMaxTileRows) {
-        const int mr = int(std::min<int64_t>(kMaxTileRows, M - m));
-        int32_t acc[kMaxTileRows * kMaxTileRows];
+      for (int64_t m = 0; m < M; m += kInt8TileRows) {
+        const int mr = int(std::min<int64_t>(kInt8TileRows, M - m));
+        int32_t acc[kInt8TileRows * kInt8TileRows];
         kern.gemv_tile(mr, nr, x + m * K, w + n * K, K, acc);
         for (int i = 0; i < mr; i++)
           for (int r = 0; r < nr; r++) out[(m + i) * N + n + r] = T(ep(m + i, n + r, acc[i * nr + r]));
@@ -67,22 +67,22 @@ template <typename T>
 void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
           const Epilogue& ep, T* out) {
   const int64_t K2 = K + (K & 1);
-  constexpr int64_t kTile = kPanelRows * kStrip;
+  constexpr int64_t kTile = kInt8PanelRows * kStrip;
   for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
     const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, kStrip);
     int16_t* xs = scratch<int16_t>(Slot::Activations, size_t(S * K2 * kStrip));
     pack_strips(x, m0, mb, K, K2, xs);
     at::parallel_for(0, ceil_div(N, kNBlock), 1, [&](int64_t b0, int64_t b1) {
-      constexpr int64_t P = kNBlock / kPanelRows;
+      constexpr int64_t P = kNBlock / kInt8PanelRows;
       int32_t* ct = scratch<int32_t>(Slot::Tile, size_t(P * S * kTile));
-      int16_t* panel = scratch<int16_t>(Slot::Panel, size_t(kPanelRows * kKChunk));
+      int16_t* panel = scratch<int16_t>(Slot::Panel, size_t(kInt8PanelRows * kKChunk));
       for (int64_t b = b0; b < b1; b++) {
-        const int64_t nb0 = b * kNBlock, nb1 = std::min(N, nb0 + kNBlock), np = ceil_div(nb1 - nb0, kPanelRows);
+        const int64_t nb0 = b * kNBlock, nb1 = std::min(N, nb0 + kNBlock), np = ceil_div(nb1 - nb0, kInt8PanelRows);
         for (int64_t kc = 0; kc < K; kc += kKChunk) {
           const int64_t cn = std::min(kKChunk, K - kc), len = cn + (cn & 1);
           for (int64_t i = 0; i < np; i++) {
-            for (int r = 0; r < kPanelRows; r++) {
-              const int64_t row = nb0 + i * kPanelRows + r;
+            for (int r = 0; r < kInt8PanelRows; r++) {
+              const int64_t row = nb0 + i * kInt8PanelRows + r;
               int16_t* d = panel + r * kKChunk;
               const int8_t* src = w + row * K + kc;
               for (int64_t k = 0; k < len; k++) d[k] = row < nb1 && k < cn ? int16_t(src[k]) : int16_t(0);
@@ -92,8 +92,8 @@ void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
           }
         }
         for (int64_t i = 0; i < np; i++)
-          for (int r = 0; r < kPanelRows; r++) {
-            const int64_t row = nb0 + i * kPanelRows + r;
+          for (int r = 0; r < kInt8PanelRows; r++) {
+            const int64_t row = nb0 + i * kInt8PanelRows + r;
             if (row >= nb1) break;
             for (int64_t j = 0; j < S; j++)
               for (int q = 0; q < kStrip; q++) {
