@@ -1,4 +1,4 @@
-// AVX2 inner loops of int8_mm (see int8_kernels.h). int8 x int8 is signed x signed, which the byte
+// AVX2 and AVX-VNNI inner loops of int8_mm (see int8_kernels.h). int8 x int8 is signed x signed, which the byte
 // multiply-add (vpmaddubsw: unsigned x signed, saturating) cannot do exactly; values are sign-extended to
 // int16 and multiplied with vpmaddwd, whose pair sums (at most 2 * 128 * 128) are exact in int32.
 #include "cpu/int8_kernels.h"
@@ -78,9 +78,11 @@ void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int3
 
 // 4 x 16 register tile: per pair of k, two vectors of activation pairs and four broadcast weight pairs feed
 // 8 multiply-adds. Named accumulators, not an array, so that GCC keeps them in registers.
-LOWBIT_TARGET_AVX2 void gemm_micro(const int16_t* panel, int64_t ldp, const int16_t* xs, int64_t len, int32_t* tile,
+LOWBIT_TARGET_AVX2 void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, int32_t* tile,
                                    bool accumulate) {
-  static_assert(kInt8PanelRows == 4 && kStrip == 16, "the register tile below is 4 x 16");
+  static_assert(kStrip == 16, "the register tile below is 4 x 16");
+  const auto* panel = static_cast<const int16_t*>(panel_);
+  const auto* xs = static_cast<const int16_t*>(xs_);
 #define LOWBIT_ROWS(X) X(0) X(1) X(2) X(3)
 #define LOWBIT_LOAD(P) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P))
 #define LOWBIT_INIT(R)                                                                   \
@@ -111,10 +113,53 @@ LOWBIT_TARGET_AVX2 void gemm_micro(const int16_t* panel, int64_t ldp, const int1
 #undef LOWBIT_STORE
 }
 
+// 6 x 16 register tile of byte quads: per 4 k, two vectors of activation quads (signed) and six broadcast
+// weight quads (stored + 128, unsigned) feed 12 vpdpbusd, each 32 exact products summed into int32 lanes.
+LOWBIT_TARGET_AVXVNNI void gemm_micro_vnni(const void* panel_, int64_t ldp, const void* xs_, int64_t len,
+                                           int32_t* tile, bool accumulate) {
+  static_assert(kStrip == 16, "the register tile below is 6 x 16");
+  const auto* panel = static_cast<const uint8_t*>(panel_);
+  const auto* xs = static_cast<const int8_t*>(xs_);
+#define LOWBIT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define LOWBIT_LOAD(P) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P))
+#define LOWBIT_INIT(R)                                                                   \
+  __m256i c##R##a = accumulate ? LOWBIT_LOAD(tile + R * 16) : _mm256_setzero_si256();     \
+  __m256i c##R##b = accumulate ? LOWBIT_LOAD(tile + R * 16 + 8) : _mm256_setzero_si256(); \
+  const uint8_t* p##R = panel + R * ldp;
+#define LOWBIT_DOT(R)                                                                    \
+  std::memcpy(&quad, p##R + k, sizeof(quad));                                            \
+  a = _mm256_set1_epi32(quad);                                                           \
+  c##R##a = _mm256_dpbusd_avx_epi32(c##R##a, a, b0);                                     \
+  c##R##b = _mm256_dpbusd_avx_epi32(c##R##b, a, b1);
+#define LOWBIT_STORE(R)                                                                  \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + R * 16), c##R##a);               \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + R * 16 + 8), c##R##b);
+  LOWBIT_ROWS(LOWBIT_INIT)
+  for (int64_t k = 0; k < len; k += 4) {
+    const __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16));
+    const __m256i b1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16 + 32));
+    int32_t quad;
+    __m256i a;
+    LOWBIT_ROWS(LOWBIT_DOT)
+  }
+  LOWBIT_ROWS(LOWBIT_STORE)
+#undef LOWBIT_ROWS
+#undef LOWBIT_LOAD
+#undef LOWBIT_INIT
+#undef LOWBIT_DOT
+#undef LOWBIT_STORE
+}
+
 }  // namespace
 
 const Int8Kernels& int8_kernels_avx2() {
-  static const Int8Kernels k{&gemv_tile, &gemm_micro};
+  static const Int8Kernels k{&gemv_tile, 2, 4, &gemm_micro};
+  return k;
+}
+
+// The GEMV tiles stay on vpmaddwd: at few rows int8_mm is bound by reading the weights, not by multiplies.
+const Int8Kernels& int8_kernels_avxvnni() {
+  static const Int8Kernels k{&gemv_tile, 4, 6, &gemm_micro_vnni};
   return k;
 }
 

@@ -17,13 +17,17 @@ void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int3
     }
 }
 
-void gemm_micro(const int16_t* panel, int64_t ldp, const int16_t* xs, int64_t len, int32_t* tile, bool accumulate) {
-  int32_t c[kInt8PanelRows][kStrip];
-  for (int r = 0; r < kInt8PanelRows; r++)
+constexpr int kPanelRows = 4;
+
+void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, int32_t* tile, bool accumulate) {
+  const auto* panel = static_cast<const int16_t*>(panel_);
+  const auto* xs = static_cast<const int16_t*>(xs_);
+  int32_t c[kPanelRows][kStrip];
+  for (int r = 0; r < kPanelRows; r++)
     for (int j = 0; j < kStrip; j++) c[r][j] = accumulate ? tile[r * kStrip + j] : 0;
   for (int64_t k = 0; k < len; k += 2) {
     const int16_t* xp = xs + k * kStrip;
-    for (int r = 0; r < kInt8PanelRows; r++) {
+    for (int r = 0; r < kPanelRows; r++) {
       const int32_t a0 = panel[r * ldp + k], a1 = panel[r * ldp + k + 1];
       for (int j = 0; j < kStrip; j++) c[r][j] += a0 * xp[2 * j] + a1 * xp[2 * j + 1];
     }
@@ -34,7 +38,7 @@ void gemm_micro(const int16_t* panel, int64_t ldp, const int16_t* xs, int64_t le
 }  // namespace
 
 const Int8Kernels& int8_kernels_portable() {
-  static const Int8Kernels k{&gemv_tile, &gemm_micro};
+  static const Int8Kernels k{&gemv_tile, 2, kPanelRows, &gemm_micro};
   return k;
 }
 

@@ -15,10 +15,10 @@ namespace lowbit::cpu {
 namespace {
 
 constexpr int64_t kGemmMinRows = 8;  // below: GEMV-style tiles (measured with bench --suite cpu)
-constexpr int64_t kMBlock = 128;     // activation rows packed at a time; their strips of one K chunk stay in L2
-constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (12 panels of 4)
-constexpr int64_t kKChunk = 512;     // k per panel: 4 x 512 int16 stay in L1
-static_assert(kNBlock % kInt8PanelRows == 0 && kMBlock % kStrip == 0 && kKChunk % 2 == 0, "blocking");
+constexpr int64_t kMBlock = 256;     // activation rows packed at a time; their strips of one K chunk stay in L2
+constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (a whole number of panels)
+constexpr int64_t kKChunk = 512;     // k per panel: a panel of up to 6 x 512 int16 stays in L1
+static_assert(kNBlock % 4 == 0 && kNBlock % 6 == 0 && kMBlock % kStrip == 0 && kKChunk % 4 == 0, "blocking");
 
 struct Epilogue {
   const float* xs;
@@ -50,58 +50,70 @@ void gemv(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
   });
 }
 
-// Rows m0 .. m0 + mb of x as strips of kStrip rows of int16 pairs (zero beyond K and beyond mb).
-void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t K2, int16_t* dst) {
+// Rows m0 .. m0 + mb of x as strips of kStrip rows in groups of G consecutive k (zero beyond K and beyond mb):
+// element (row i of strip j, k) at ((j * Kr + k - k % G) * kStrip + G * i + k % G). sums[m] = sum_k x[m0 + m, k].
+template <typename XT, int G>
+void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr, XT* dst, int32_t* sums) {
   at::parallel_for(0, ceil_div(mb, kStrip), 1, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; j++)
       for (int64_t i = 0; i < kStrip; i++) {
         const int64_t m = j * kStrip + i;
-        int16_t* d = dst + j * K2 * kStrip + 2 * i;
-        for (int64_t k = 0; k < K2; k++)
-          d[(k / 2) * 2 * kStrip + k % 2] = m < mb && k < K ? int16_t(x[(m0 + m) * K + k]) : int16_t(0);
+        XT* d = dst + j * Kr * kStrip + G * i;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < Kr; k++) {
+          const int8_t v = m < mb && k < K ? x[(m0 + m) * K + k] : int8_t(0);
+          d[(k - k % G) * kStrip + k % G] = XT(v);
+          sum += v;
+        }
+        if (m < mb) sums[m] = sum;
       }
   });
 }
 
-template <typename T>
+// XT / WT: the element types of activation strips and weight panels for group size G (int8_kernels.h).
+template <typename XT, typename WT, int G, typename T>
 void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
           const Epilogue& ep, T* out) {
-  const int64_t K2 = K + (K & 1);
-  constexpr int64_t kTile = kInt8PanelRows * kStrip;
+  const int64_t Kr = ceil_div(K, G) * G, R = kern.panel_rows, tile_size = R * kStrip;
+  constexpr bool kOffsetW = G == 4;  // weights stored as w + 128, corrected by 128 * row sums of x
   for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
     const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, kStrip);
-    int16_t* xs = scratch<int16_t>(Slot::Activations, size_t(S * K2 * kStrip));
-    pack_strips(x, m0, mb, K, K2, xs);
+    XT* xs = scratch<XT>(Slot::Activations, size_t(S * Kr * kStrip));
+    int32_t xsum[kMBlock];
+    pack_strips<XT, G>(x, m0, mb, K, Kr, xs, xsum);
     at::parallel_for(0, ceil_div(N, kNBlock), 1, [&](int64_t b0, int64_t b1) {
-      constexpr int64_t P = kNBlock / kInt8PanelRows;
-      int32_t* ct = scratch<int32_t>(Slot::Tile, size_t(P * S * kTile));
-      int16_t* panel = scratch<int16_t>(Slot::Panel, size_t(kInt8PanelRows * kKChunk));
+      const int64_t P = kNBlock / R;
+      int32_t* ct = scratch<int32_t>(Slot::Tile, size_t(P * S * tile_size));
+      WT* panel = scratch<WT>(Slot::Panel, size_t(R * kKChunk));
       for (int64_t b = b0; b < b1; b++) {
-        const int64_t nb0 = b * kNBlock, nb1 = std::min(N, nb0 + kNBlock), np = ceil_div(nb1 - nb0, kInt8PanelRows);
+        const int64_t nb0 = b * kNBlock, nb1 = std::min(N, nb0 + kNBlock), np = ceil_div(nb1 - nb0, R);
         for (int64_t kc = 0; kc < K; kc += kKChunk) {
-          const int64_t cn = std::min(kKChunk, K - kc), len = cn + (cn & 1);
+          const int64_t cn = std::min(kKChunk, K - kc), len = ceil_div(cn, G) * G;
           for (int64_t i = 0; i < np; i++) {
-            for (int r = 0; r < kInt8PanelRows; r++) {
-              const int64_t row = nb0 + i * kInt8PanelRows + r;
-              int16_t* d = panel + r * kKChunk;
-              const int8_t* src = w + row * K + kc;
-              for (int64_t k = 0; k < len; k++) d[k] = row < nb1 && k < cn ? int16_t(src[k]) : int16_t(0);
+            for (int64_t r = 0; r < R; r++) {
+              const int64_t row = nb0 + i * R + r;
+              WT* d = panel + r * kKChunk;
+              int64_t k = 0;
+              if (row < nb1) {  // a plain loop, vectorized by the compiler
+                const int8_t* src = w + row * K + kc;
+                for (; k < cn; k++) d[k] = kOffsetW ? WT(uint8_t(src[k]) ^ 0x80) : WT(src[k]);
+              }
+              for (; k < len; k++) d[k] = WT(0);
             }
             for (int64_t j = 0; j < S; j++)
-              kern.gemm_micro(panel, kKChunk, xs + (j * K2 + kc) * kStrip, len, ct + (i * S + j) * kTile, kc > 0);
+              kern.gemm_micro(panel, kKChunk, xs + (j * Kr + kc) * kStrip, len, ct + (i * S + j) * tile_size, kc > 0);
           }
         }
-        for (int64_t i = 0; i < np; i++)
-          for (int r = 0; r < kInt8PanelRows; r++) {
-            const int64_t row = nb0 + i * kInt8PanelRows + r;
-            if (row >= nb1) break;
-            for (int64_t j = 0; j < S; j++)
-              for (int q = 0; q < kStrip; q++) {
-                const int64_t m = j * kStrip + q;
-                if (m >= mb) break;
-                out[(m0 + m) * N + row] = T(ep(m0 + m, row, ct[(i * S + j) * kTile + r * kStrip + q]));
-              }
+        // rows of out are written contiguously; the tiles (P x S x R x kStrip int32) are still in L1
+        for (int64_t m = 0; m < mb; m++) {
+          const int64_t j = m / kStrip, q = m % kStrip;
+          for (int64_t row = nb0; row < nb1; row++) {
+            const int64_t i = (row - nb0) / R, r = (row - nb0) % R;
+            uint32_t acc = uint32_t(ct[(i * S + j) * tile_size + r * kStrip + q]);
+            if (kOffsetW) acc -= 128u * uint32_t(xsum[m]);  // modulo 2^32: exact when the true sum fits
+            out[(m0 + m) * N + row] = T(ep(m0 + m, row, int32_t(acc)));
           }
+        }
       }
     });
   }
@@ -119,8 +131,9 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
   const int8_t* w = a.wq.data_ptr<int8_t>();
   LOWBIT_DISPATCH_FLOAT_TYPES(a.out_dtype, "int8_mm", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    if (a.M >= kGemmMinRows && a.K > 0) gemm(kern, x, a.M, w, a.N, a.K, ep, o);
-    else gemv(kern, x, a.M, w, a.N, a.K, ep, o);
+    if (a.M < kGemmMinRows || a.K == 0) gemv(kern, x, a.M, w, a.N, a.K, ep, o);
+    else if (kern.group == 4) gemm<int8_t, uint8_t, 4>(kern, x, a.M, w, a.N, a.K, ep, o);
+    else gemm<int16_t, int16_t, 2>(kern, x, a.M, w, a.N, a.K, ep, o);
   });
   return out.view(a.out_shape);
 }

@@ -9,6 +9,8 @@
 #define LOWBIT_X86 1
 // AVX2 for the integer and float lanes, FMA for the dot products, F16C for the fp8 -> half -> float decode
 #define LOWBIT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX-VNNI: byte dot products with int32 accumulation (vpdpbusd), on 256-bit vectors
+#define LOWBIT_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #else
 #define LOWBIT_X86 0
 #endif
@@ -16,13 +18,13 @@
 namespace lowbit::cpu {
 
 // Ordered: each level implies the ones below it.
-enum class Isa : int { Portable = 0, Avx2 = 1 };
+enum class Isa : int { Portable = 0, Avx2 = 1, AvxVnni = 2 };
 
 // The best level this CPU supports, lowered by set_isa_cap (a test switch).
 Isa isa();
 // Lower (or restore, with the highest level) the level the kernels may use; returns the previous cap.
 Isa set_isa_cap(Isa cap);
 const char* isa_name(Isa i);
-Isa isa_from_name(const std::string& name);  // "portable" | "avx2" | "best"
+Isa isa_from_name(const std::string& name);  // "portable" | "avx2" | "avxvnni" | "best"
 
 }  // namespace lowbit::cpu
