@@ -70,7 +70,17 @@ def _check(cond, msg):
         raise RuntimeError(msg)
 
 
+def _same_device(op, ref_name, ref, **tensors):
+    """The device check of csrc/checks.cpp. Needed here too: with one argument on the meta device the dispatcher
+    runs the fake kernel, which would otherwise return an uninitialized tensor on the other device."""
+    for name, t in tensors.items():
+        _check(t is None or t.device == ref.device,
+               f"{op}: {name} is on {t.device if t is not None else None} but {ref_name} is on {ref.device}; "
+               "all tensors must be on one device")
+
+
 def _fake_fp8_mm(x, weight, scale, bias=None, block_size=None):
+    _same_device("fp8_mm", "x", x, weight=weight, scale=scale, bias=bias)
     _check(weight.dim() == 2, f"fp8_mm: weight must be [N, K], got shape {tuple(weight.shape)}")
     _check(x.dtype in _FLOAT_DTYPES, f"fp8_mm: x must be bfloat16, float16 or float32, got {x.dtype}")
     torch._check(x.shape[-1] == weight.shape[1], lambda: "fp8_mm: x's last dimension must equal weight's K")
@@ -78,11 +88,13 @@ def _fake_fp8_mm(x, weight, scale, bias=None, block_size=None):
 
 
 def _fake_fp8_dequantize(weight, scale, block_size=None, dtype=torch.bfloat16):
+    _same_device("fp8_dequantize", "weight", weight, scale=scale)
     _check(weight.dim() == 2, f"fp8_dequantize: weight must be [N, K], got shape {tuple(weight.shape)}")
     return weight.new_empty(tuple(weight.shape), dtype=dtype)
 
 
 def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=None):
+    _same_device("fp8_grouped_mm", "x", x, weight=weight, scale=scale, offsets=offsets, expert_ids=expert_ids)
     _check(x.dim() == 2, f"fp8_grouped_mm: x must be [T, K], got shape {tuple(x.shape)}")
     _check(weight.dim() == 3, f"fp8_grouped_mm: weight must be [E, N, K], got shape {tuple(weight.shape)}")
     torch._check(x.shape[1] == weight.shape[2], lambda: "fp8_grouped_mm: x's last dimension must equal weight's K")
@@ -95,6 +107,7 @@ def _fake_int8_quantize(x):
 
 
 def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
+    _same_device("int8_mm", "xq", xq, x_scale=x_scale, wq=wq, w_scale=w_scale, bias=bias)
     _check(wq.dim() == 2, f"int8_mm: wq must be [N, K], got shape {tuple(wq.shape)}")
     torch._check(xq.shape[-1] == wq.shape[1], lambda: "int8_mm: xq's last dimension must equal wq's K")
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype or torch.bfloat16)
