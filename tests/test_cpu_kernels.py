@@ -1,5 +1,5 @@
 """The CPU backend's code paths, each forced: every instruction-set level this machine has (portable, avx2,
-avxvnni; torch_lowbit.testing.forced_cpu_isa) x every M regime (GEMV tiles, their row groups, the panel GEMM and
+avxvnni, avx512; torch_lowbit.testing.forced_cpu_isa) x every M regime (GEMV tiles, their row groups, the panel GEMM and
 its blocks) x tails, on shapes large enough to reach them (K = 4096). CPU only; the op tests run the small shapes
 on every backend."""
 import pytest
@@ -9,7 +9,7 @@ from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref
     ref_int8_mm
 from torch_lowbit.testing import cpu_isa, forced_cpu_isa
 
-LEVELS = ["portable", "avx2", "avxvnni"]
+LEVELS = ["portable", "avx2", "avxvnni", "avx512"]
 ISAS = LEVELS[:LEVELS.index(cpu_isa()) + 1]  # the levels this CPU supports, portable first
 ops = torch.ops.lowbit
 

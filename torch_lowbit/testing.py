@@ -1,7 +1,7 @@
 """Test switches for the CPU backend.
 
-The CPU kernels pick an instruction set at run time (AVX2 + FMA + F16C where the CPU has them, portable code
-otherwise). ``cpu_isa("portable")`` forces the portable path inside a block, so tests run every path on one
+The CPU kernels pick an instruction-set level at run time (portable < avx2 (AVX2 + FMA + F16C) < avxvnni
+< avx512, each implying the ones before). ``cpu_isa("portable")`` forces the portable path inside a block, so tests run every path on one
 machine.
 """
 import contextlib
@@ -10,13 +10,14 @@ from . import _C
 
 
 def cpu_isa() -> str:
-    """The instruction set the CPU kernels use now: ``"avx2"`` or ``"portable"``."""
+    """The instruction-set level the CPU kernels use now: ``"portable"``, ``"avx2"``, ``"avxvnni"`` or ``"avx512"``."""
     return _C._cpu_isa()
 
 
 @contextlib.contextmanager
 def forced_cpu_isa(name: str):
-    """Cap the CPU kernels at ``name`` (``"portable"``, ``"avx2"`` or ``"best"``) inside this block."""
+    """Cap the CPU kernels at level ``name`` (``"portable"``, ``"avx2"``, ``"avxvnni"``, ``"avx512"``, ``"best"``)
+    inside this block."""
     previous = _C._cpu_set_isa(name)
     try:
         yield

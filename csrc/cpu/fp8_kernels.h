@@ -42,9 +42,11 @@ struct Fp8Kernels {
 const Fp8Kernels& fp8_kernels_portable();
 #if LOWBIT_X86
 const Fp8Kernels& fp8_kernels_avx2();
+const Fp8Kernels& fp8_kernels_avx512();
 #endif
 inline const Fp8Kernels& fp8_kernels(Isa i) {
 #if LOWBIT_X86
+  if (i >= Isa::Avx512) return fp8_kernels_avx512();
   if (i >= Isa::Avx2) return fp8_kernels_avx2();
 #endif
   (void)i;

@@ -52,7 +52,7 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* 
       // Each weight row is its own stream, and a row of K = 4096 codes is one 4 KB page, where the hardware
       // prefetchers stop: fetch the same offset of the next tile's rows (in memory just after these) ahead.
       if ((k & 63) == 0)
-        for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T0);
+        for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T1);
       for (int r = 0; r < NR; r++) {
         __m256 d[4];
         avx2::decode_chunk(w + r * K + k0 + k, d, nan_acc[r]);

@@ -11,20 +11,22 @@
 #define LOWBIT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 // AVX-VNNI: byte dot products with int32 accumulation (vpdpbusd), on 256-bit vectors
 #define LOWBIT_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+// AVX-512 (F, BW, VL) on top of the above
+#define LOWBIT_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl")))
 #else
 #define LOWBIT_X86 0
 #endif
 
 namespace lowbit::cpu {
 
-// Ordered: each level implies the ones below it.
-enum class Isa : int { Portable = 0, Avx2 = 1, AvxVnni = 2 };
+// Ordered: each level implies the ones below it (a CPU with AVX-512 but without AVX-VNNI stays at Avx2).
+enum class Isa : int { Portable = 0, Avx2 = 1, AvxVnni = 2, Avx512 = 3 };
 
 // The best level this CPU supports, lowered by set_isa_cap (a test switch).
 Isa isa();
 // Lower (or restore, with the highest level) the level the kernels may use; returns the previous cap.
 Isa set_isa_cap(Isa cap);
 const char* isa_name(Isa i);
-Isa isa_from_name(const std::string& name);  // "portable" | "avx2" | "avxvnni" | "best"
+Isa isa_from_name(const std::string& name);  // "portable" | "avx2" | "avxvnni" | "avx512" | "best"
 
 }  // namespace lowbit::cpu
