@@ -1,9 +1,12 @@
-// AVX2 and AVX-VNNI inner loops of int8_mm (see int8_kernels.h). int8 x int8 is signed x signed, which the byte
+// AVX2, AVX-VNNI and AVX512-VNNI inner loops of int8_mm (see int8_kernels.h). int8 x int8 is signed x signed, which the byte
 // multiply-add (vpmaddubsw: unsigned x signed, saturating) cannot do exactly; values are sign-extended to
 // int16 and multiplied with vpmaddwd, whose pair sums (at most 2 * 128 * 128) are exact in int32.
 #include "cpu/int8_kernels.h"
 
 #if LOWBIT_X86
+// GCC 12 warns about the undefined pass-through operand inside its own AVX-512 intrinsics headers
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <cstring>
@@ -12,6 +15,7 @@ namespace lowbit::cpu {
 namespace {
 
 constexpr int kStep = 16;  // int8 values per vector step (sign-extended to 16 int16)
+constexpr int kStrip = 16;  // activation rows per GEMM micro-tile: two vectors of 8 int32
 
 LOWBIT_TARGET_AVX2 inline __m256i widen(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -153,13 +157,51 @@ LOWBIT_TARGET_AVXVNNI void gemm_micro_vnni(const void* panel_, int64_t ldp, cons
 }  // namespace
 
 const Int8Kernels& int8_kernels_avx2() {
-  static const Int8Kernels k{&gemv_tile, 2, 4, &gemm_micro};
+  static const Int8Kernels k{&gemv_tile, 2, 4, kStrip, &gemm_micro};
   return k;
 }
 
 // The GEMV tiles stay on vpmaddwd: at few rows int8_mm is bound by reading the weights, not by multiplies.
 const Int8Kernels& int8_kernels_avxvnni() {
-  static const Int8Kernels k{&gemv_tile, 4, 6, &gemm_micro_vnni};
+  static const Int8Kernels k{&gemv_tile, 4, 6, kStrip, &gemm_micro_vnni};
+  return k;
+}
+
+// The same 6-row tile on 512-bit vectors: 6 x 32 activation rows, 12 vpdpbusd of 64 products each per 4 k.
+static LOWBIT_TARGET_AVX512VNNI void gemm_micro_avx512(const void* panel_, int64_t ldp, const void* xs_, int64_t len,
+                                               int32_t* tile, bool accumulate) {
+  const auto* panel = static_cast<const uint8_t*>(panel_);
+  const auto* xs = static_cast<const int8_t*>(xs_);
+#define LOWBIT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define LOWBIT_INIT(R)                                                                          \
+  __m512i c##R##a = accumulate ? _mm512_loadu_si512(tile + R * 32) : _mm512_setzero_si512();     \
+  __m512i c##R##b = accumulate ? _mm512_loadu_si512(tile + R * 32 + 16) : _mm512_setzero_si512(); \
+  const uint8_t* p##R = panel + R * ldp;
+#define LOWBIT_DOT(R)                                    \
+  std::memcpy(&quad, p##R + k, sizeof(quad));            \
+  a = _mm512_set1_epi32(quad);                           \
+  c##R##a = _mm512_dpbusd_epi32(c##R##a, a, b0);         \
+  c##R##b = _mm512_dpbusd_epi32(c##R##b, a, b1);
+#define LOWBIT_STORE(R)                                  \
+  _mm512_storeu_si512(tile + R * 32, c##R##a);           \
+  _mm512_storeu_si512(tile + R * 32 + 16, c##R##b);
+  LOWBIT_ROWS(LOWBIT_INIT)
+  for (int64_t k = 0; k < len; k += 4) {
+    const __m512i b0 = _mm512_load_si512(xs + k * 32);
+    const __m512i b1 = _mm512_load_si512(xs + k * 32 + 64);
+    int32_t quad;
+    __m512i a;
+    LOWBIT_ROWS(LOWBIT_DOT)
+  }
+  LOWBIT_ROWS(LOWBIT_STORE)
+#undef LOWBIT_ROWS
+#undef LOWBIT_INIT
+#undef LOWBIT_DOT
+#undef LOWBIT_STORE
+}
+
+const Int8Kernels& int8_kernels_avx512() {
+  static const Int8Kernels k{&gemv_tile, 4, 6, 32, &gemm_micro_avx512};
   return k;
 }
 

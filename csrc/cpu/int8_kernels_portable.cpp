@@ -18,6 +18,7 @@ void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int3
 }
 
 constexpr int kPanelRows = 4;
+constexpr int kStrip = 16;
 
 void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, int32_t* tile, bool accumulate) {
   const auto* panel = static_cast<const int16_t*>(panel_);
@@ -38,7 +39,7 @@ void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, i
 }  // namespace
 
 const Int8Kernels& int8_kernels_portable() {
-  static const Int8Kernels k{&gemv_tile, 2, kPanelRows, &gemm_micro};
+  static const Int8Kernels k{&gemv_tile, 2, kPanelRows, kStrip, &gemm_micro};
   return k;
 }
 

@@ -18,7 +18,7 @@ constexpr int64_t kGemmMinRows = 8;  // below: GEMV-style tiles (measured with b
 constexpr int64_t kMBlock = 256;     // activation rows packed at a time; their strips of one K chunk stay in L2
 constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (a whole number of panels)
 constexpr int64_t kKChunk = 512;     // k per panel: a panel of up to 6 x 512 int16 stays in L1
-static_assert(kNBlock % 4 == 0 && kNBlock % 6 == 0 && kMBlock % kStrip == 0 && kKChunk % 4 == 0, "blocking");
+static_assert(kNBlock % 4 == 0 && kNBlock % 6 == 0 && kMBlock % 32 == 0 && kKChunk % 4 == 0, "blocking");
 
 struct Epilogue {
   const float* xs;
@@ -50,19 +50,19 @@ void gemv(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
   });
 }
 
-// Rows m0 .. m0 + mb of x as strips of kStrip rows in groups of G consecutive k (zero beyond K and beyond mb):
-// element (row i of strip j, k) at ((j * Kr + k - k % G) * kStrip + G * i + k % G). sums[m] = sum_k x[m0 + m, k].
+// Rows m0 .. m0 + mb of x as strips of W rows in groups of G consecutive k (zero beyond K and beyond mb):
+// element (row i of strip j, k) at ((j * Kr + k - k % G) * W + G * i + k % G). sums[m] = sum_k x[m0 + m, k].
 template <typename XT, int G>
-void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr, XT* dst, int32_t* sums) {
-  at::parallel_for(0, ceil_div(mb, kStrip), 1, [&](int64_t j0, int64_t j1) {
+void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr, int64_t W, XT* dst, int32_t* sums) {
+  at::parallel_for(0, ceil_div(mb, W), 1, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; j++)
-      for (int64_t i = 0; i < kStrip; i++) {
-        const int64_t m = j * kStrip + i;
-        XT* d = dst + j * Kr * kStrip + G * i;
+      for (int64_t i = 0; i < W; i++) {
+        const int64_t m = j * W + i;
+        XT* d = dst + j * Kr * W + G * i;
         int32_t sum = 0;
         for (int64_t k = 0; k < Kr; k++) {
           const int8_t v = m < mb && k < K ? x[(m0 + m) * K + k] : int8_t(0);
-          d[(k - k % G) * kStrip + k % G] = XT(v);
+          d[(k - k % G) * W + k % G] = XT(v);
           sum += v;
         }
         if (m < mb) sums[m] = sum;
@@ -74,13 +74,13 @@ void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr,
 template <typename XT, typename WT, int G, typename T>
 void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
           const Epilogue& ep, T* out) {
-  const int64_t Kr = ceil_div(K, G) * G, R = kern.panel_rows, tile_size = R * kStrip;
+  const int64_t Kr = ceil_div(K, G) * G, R = kern.panel_rows, W = kern.strip, tile_size = R * W;
   constexpr bool kOffsetW = G == 4;  // weights stored as w + 128, corrected by 128 * row sums of x
   for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
-    const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, kStrip);
-    XT* xs = scratch<XT>(Slot::Activations, size_t(S * Kr * kStrip));
+    const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, W);
+    XT* xs = scratch<XT>(Slot::Activations, size_t(S * Kr * W));
     int32_t xsum[kMBlock];
-    pack_strips<XT, G>(x, m0, mb, K, Kr, xs, xsum);
+    pack_strips<XT, G>(x, m0, mb, K, Kr, W, xs, xsum);
     at::parallel_for(0, ceil_div(N, kNBlock), 1, [&](int64_t b0, int64_t b1) {
       const int64_t P = kNBlock / R;
       int32_t* ct = scratch<int32_t>(Slot::Tile, size_t(P * S * tile_size));
@@ -101,15 +101,15 @@ void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
               for (; k < len; k++) d[k] = WT(0);
             }
             for (int64_t j = 0; j < S; j++)
-              kern.gemm_micro(panel, kKChunk, xs + (j * Kr + kc) * kStrip, len, ct + (i * S + j) * tile_size, kc > 0);
+              kern.gemm_micro(panel, kKChunk, xs + (j * Kr + kc) * W, len, ct + (i * S + j) * tile_size, kc > 0);
           }
         }
-        // rows of out are written contiguously; the tiles (P x S x R x kStrip int32) are still in L1
+        // rows of out are written contiguously; the tiles (P x S x R x W int32) are still in L1
         for (int64_t m = 0; m < mb; m++) {
-          const int64_t j = m / kStrip, q = m % kStrip;
+          const int64_t j = m / W, q = m % W;
           for (int64_t row = nb0; row < nb1; row++) {
             const int64_t i = (row - nb0) / R, r = (row - nb0) % R;
-            uint32_t acc = uint32_t(ct[(i * S + j) * tile_size + r * kStrip + q]);
+            uint32_t acc = uint32_t(ct[(i * S + j) * tile_size + r * W + q]);
             if (kOffsetW) acc -= 128u * uint32_t(xsum[m]);  // modulo 2^32: exact when the true sum fits
             out[(m0 + m) * N + row] = T(ep(m0 + m, row, int32_t(acc)));
           }
