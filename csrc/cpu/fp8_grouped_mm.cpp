@@ -52,17 +52,17 @@ at::Tensor fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const a
     }
     if (small.empty()) return;
     // after the big groups: fp8_matmul reuses the same activation scratch
-    const KSegments seg = k_segments(a.w.layout, K);
-    const int64_t ld = seg.packed_size();
-    float* packed = scratch<float>(Slot::Activations, size_t(small_rows * ld));
-    for (const Group& g : small) pack_rows(xp + g.r0 * K, g.r1 - g.r0, seg, packed + g.packed_row * ld);
     const Fp8Kernels& kern = fp8_kernels(isa());
+    const GemvActivations acts = gemv_activations<scalar_t>(kern, a.w.layout, K);
+    const int64_t ld = acts.row_bytes();
+    uint8_t* packed = scratch<uint8_t>(Slot::Activations, size_t(small_rows * ld));
+    for (const Group& g : small) pack_rows(acts, xp + g.r0 * K, g.r1 - g.r0, packed + g.packed_row * ld);
     const int64_t per_group = ceil_div(N, kColumnsPerItem);
     at::parallel_for(0, int64_t(small.size()) * per_group, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; i++) {
         const Group& g = small[i / per_group];
         const int64_t n0 = (i % per_group) * kColumnsPerItem, n1 = std::min(N, n0 + kColumnsPerItem);
-        gemv_rows(kern, packed + g.packed_row * ld, g.r1 - g.r0, operand(g.expert), seg, n0, n1, op + g.r0 * N, N);
+        gemv_rows(kern, acts, packed + g.packed_row * ld, g.r1 - g.r0, operand(g.expert), n0, n1, op + g.r0 * N, N);
       }
     });
   });

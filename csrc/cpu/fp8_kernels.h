@@ -25,6 +25,9 @@ struct KSegments {
   int64_t packed_size() const { return count * padded; }
 };
 
+// Cut K for `layout` (one segment per K block, or all of K), padding segments to whole chunks of `chunk` codes.
+KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk);
+
 constexpr int kMaxTileRows = 4;  // the largest MR and NR of a GEMV tile
 
 struct Fp8Kernels {
@@ -33,6 +36,10 @@ struct Fp8Kernels {
   // nan[r] |= row r holds a NaN code (the path may instead let NaN flow through the sums).
   void (*gemv_tile)(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K,
                     const float* const* bscale, const KSegments& seg, float* sums, bool* nan);
+  // The same for bf16 activations, where the CPU has bf16 dot products (null otherwise): x holds bf16 bits,
+  // segments padded to chunks of kBf16Chunk in kBf16ChunkOrder. Exact decode; NaN codes decode to NaN.
+  void (*gemv_tile_bf16)(int mr, int nr, const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K,
+                         const float* const* bscale, const KSegments& seg, float* sums, bool* nan);
   // Decode codes [k0, k0 + n) of rows w + r * K, r < nrows, into dst[r * ldd + p], p < round_up_chunk(n)
   // (packed positions, zero padding). nan[r] |= row r holds a NaN code in that range.
   void (*decode_rows)(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "cpu/fp8_simd.h"
 #include "cpu/workspace.h"
@@ -30,23 +31,24 @@ inline const float* block_scale_row(const Fp8Operand& op, int64_t n) {
   return op.scale + (n / op.layout.bn) * op.layout.kb;
 }
 
-// One segment of one activation row into packed positions: chunk by chunk in kChunkOrder, zero padded.
-template <typename T>
-inline void pack_segment(const T* src, int64_t n, int64_t padded, float* dst) {
-  for (int64_t c = 0; c < padded; c += kChunk)
-    for (int p = 0; p < kChunk; p++) {
-      const int64_t k = c + kChunkOrder[p];
-      dst[c + p] = k < n ? float(src[k]) : 0.f;
+// One segment of one activation row into packed positions: chunk by chunk in `order`, zero padded.
+template <typename T, typename D, size_t kC>
+inline void pack_segment(const T* src, int64_t n, int64_t padded, const std::array<uint8_t, kC>& order, D* dst) {
+  for (int64_t c = 0; c < padded; c += int64_t(kC))
+    for (size_t p = 0; p < kC; p++) {
+      const int64_t k = c + order[p];
+      dst[c + int64_t(p)] = k < n ? D(src[k]) : D(0);
     }
 }
 
-// x [M, K] -> packed segments: segment s of row m at dst + s * seg_stride + m * row_stride.
+// x [M, K] -> packed fp32 segments: segment s of row m at dst + s * seg_stride + m * row_stride.
 template <typename T>
 void pack(const T* x, int64_t M, const KSegments& seg, float* dst, int64_t row_stride, int64_t seg_stride) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++)
       for (int64_t s = 0; s < seg.count; s++)
-        pack_segment(x + m * seg.K + seg.begin(s), seg.size(s), seg.padded, dst + s * seg_stride + m * row_stride);
+        pack_segment(x + m * seg.K + seg.begin(s), seg.size(s), seg.padded, kChunkOrder,
+                     dst + s * seg_stride + m * row_stride);
   });
 }
 
@@ -101,24 +103,48 @@ void gemm(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& op, c
 
 }  // namespace
 
-KSegments k_segments(const ScaleLayout& layout, int64_t K) {
+KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk) {
   KSegments s;
   s.K = K;
   if (K == 0) return s;
-  s.len = layout.kind == ScaleKind::Block ? std::min(layout.bk, K) : K;
+  s.len = block ? std::min(bk, K) : K;
   s.count = ceil_div(K, s.len);
-  s.padded = round_up_chunk(s.len);
+  s.padded = ceil_div(s.len, chunk) * chunk;
   return s;
 }
 
-template <typename T>
-void pack_rows(const T* x, int64_t M, const KSegments& seg, float* dst) {
-  pack(x, M, seg, dst, seg.packed_size(), seg.padded);
+KSegments k_segments(const ScaleLayout& layout, int64_t K) {
+  return k_segments_for(layout.kind == ScaleKind::Block, layout.bk, K, kChunk);
 }
 
 template <typename T>
-void gemv_rows(const Fp8Kernels& kern, const float* xp, int64_t M, const Fp8Operand& op, const KSegments& seg,
+GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K) {
+  GemvActivations a;
+  a.bf16 = std::is_same_v<T, c10::BFloat16> && kern.gemv_tile_bf16 != nullptr;
+  a.seg = k_segments_for(layout.kind == ScaleKind::Block, layout.bk, K, a.bf16 ? kBf16Chunk : kChunk);
+  return a;
+}
+
+template <typename T>
+void pack_rows(const GemvActivations& acts, const T* x, int64_t M, void* dst) {
+  const KSegments& seg = acts.seg;
+  if (!acts.bf16) return pack(x, M, seg, static_cast<float*>(dst), seg.packed_size(), seg.padded);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the bf16 bits as they are
+    auto* d = static_cast<uint16_t*>(dst);
+    const auto* bits = reinterpret_cast<const uint16_t*>(x);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; m++)
+        for (int64_t s = 0; s < seg.count; s++)
+          pack_segment(bits + m * seg.K + seg.begin(s), seg.size(s), seg.padded, kBf16ChunkOrder,
+                       d + m * seg.packed_size() + s * seg.padded);
+    });
+  }
+}
+
+template <typename T>
+void gemv_rows(const Fp8Kernels& kern, const GemvActivations& acts, const void* xp, int64_t M, const Fp8Operand& op,
                int64_t n0, int64_t n1, T* out, int64_t ldo) {
+  const KSegments& seg = acts.seg;
   const int64_t ldx = seg.packed_size(), K = op.K;
   const bool block = op.layout.kind == ScaleKind::Block;
   // one activation row: 4 weight rows per pass share its loads; more rows: 2 weight rows x up to 4 x rows
@@ -132,7 +158,12 @@ void gemv_rows(const Fp8Kernels& kern, const float* xp, int64_t M, const Fp8Oper
     for (int64_t m = 0; m < M; m += kMaxTileRows) {  // later groups find the weight rows in L1
       const int mr = int(std::min<int64_t>(kMaxTileRows, M - m));
       float sums[kMaxTileRows * kMaxTileRows];
-      kern.gemv_tile(mr, nr, xp + m * ldx, ldx, op.w + n * K, K, block ? bs : nullptr, seg, sums, nan);
+      if (acts.bf16)
+        kern.gemv_tile_bf16(mr, nr, static_cast<const uint16_t*>(xp) + m * ldx, ldx, op.w + n * K, K,
+                            block ? bs : nullptr, seg, sums, nan);
+      else
+        kern.gemv_tile(mr, nr, static_cast<const float*>(xp) + m * ldx, ldx, op.w + n * K, K, block ? bs : nullptr,
+                       seg, sums, nan);
       for (int i = 0; i < mr; i++)
         for (int r = 0; r < nr; r++) out[(m + i) * ldo + n + r] = T(finish(op, n + r, sums[i * nr + r], nan[r]));
     }
@@ -149,17 +180,18 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
     return;
   }
   const Fp8Kernels& kern = fp8_kernels(isa());
-  const KSegments seg = k_segments(op.layout, op.K);
-  if (M >= kGemmMinRows) return gemm(kern, x, M, op, seg, out, ldo);
-  float* xp = scratch<float>(Slot::Activations, size_t(M * seg.packed_size()));
-  pack_rows(x, M, seg, xp);
-  at::parallel_for(0, op.N, 16, [&](int64_t n0, int64_t n1) { gemv_rows(kern, xp, M, op, seg, n0, n1, out, ldo); });
+  if (M >= kGemmMinRows) return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
+  const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);
+  void* xp = scratch<uint8_t>(Slot::Activations, size_t(M * acts.row_bytes()));
+  pack_rows(acts, x, M, xp);
+  at::parallel_for(0, op.N, 16, [&](int64_t n0, int64_t n1) { gemv_rows(kern, acts, xp, M, op, n0, n1, out, ldo); });
 }
 
 #define LOWBIT_INSTANTIATE(T)                                                                                  \
   template void fp8_matmul<T>(const T*, int64_t, const Fp8Operand&, T*, int64_t);                              \
-  template void pack_rows<T>(const T*, int64_t, const KSegments&, float*);                                     \
-  template void gemv_rows<T>(const Fp8Kernels&, const float*, int64_t, const Fp8Operand&, const KSegments&,     \
+  template GemvActivations gemv_activations<T>(const Fp8Kernels&, const ScaleLayout&, int64_t);                \
+  template void pack_rows<T>(const GemvActivations&, const T*, int64_t, void*);                                \
+  template void gemv_rows<T>(const Fp8Kernels&, const GemvActivations&, const void*, int64_t, const Fp8Operand&, \
                              int64_t, int64_t, T*, int64_t);
 LOWBIT_INSTANTIATE(float)
 LOWBIT_INSTANTIATE(c10::BFloat16)

@@ -26,19 +26,27 @@ struct Fp8Operand {
 // Below this many activation rows the GEMV-style tiles beat the GEMM (measured with bench --suite cpu).
 constexpr int64_t kGemmMinRows = 8;
 
-KSegments k_segments(const ScaleLayout& layout, int64_t K);
+// How the GEMV tiles see the activations: fp32 in chunks of 32 codes, or -- bf16 x, where the kernels have a
+// bf16 dot product -- the bf16 values themselves in chunks of 64.
+struct GemvActivations {
+  bool bf16 = false;
+  KSegments seg;
+  int64_t row_bytes() const { return seg.packed_size() * (bf16 ? 2 : 4); }
+};
+template <typename T>
+GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K);
 
 // out[m * ldo + n] = sum_k x[m, k] * dec(w[n, k]) * scale(n, k) (+ bias[n]), rounded once to T; x is [M, K].
 template <typename T>
 void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo);
 
 // Pieces for callers that schedule many small products themselves (fp8_grouped_mm's decode case):
-// pack_rows writes x [M, K] as M packed rows of seg.packed_size() floats; gemv_rows then computes output
-// columns [n0, n1) of those rows on the calling thread.
+// pack_rows writes x [M, K] as M packed rows of acts.row_bytes(); gemv_rows then computes output columns
+// [n0, n1) of those rows on the calling thread.
 template <typename T>
-void pack_rows(const T* x, int64_t M, const KSegments& seg, float* dst);
+void pack_rows(const GemvActivations& acts, const T* x, int64_t M, void* dst);
 template <typename T>
-void gemv_rows(const Fp8Kernels& kern, const float* xp, int64_t M, const Fp8Operand& op, const KSegments& seg,
+void gemv_rows(const Fp8Kernels& kern, const GemvActivations& acts, const void* xp, int64_t M, const Fp8Operand& op,
                int64_t n0, int64_t n1, T* out, int64_t ldo);
 
 }  // namespace lowbit::cpu

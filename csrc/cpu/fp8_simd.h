@@ -33,6 +33,16 @@ constexpr std::array<uint8_t, kChunk> make_chunk_order() {
 }
 inline constexpr std::array<uint8_t, kChunk> kChunkOrder = make_chunk_order();
 
+// bf16 activations (AVX-512 BF16 path): chunks of 64 codes, position p holds code kBf16ChunkOrder[p] -- the
+// order of 16-bit words that byte unpacks of 64 decoded codes produce (8 codes per 128-bit lane and half).
+constexpr int kBf16Chunk = 64;
+constexpr std::array<uint8_t, kBf16Chunk> make_bf16_chunk_order() {
+  std::array<uint8_t, kBf16Chunk> o{};
+  for (int p = 0; p < kBf16Chunk; p++) o[p] = uint8_t(16 * (p % 32 / 8) + 8 * (p / 32) + p % 8);
+  return o;
+}
+inline constexpr std::array<uint8_t, kBf16Chunk> kBf16ChunkOrder = make_bf16_chunk_order();
+
 constexpr std::array<float, 256> make_fp8_table_unscaled() {
   std::array<float, 256> t{};
   for (int i = 0; i < 256; i++) t[i] = fp8_e4m3_value(uint8_t(i)) / kDecodeUnscale;

@@ -15,7 +15,8 @@ Isa detect() {
   {
     if (!__builtin_cpu_supports("avxvnni")) return Isa::Avx2;
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
     return avx512 ? Isa::Avx512 : Isa::AvxVnni;
   }
 #endif

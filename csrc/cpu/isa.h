@@ -11,10 +11,13 @@
 #define LOWBIT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 // AVX-VNNI: byte dot products with int32 accumulation (vpdpbusd), on 256-bit vectors
 #define LOWBIT_TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
-// AVX-512 (F, BW, VL, VNNI) on top of the above
+// AVX-512 (F, BW, VL, VNNI, VBMI, BF16) on top of the above
 #define LOWBIT_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl")))
 #define LOWBIT_TARGET_AVX512VNNI \
   __attribute__((target("avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni")))
+// byte permutes (table decode) and bf16 dot products
+#define LOWBIT_TARGET_AVX512BF16 \
+  __attribute__((target("avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16")))
 #else
 #define LOWBIT_X86 0
 #endif
