@@ -23,7 +23,8 @@ struct Fp8Operand {
   const float* bias = nullptr;
 };
 
-// Below this many activation rows the GEMV-style tiles beat the GEMM (measured with bench --suite cpu).
+// Below this many activation rows the GEMV-style tiles are used (they re-decode the weight for every group of
+// 4 rows, so their cost grows with M; the panel GEMM's does not). Not tuned yet: a first guess.
 constexpr int64_t kGemmMinRows = 8;
 
 // How the GEMV tiles see the activations: fp32 in chunks of 32 codes, or -- bf16 x, where the kernels have a

@@ -14,7 +14,7 @@
 namespace lowbit::cpu {
 namespace {
 
-constexpr int64_t kGemmMinRows = 8;  // below: GEMV-style tiles (measured with bench --suite cpu)
+constexpr int64_t kGemmMinRows = 8;  // below: GEMV-style tiles (a first guess, not tuned yet)
 constexpr int64_t kMBlock = 256;     // activation rows packed at a time; their strips of one K chunk stay in L2
 constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (a whole number of panels)
 constexpr int64_t kKChunk = 512;     // k per panel: a panel of up to 6 x 512 int16 stays in L1
