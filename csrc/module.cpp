@@ -2,6 +2,8 @@
 // registrars); this file only adds the few host functions Python calls directly.
 #include <torch/extension.h>
 
+#include "cpu/isa.h"
+#include "cpu/read_bandwidth.h"
 #include "metal/emu_launcher.h"
 #include "metal/plan_int8_mm.h"
 #include "metal/plans.h"
@@ -35,4 +37,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the Metal kernel fp8_grouped_mm runs for (T rows, G groups, x dtype)");
   m.def("_emu_fp8_grouped_mm_unvalidated", &emu_fp8_grouped_mm_unvalidated,
         "fp8_grouped_mm in the emulator without host-side checks of offsets / expert_ids, as on mps (tests)");
+  m.def(
+      "_cpu_set_isa",
+      [](const std::string& name) {
+        using namespace lowbit::cpu;
+        return std::string(isa_name(set_isa_cap(isa_from_name(name))));
+      },
+      "cap the instruction set of the CPU kernels ('portable', 'avx2', 'best'); returns the previous cap");
+  m.def("_cpu_isa", [] { return std::string(lowbit::cpu::isa_name(lowbit::cpu::isa())); },
+        "the instruction set the CPU kernels use now");
+  m.def("_cpu_stream_read", &lowbit::cpu::stream_read, "read a tensor's bytes in parallel (bandwidth baseline)");
 }

@@ -70,6 +70,15 @@ def _check(cond, msg):
         raise RuntimeError(msg)
 
 
+def _same_device(op, ref_name, ref, **tensors):
+    """The device check of csrc/checks.cpp. Needed here too: with one argument on the meta device the dispatcher
+    runs the fake kernel, which would otherwise return an uninitialized tensor on the other device."""
+    for name, t in tensors.items():
+        _check(t is None or t.device == ref.device,
+               f"{op}: {name} is on {t.device if t is not None else None} but {ref_name} is on {ref.device}; "
+               "all tensors must be on one device")
+
+
 # The fakes repeat the dtype / rank / K checks of csrc/checks.cpp with the same wording, so that a traced model
 # (torch.compile, torch.export) fails at trace time with the message eager would give. Shape relations go through
 # torch._check, which also works on symbolic sizes. Scale layouts are left to the real kernels.
@@ -90,6 +99,7 @@ def _check_fp8_weight(op, weight, scale, dim):
 
 def _fake_fp8_mm(x, weight, scale, bias=None, block_size=None):
     op = "fp8_mm"
+    _same_device(op, "x", x, weight=weight, scale=scale, bias=bias)
     _check_float(op, "x", x)
     _check(x.dim() >= 1, f"{op}: x must have at least one dimension [..., K]")
     _check_fp8_weight(op, weight, scale, 2)
@@ -102,6 +112,7 @@ def _fake_fp8_mm(x, weight, scale, bias=None, block_size=None):
 
 def _fake_fp8_dequantize(weight, scale, block_size=None, dtype=torch.bfloat16):
     op = "fp8_dequantize"
+    _same_device(op, "weight", weight, scale=scale)
     _check(dtype in _FLOAT_DTYPES, f"{op}: dtype must be bfloat16, float16 or float32, got {dtype}")
     _check_fp8_weight(op, weight, scale, 2)
     return weight.new_empty(tuple(weight.shape), dtype=dtype)
@@ -109,6 +120,7 @@ def _fake_fp8_dequantize(weight, scale, block_size=None, dtype=torch.bfloat16):
 
 def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=None):
     op = "fp8_grouped_mm"
+    _same_device(op, "x", x, weight=weight, scale=scale, offsets=offsets, expert_ids=expert_ids)
     _check_float(op, "x", x)
     _check(x.dim() == 2, f"{op}: x must be [T, K], got shape {tuple(x.shape)}")
     _check_fp8_weight(op, weight, scale, 3)
@@ -129,6 +141,7 @@ def _fake_int8_quantize(x):
 
 def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
     op = "int8_mm"
+    _same_device(op, "xq", xq, x_scale=x_scale, wq=wq, w_scale=w_scale, bias=bias)
     _check(xq.dtype == torch.int8, f"{op}: xq must be int8, got {xq.dtype}")
     _check(xq.dim() >= 1, f"{op}: xq must have at least one dimension [..., K]")
     _check(wq.dtype == torch.int8, f"{op}: wq must be int8, got {wq.dtype}")

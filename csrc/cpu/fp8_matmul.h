@@ -1,17 +1,53 @@
 // The fp8 weight x float activation product shared by fp8_mm and fp8_grouped_mm on the CPU.
+//
+// Regimes (chosen by fp8_matmul from M): few rows -> GEMV-style tiles that decode each weight chunk once for
+// all rows, weight rows split across threads; more rows -> a cache-blocked GEMM that decodes a weight panel
+// once per block of activation rows and reuses it across the block. No dequantized copy of the weight exists;
+// scratch memory is per-thread and reused across calls (workspace.h).
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
 
 #include "checks.h"
+#include "cpu/fp8_kernels.h"
 
 namespace lowbit::cpu {
 
-// out[m, n] = sum_k x[m, k] * dec(w[n, k]) * scale(n, k) (+ bias[n]) for m < M, n < N; rows of out are ldo apart.
-// w: [N, K] bits of one weight (one expert); scale: that weight's fp32 scales in `layout`; x: [M, K] in T.
+// One [N, K] fp8 weight (one expert) with its fp32 scales in `layout`, and an optional fp32 bias [N].
+struct Fp8Operand {
+  const uint8_t* w = nullptr;
+  const float* scale = nullptr;
+  ScaleLayout layout;
+  int64_t N = 0, K = 0;
+  const float* bias = nullptr;
+};
+
+// Below this many activation rows the GEMV-style tiles are used (they re-decode the weight for every group of
+// 4 rows, so their cost grows with M; the panel GEMM's does not). Not tuned yet: a first guess.
+constexpr int64_t kGemmMinRows = 8;
+
+// How the GEMV tiles see the activations: fp32 in chunks of 32 codes, or -- bf16 x, where the kernels have a
+// bf16 dot product -- the bf16 values themselves in chunks of 64.
+struct GemvActivations {
+  bool bf16 = false;
+  KSegments seg;
+  int64_t row_bytes() const { return seg.packed_size() * (bf16 ? 2 : 4); }
+};
 template <typename T>
-void fp8_matmul(const T* x, int64_t M, const uint8_t* w, const float* scale, const ScaleLayout& layout, int64_t N,
-                int64_t K, const float* bias, T* out, int64_t ldo);
+GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K);
+
+// out[m * ldo + n] = sum_k x[m, k] * dec(w[n, k]) * scale(n, k) (+ bias[n]), rounded once to T; x is [M, K].
+template <typename T>
+void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo);
+
+// Pieces for callers that schedule many small products themselves (fp8_grouped_mm's decode case):
+// pack_rows writes x [M, K] as M packed rows of acts.row_bytes(); gemv_rows then computes output columns
+// [n0, n1) of those rows on the calling thread.
+template <typename T>
+void pack_rows(const GemvActivations& acts, const T* x, int64_t M, void* dst);
+template <typename T>
+void gemv_rows(const Fp8Kernels& kern, const GemvActivations& acts, const void* xp, int64_t M, const Fp8Operand& op,
+               int64_t n0, int64_t n1, T* out, int64_t ldo);
 
 }  // namespace lowbit::cpu

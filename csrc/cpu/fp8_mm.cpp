@@ -1,4 +1,4 @@
-// fp8_mm on the CPU.
+// fp8_mm on the CPU: validation (checks.h), then the shared product (fp8_matmul.h).
 #include <torch/library.h>
 
 #include "checks.h"
@@ -12,10 +12,10 @@ at::Tensor fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                   const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
   const Fp8MmArgs a = check_fp8_mm(x, weight, scale, bias, block_size);
   at::Tensor out = at::empty({a.M, a.w.N}, a.x.options());
+  const Fp8Operand op{a.w.bits.data_ptr<uint8_t>(), a.w.scale.data_ptr<float>(), a.w.layout, a.w.N, a.w.K,
+                      a.bias ? a.bias->data_ptr<float>() : nullptr};
   LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "fp8_mm", [&] {
-    fp8_matmul<scalar_t>(a.x.data_ptr<scalar_t>(), a.M, a.w.bits.data_ptr<uint8_t>(), a.w.scale.data_ptr<float>(),
-                         a.w.layout, a.w.N, a.w.K, a.bias ? a.bias->data_ptr<float>() : nullptr,
-                         out.data_ptr<scalar_t>(), a.w.N);
+    fp8_matmul<scalar_t>(a.x.data_ptr<scalar_t>(), a.M, op, out.data_ptr<scalar_t>(), a.w.N);
   });
   return out.view(a.out_shape);
 }

@@ -1,40 +1,139 @@
-// int8_mm on the CPU: exact int32 accumulation, then acc * x_scale[m] * w_scale[n] + bias in fp32.
+// int8_mm on the CPU: exact int32 accumulation (int8_kernels.h), then acc * x_scale[m] * w_scale[n] + bias in
+// fp32, rounded once to out_dtype. Few rows: GEMV-style tiles over the int8 rows as they are, weight rows split
+// across threads. More rows: a cache-blocked GEMM over sign-extended weight panels and packed activation strips.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "checks.h"
 #include "cpu/dispatch.h"
+#include "cpu/int8_kernels.h"
+#include "cpu/workspace.h"
 
 namespace lowbit::cpu {
 namespace {
+
+constexpr int64_t kGemmMinRows = 8;  // below: GEMV-style tiles (a first guess, not tuned yet)
+constexpr int64_t kMBlock = 256;     // activation rows packed at a time; their strips of one K chunk stay in L2
+constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (a whole number of panels)
+constexpr int64_t kKChunk = 512;     // k per panel: a panel of up to 6 x 512 int16 stays in L1
+static_assert(kNBlock % 4 == 0 && kNBlock % 6 == 0 && kMBlock % 32 == 0 && kKChunk % 4 == 0, "blocking");
+
+struct Epilogue {
+  const float* xs;
+  const float* ws;
+  int64_t ws_stride;  // 0: one scale for all columns
+  const float* bias;
+  float operator()(int64_t m, int64_t n, int32_t acc) const {
+    const float v = float(acc) * xs[m] * ws[n * ws_stride];
+    return bias ? v + bias[n] : v;
+  }
+};
+
+template <typename T>
+void gemv(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
+          const Epilogue& ep, T* out) {
+  const int64_t rows_per_pass = M == 1 ? 4 : 2;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1;) {
+      const int nr = int(std::min(rows_per_pass, n1 - n));
+      for (int64_t m = 0; m < M; m += kInt8TileRows) {
+        const int mr = int(std::min<int64_t>(kInt8TileRows, M - m));
+        int32_t acc[kInt8TileRows * kInt8TileRows];
+        kern.gemv_tile(mr, nr, x + m * K, w + n * K, K, acc);
+        for (int i = 0; i < mr; i++)
+          for (int r = 0; r < nr; r++) out[(m + i) * N + n + r] = T(ep(m + i, n + r, acc[i * nr + r]));
+      }
+      n += nr;
+    }
+  });
+}
+
+// Rows m0 .. m0 + mb of x as strips of W rows in groups of G consecutive k (zero beyond K and beyond mb):
+// element (row i of strip j, k) at ((j * Kr + k - k % G) * W + G * i + k % G). sums[m] = sum_k x[m0 + m, k].
+template <typename XT, int G>
+void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr, int64_t W, XT* dst, int32_t* sums) {
+  at::parallel_for(0, ceil_div(mb, W), 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++)
+      for (int64_t i = 0; i < W; i++) {
+        const int64_t m = j * W + i;
+        XT* d = dst + j * Kr * W + G * i;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < Kr; k++) {
+          const int8_t v = m < mb && k < K ? x[(m0 + m) * K + k] : int8_t(0);
+          d[(k - k % G) * W + k % G] = XT(v);
+          sum += v;
+        }
+        if (m < mb) sums[m] = sum;
+      }
+  });
+}
+
+// XT / WT: the element types of activation strips and weight panels for group size G (int8_kernels.h).
+template <typename XT, typename WT, int G, typename T>
+void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
+          const Epilogue& ep, T* out) {
+  const int64_t Kr = ceil_div(K, G) * G, R = kern.panel_rows, W = kern.strip, tile_size = R * W;
+  constexpr bool kOffsetW = G == 4;  // weights stored as w + 128, corrected by 128 * row sums of x
+  for (int64_t m0 = 0; m0 < M; m0 += kMBlock) {
+    const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, W);
+    XT* xs = scratch<XT>(Slot::Activations, size_t(S * Kr * W));
+    int32_t xsum[kMBlock];
+    pack_strips<XT, G>(x, m0, mb, K, Kr, W, xs, xsum);
+    at::parallel_for(0, ceil_div(N, kNBlock), 1, [&](int64_t b0, int64_t b1) {
+      const int64_t P = kNBlock / R;
+      int32_t* ct = scratch<int32_t>(Slot::Tile, size_t(P * S * tile_size));
+      WT* panel = scratch<WT>(Slot::Panel, size_t(R * kKChunk));
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t nb0 = b * kNBlock, nb1 = std::min(N, nb0 + kNBlock), np = ceil_div(nb1 - nb0, R);
+        for (int64_t kc = 0; kc < K; kc += kKChunk) {
+          const int64_t cn = std::min(kKChunk, K - kc), len = ceil_div(cn, G) * G;
+          for (int64_t i = 0; i < np; i++) {
+            for (int64_t r = 0; r < R; r++) {
+              const int64_t row = nb0 + i * R + r;
+              WT* d = panel + r * kKChunk;
+              int64_t k = 0;
+              if (row < nb1) {  // a plain loop, vectorized by the compiler
+                const int8_t* src = w + row * K + kc;
+                for (; k < cn; k++) d[k] = kOffsetW ? WT(uint8_t(src[k]) ^ 0x80) : WT(src[k]);
+              }
+              for (; k < len; k++) d[k] = WT(0);
+            }
+            for (int64_t j = 0; j < S; j++)
+              kern.gemm_micro(panel, kKChunk, xs + (j * Kr + kc) * W, len, ct + (i * S + j) * tile_size, kc > 0);
+          }
+        }
+        // rows of out are written contiguously; the tiles (P x S x R x W int32) are still in L1
+        for (int64_t m = 0; m < mb; m++) {
+          const int64_t j = m / W, q = m % W;
+          for (int64_t row = nb0; row < nb1; row++) {
+            const int64_t i = (row - nb0) / R, r = (row - nb0) % R;
+            uint32_t acc = uint32_t(ct[(i * S + j) * tile_size + r * W + q]);
+            if (kOffsetW) acc -= 128u * uint32_t(xsum[m]);  // modulo 2^32: exact when the true sum fits
+            out[(m0 + m) * N + row] = T(ep(m0 + m, row, int32_t(acc)));
+          }
+        }
+      }
+    });
+  }
+}
 
 at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
                    const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
   const Int8MmArgs a = check_int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype);
   at::Tensor out = at::empty({a.M, a.N}, a.xq.options().dtype(a.out_dtype));
-  const int64_t M = a.M, N = a.N, K = a.K;
+  if (a.M == 0 || a.N == 0) return out.view(a.out_shape);
+  const Epilogue ep{a.x_scale.data_ptr<float>(), a.w_scale.data_ptr<float>(), a.w_scale.numel() == 1 ? 0 : 1,
+                    a.bias ? a.bias->data_ptr<float>() : nullptr};
+  const Int8Kernels& kern = int8_kernels(isa());
   const int8_t* x = a.xq.data_ptr<int8_t>();
   const int8_t* w = a.wq.data_ptr<int8_t>();
-  const float* xs = a.x_scale.data_ptr<float>();
-  const float* ws = a.w_scale.data_ptr<float>();
-  const bool per_tensor = a.w_scale.numel() == 1 && N != 1;
-  const float* b = a.bias ? a.bias->data_ptr<float>() : nullptr;
   LOWBIT_DISPATCH_FLOAT_TYPES(a.out_dtype, "int8_mm", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; n++) {
-        const int8_t* wr = w + n * K;
-        const float wsn = per_tensor ? ws[0] : ws[n];
-        for (int64_t m = 0; m < M; m++) {
-          const int8_t* xr = x + m * K;
-          int32_t acc = 0;
-          for (int64_t k = 0; k < K; k++) acc += int32_t(xr[k]) * int32_t(wr[k]);
-          float v = float(acc) * xs[m] * wsn;
-          if (b) v += b[n];
-          o[m * N + n] = scalar_t(v);
-        }
-      }
-    });
+    if (a.M < kGemmMinRows || a.K == 0) gemv(kern, x, a.M, w, a.N, a.K, ep, o);
+    else if (kern.group == 4) gemm<int8_t, uint8_t, 4>(kern, x, a.M, w, a.N, a.K, ep, o);
+    else gemm<int16_t, int16_t, 2>(kern, x, a.M, w, a.N, a.K, ep, o);
   });
   return out.view(a.out_shape);
 }

@@ -1,0 +1,63 @@
+// The inner loops of the fp8 x float products, one implementation per instruction set (fp8_kernels_avx2.cpp,
+// fp8_kernels_portable.cpp) behind one table of function pointers; fp8_matmul.cpp drives them.
+//
+// Layouts shared by both:
+// - K is cut into segments: one per scale block along K (block scales multiply each segment's partial sum),
+//   or one segment of all K. Each segment is padded to whole chunks of 32 (fp8_simd.h), so activations are
+//   packed segment by segment, chunk by chunk in kChunkOrder, zeros in the padding.
+// - GEMV-style tiles read MR packed activation rows [MR][ldx] and NR weight rows.
+// - The GEMM decodes a panel of weight rows into the same packed positions and multiplies it with the packed
+//   activations in an optimized fp32 GEMM (fp8_matmul.cpp).
+#pragma once
+#include <cstdint>
+
+#include "cpu/isa.h"
+
+namespace lowbit::cpu {
+
+struct KSegments {
+  int64_t K = 0;
+  int64_t len = 0;     // codes per segment (the last one may be shorter)
+  int64_t count = 0;   // number of segments
+  int64_t padded = 0;  // packed positions per segment: len rounded up to whole chunks
+  int64_t begin(int64_t s) const { return s * len; }
+  int64_t size(int64_t s) const { return len < K - s * len ? len : K - s * len; }
+  int64_t packed_size() const { return count * padded; }
+};
+
+// Cut K for `layout` (one segment per K block, or all of K), padding segments to whole chunks of `chunk` codes.
+KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk);
+
+constexpr int kMaxTileRows = 4;  // the largest MR and NR of a GEMV tile
+
+struct Fp8Kernels {
+  // sums[m * nr + r] = sum over segments s of bscale[r][s] (1 when bscale is null) times
+  //   sum_k x[m * ldx + packed k] * dec(w[r * K + k]) / 256, for m < mr <= 4, r < nr <= 4;
+  // nan[r] |= row r holds a NaN code (the path may instead let NaN flow through the sums).
+  void (*gemv_tile)(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K,
+                    const float* const* bscale, const KSegments& seg, float* sums, bool* nan);
+  // The same for bf16 activations, where the CPU has bf16 dot products (null otherwise): x holds bf16 bits,
+  // segments padded to chunks of kBf16Chunk in kBf16ChunkOrder. Exact decode; NaN codes decode to NaN.
+  void (*gemv_tile_bf16)(int mr, int nr, const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K,
+                         const float* const* bscale, const KSegments& seg, float* sums, bool* nan);
+  // Decode codes [k0, k0 + n) of rows w + r * K, r < nrows, into dst[r * ldd + p], p < round_up_chunk(n)
+  // (packed positions, zero padding). nan[r] |= row r holds a NaN code in that range.
+  void (*decode_rows)(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd,
+                      bool* nan);
+};
+
+const Fp8Kernels& fp8_kernels_portable();
+#if LOWBIT_X86
+const Fp8Kernels& fp8_kernels_avx2();
+const Fp8Kernels& fp8_kernels_avx512();
+#endif
+inline const Fp8Kernels& fp8_kernels(Isa i) {
+#if LOWBIT_X86
+  if (i >= Isa::Avx512) return fp8_kernels_avx512();
+  if (i >= Isa::Avx2) return fp8_kernels_avx2();
+#endif
+  (void)i;
+  return fp8_kernels_portable();
+}
+
+}  // namespace lowbit::cpu

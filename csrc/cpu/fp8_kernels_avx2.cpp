@@ -1,0 +1,128 @@
+// AVX2 + FMA + F16C inner loops of the fp8 products (see fp8_kernels.h). Compiled with a target attribute,
+// called only when the CPU has those features (isa.cpp).
+#include "cpu/fp8_kernels.h"
+
+#if LOWBIT_X86
+#include <cstring>
+
+#include "cpu/fp8_simd.h"
+
+namespace lowbit::cpu {
+namespace {
+
+// The last, partial chunk of a segment: staged through a zero-padded copy (never read past a weight row).
+LOWBIT_TARGET_AVX2 inline void decode_tail(const uint8_t* code, int64_t n, __m256 out[4], __m256i& nan_acc) {
+  alignas(32) uint8_t tmp[kChunk] = {};
+  std::memcpy(tmp, code, size_t(n));
+  avx2::decode_chunk(tmp, out, nan_acc);
+}
+
+// acc[m][r] += the chunk at packed position p of activation row m times decoded weight chunk d of row r
+template <int MR, int NR>
+LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void fma_rows(__m256 (&acc)[MR][NR], int r, const __m256 d[4],
+                                                                       const float* xs, int64_t ldx, int64_t p) {
+  for (int m = 0; m < MR; m++) {
+    const float* xp = xs + m * ldx + p;
+    __m256 a = acc[m][r];
+    a = _mm256_fmadd_ps(_mm256_load_ps(xp), d[0], a);
+    a = _mm256_fmadd_ps(_mm256_load_ps(xp + 8), d[1], a);
+    a = _mm256_fmadd_ps(_mm256_load_ps(xp + 16), d[2], a);
+    a = _mm256_fmadd_ps(_mm256_load_ps(xp + 24), d[3], a);
+    acc[m][r] = a;
+  }
+}
+
+// x rows stay in L1 (a packed row of K floats), weight bytes stream from memory once per tile; every decoded
+// chunk feeds all MR activation rows.
+template <int MR, int NR, bool kBlock>
+LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
+                                    const float* const* bscale, const KSegments& seg, float* sums, bool* nan) {
+  __m256 tot[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) tot[m][r] = _mm256_setzero_ps();
+  __m256i nan_acc[NR];
+  for (int r = 0; r < NR; r++) nan_acc[r] = _mm256_setzero_si256();
+  for (int64_t s = 0; s < seg.count; s++) {
+    const int64_t k0 = seg.begin(s), n = seg.size(s), full = n / kChunk * kChunk;
+    const float* xs = x + s * seg.padded;
+    __m256 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < full; k += kChunk) {
+      // Each weight row is its own stream, and a row of K = 4096 codes is one 4 KB page, where the hardware
+      // prefetchers stop: fetch the same offset of the next tile's rows (in memory just after these) ahead.
+      if ((k & 63) == 0)
+        for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T1);
+      for (int r = 0; r < NR; r++) {
+        __m256 d[4];
+        avx2::decode_chunk(w + r * K + k0 + k, d, nan_acc[r]);
+        fma_rows<MR, NR>(acc, r, d, xs, ldx, k);
+      }
+    }
+    if (full < n) {
+      for (int r = 0; r < NR; r++) {
+        __m256 d[4];
+        decode_tail(w + r * K + k0 + full, n - full, d, nan_acc[r]);
+        fma_rows<MR, NR>(acc, r, d, xs, ldx, full);
+      }
+    }
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < NR; r++) {
+        if (!kBlock) tot[m][r] = acc[m][r];
+        else if (s == 0) tot[m][r] = _mm256_mul_ps(_mm256_set1_ps(bscale[r][s]), acc[m][r]);
+        else tot[m][r] = _mm256_fmadd_ps(_mm256_set1_ps(bscale[r][s]), acc[m][r], tot[m][r]);
+      }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = avx2::hsum(tot[m][r]);
+  for (int r = 0; r < NR; r++) nan[r] = nan[r] || avx2::has_nan_code(nan_acc[r]);
+}
+
+using GemvFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&, float*,
+                        bool*);
+
+template <int MR, int NR>
+constexpr GemvFn pick(bool block) {
+  return block ? &gemv_tile_t<MR, NR, true> : &gemv_tile_t<MR, NR, false>;
+}
+
+void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* const* bscale,
+               const KSegments& seg, float* sums, bool* nan) {
+  static const GemvFn table[2][kMaxTileRows][kMaxTileRows] = {
+#define LOWBIT_ROW(B, M) {pick<M, 1>(B), pick<M, 2>(B), pick<M, 3>(B), pick<M, 4>(B)}
+      {LOWBIT_ROW(false, 1), LOWBIT_ROW(false, 2), LOWBIT_ROW(false, 3), LOWBIT_ROW(false, 4)},
+      {LOWBIT_ROW(true, 1), LOWBIT_ROW(true, 2), LOWBIT_ROW(true, 3), LOWBIT_ROW(true, 4)},
+#undef LOWBIT_ROW
+  };
+  table[bscale != nullptr][mr - 1][nr - 1](x, ldx, w, K, bscale, seg, sums, nan);
+}
+
+LOWBIT_TARGET_AVX2 void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst,
+                                    int64_t ldd, bool* nan) {
+  const int64_t full = n / kChunk * kChunk;
+  for (int64_t r = 0; r < nrows; r++) {
+    const uint8_t* src = w + r * K + k0;
+    float* d = dst + r * ldd;
+    __m256i nan_acc = _mm256_setzero_si256();
+    __m256 v[4];
+    for (int64_t k = 0; k < full; k += kChunk) {
+      avx2::decode_chunk(src + k, v, nan_acc);
+      for (int q = 0; q < 4; q++) _mm256_storeu_ps(d + k + 8 * q, v[q]);
+    }
+    if (full < n) {
+      decode_tail(src + full, n - full, v, nan_acc);
+      for (int q = 0; q < 4; q++) _mm256_storeu_ps(d + full + 8 * q, v[q]);
+    }
+    nan[r] = nan[r] || avx2::has_nan_code(nan_acc);
+  }
+}
+
+}  // namespace
+
+const Fp8Kernels& fp8_kernels_avx2() {
+  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows};
+  return k;
+}
+
+}  // namespace lowbit::cpu
+#endif

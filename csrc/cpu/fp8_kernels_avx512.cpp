@@ -1,0 +1,201 @@
+// AVX-512 GEMV tiles of the fp8 products (see fp8_kernels.h). Float activations: the AVX2 decode's half vectors converted 16 at a
+// time (vcvtph2ps zmm), which drops the lane extracts and halves the conversions and FMAs per code. At batch 1
+// the decode bounds the AVX2 tile below memory bandwidth; this one keeps up with it. The GEMM panel decode is
+// the AVX2 one (its cost is spread over all M rows).
+#include "cpu/fp8_kernels.h"
+
+#if LOWBIT_X86
+#include <cstring>
+
+// GCC 12 warns about the undefined pass-through operand inside its own AVX-512 intrinsics headers
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "cpu/fp8_simd.h"
+
+namespace lowbit::cpu {
+namespace {
+
+// 32 codes -> positions 0..15 and 16..31 of kChunkOrder (the even, then the odd codes), as dec(code) / 256.
+LOWBIT_TARGET_AVX512 inline void decode_chunk(const uint8_t* code, __m512 out[2], __m256i& nan_acc) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(code));
+  nan_acc = _mm256_max_epu8(nan_acc, _mm256_or_si256(b, _mm256_set1_epi8(char(0x80))));
+  const __m256i mask = _mm256_set1_epi16(short(0xBF80));  // see avx2::decode_chunk
+  out[0] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1), mask));
+  out[1] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(b, 1), mask));
+}
+
+LOWBIT_TARGET_AVX512 inline void decode_tail(const uint8_t* code, int64_t n, __m512 out[2], __m256i& nan_acc) {
+  alignas(32) uint8_t tmp[kChunk] = {};
+  std::memcpy(tmp, code, size_t(n));
+  decode_chunk(tmp, out, nan_acc);
+}
+
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void fma_rows(__m512 (&acc)[MR][NR], int r,
+                                                                         const __m512 d[2], const float* xs,
+                                                                         int64_t ldx, int64_t p) {
+  for (int m = 0; m < MR; m++) {
+    const float* xp = xs + m * ldx + p;
+    acc[m][r] = _mm512_fmadd_ps(_mm512_load_ps(xp + 16), d[1], _mm512_fmadd_ps(_mm512_load_ps(xp), d[0], acc[m][r]));
+  }
+}
+
+template <int MR, int NR, bool kBlock>
+LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
+                                      const float* const* bscale, const KSegments& seg, float* sums, bool* nan) {
+  __m512 tot[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) tot[m][r] = _mm512_setzero_ps();
+  __m256i nan_acc[NR];
+  for (int r = 0; r < NR; r++) nan_acc[r] = _mm256_setzero_si256();
+  for (int64_t s = 0; s < seg.count; s++) {
+    const int64_t k0 = seg.begin(s), n = seg.size(s), full = n / kChunk * kChunk;
+    const float* xs = x + s * seg.padded;
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < full; k += kChunk) {
+      if ((k & 63) == 0)  // the next tile's rows: see the AVX2 tile
+        for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T1);
+      for (int r = 0; r < NR; r++) {
+        __m512 d[2];
+        decode_chunk(w + r * K + k0 + k, d, nan_acc[r]);
+        fma_rows<MR, NR>(acc, r, d, xs, ldx, k);
+      }
+    }
+    if (full < n)
+      for (int r = 0; r < NR; r++) {
+        __m512 d[2];
+        decode_tail(w + r * K + k0 + full, n - full, d, nan_acc[r]);
+        fma_rows<MR, NR>(acc, r, d, xs, ldx, full);
+      }
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < NR; r++)
+        tot[m][r] = kBlock ? _mm512_fmadd_ps(_mm512_set1_ps(bscale[r][s]), acc[m][r], tot[m][r]) : acc[m][r];
+  }
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = _mm512_reduce_add_ps(tot[m][r]);
+  for (int r = 0; r < NR; r++) nan[r] = nan[r] || avx2::has_nan_code(nan_acc[r]);
+}
+
+using GemvFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&, float*,
+                        bool*);
+
+template <int MR, int NR>
+constexpr GemvFn pick(bool block) {
+  return block ? &gemv_tile_t<MR, NR, true> : &gemv_tile_t<MR, NR, false>;
+}
+
+void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* const* bscale,
+               const KSegments& seg, float* sums, bool* nan) {
+  static const GemvFn table[2][kMaxTileRows][kMaxTileRows] = {
+#define LOWBIT_ROW(B, M) {pick<M, 1>(B), pick<M, 2>(B), pick<M, 3>(B), pick<M, 4>(B)}
+      {LOWBIT_ROW(false, 1), LOWBIT_ROW(false, 2), LOWBIT_ROW(false, 3), LOWBIT_ROW(false, 4)},
+      {LOWBIT_ROW(true, 1), LOWBIT_ROW(true, 2), LOWBIT_ROW(true, 3), LOWBIT_ROW(true, 4)},
+#undef LOWBIT_ROW
+  };
+  table[bscale != nullptr][mr - 1][nr - 1](x, ldx, w, K, bscale, seg, sums, nan);
+}
+
+// bf16 activations: a byte-permute table decode straight to bf16 (e4m3 values are exact in bf16; the two
+// 128-entry tables give the high and low byte of dec(code & 0x7F) / 256, NaN for 0x7F) and bf16 dot products
+// with fp32 accumulation (vdpbf16ps: the products of two bf16 are exact in fp32; like every AVX-512 BF16
+// instruction it treats denormal inputs and results as zero, which matters only below 1e-38).
+struct Bf16Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+  Bf16Tables() {
+    for (int c = 0; c < 128; c++) {
+      uint32_t u;
+      std::memcpy(&u, &kFp8TableUnscaled[c], sizeof(u));  // exact in bf16: the low 16 bits are zero
+      hi[c] = uint8_t(u >> 24);
+      lo[c] = uint8_t(u >> 16);
+    }
+  }
+};
+const Bf16Tables kBf16Tables;
+
+// 64 codes (n < 64: the rest read as code 0) -> two vectors of 32 bf16 words in kBf16ChunkOrder
+LOWBIT_TARGET_AVX512BF16 inline void decode_bf16(const uint8_t* code, int64_t n, const __m512i t[4], __m512i out[2]) {
+  const __m512i b = n >= kBf16Chunk ? _mm512_loadu_si512(code)
+                                    : _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << n) - 1), code);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t[0], b, t[1]), b,
+                                               _mm512_set1_epi8(char(0x80)), 0xF8);  // hi | (b & 0x80): the sign
+  const __m512i lo = _mm512_permutex2var_epi8(t[2], b, t[3]);
+  out[0] = _mm512_unpacklo_epi8(lo, hi);
+  out[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// two accumulators per (m, r): the bf16 dot product has a long latency, one chain per tile row would stall
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void dot_rows(__m512 (&acc)[MR][NR][2], int r,
+                                                                             const __m512i d[2], const uint16_t* xs,
+                                                                             int64_t ldx, int64_t p) {
+  for (int m = 0; m < MR; m++) {
+    const uint16_t* xp = xs + m * ldx + p;
+    acc[m][r][0] = _mm512_dpbf16_ps(acc[m][r][0], (__m512bh)d[0], (__m512bh)_mm512_load_si512(xp));
+    acc[m][r][1] = _mm512_dpbf16_ps(acc[m][r][1], (__m512bh)d[1], (__m512bh)_mm512_load_si512(xp + 32));
+  }
+}
+
+template <int MR, int NR, bool kBlock>
+LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K,
+                                               const float* const* bscale, const KSegments& seg, float* sums) {
+  const __m512i t[4] = {_mm512_load_si512(kBf16Tables.hi), _mm512_load_si512(kBf16Tables.hi + 64),
+                        _mm512_load_si512(kBf16Tables.lo), _mm512_load_si512(kBf16Tables.lo + 64)};
+  __m512 tot[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) tot[m][r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < seg.count; s++) {
+    const int64_t k0 = seg.begin(s), n = seg.size(s);
+    const uint16_t* xs = x + s * seg.padded;
+    __m512 acc[MR][NR][2];
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < NR; r++) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k += kBf16Chunk) {
+      for (int r = 0; r < NR; r++)  // the next tile's rows: see the AVX2 tile
+        _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T1);
+      for (int r = 0; r < NR; r++) {
+        __m512i d[2];
+        decode_bf16(w + r * K + k0 + k, n - k, t, d);
+        dot_rows<MR, NR>(acc, r, d, xs, ldx, k);
+      }
+    }
+    for (int m = 0; m < MR; m++)
+      for (int r = 0; r < NR; r++) {
+        const __m512 a = _mm512_add_ps(acc[m][r][0], acc[m][r][1]);
+        tot[m][r] = kBlock ? _mm512_fmadd_ps(_mm512_set1_ps(bscale[r][s]), a, tot[m][r]) : a;
+      }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = _mm512_reduce_add_ps(tot[m][r]);
+}
+
+using GemvBf16Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&,
+                            float*);
+
+template <int MR, int NR>
+constexpr GemvBf16Fn pick_bf16(bool block) {
+  return block ? &gemv_tile_bf16_t<MR, NR, true> : &gemv_tile_bf16_t<MR, NR, false>;
+}
+
+void gemv_tile_bf16(int mr, int nr, const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K,
+                    const float* const* bscale, const KSegments& seg, float* sums, bool* /*nan: decoded as NaN*/) {
+  static const GemvBf16Fn table[2][kMaxTileRows][kMaxTileRows] = {
+#define LOWBIT_ROW(B, M) {pick_bf16<M, 1>(B), pick_bf16<M, 2>(B), pick_bf16<M, 3>(B), pick_bf16<M, 4>(B)}
+      {LOWBIT_ROW(false, 1), LOWBIT_ROW(false, 2), LOWBIT_ROW(false, 3), LOWBIT_ROW(false, 4)},
+      {LOWBIT_ROW(true, 1), LOWBIT_ROW(true, 2), LOWBIT_ROW(true, 3), LOWBIT_ROW(true, 4)},
+#undef LOWBIT_ROW
+  };
+  table[bscale != nullptr][mr - 1][nr - 1](x, ldx, w, K, bscale, seg, sums);
+}
+
+}  // namespace
+
+const Fp8Kernels& fp8_kernels_avx512() {
+  static const Fp8Kernels k{&gemv_tile, &gemv_tile_bf16, fp8_kernels_avx2().decode_rows};
+  return k;
+}
+
+}  // namespace lowbit::cpu
+#endif

@@ -1,0 +1,92 @@
+// fp8 e4m3fn decode for the CPU kernels, in chunks of 32 codes.
+//
+// Both instruction-set paths decode a chunk into the same order of 32 floats (kChunkOrder), so the packed
+// activations are shared: position p of a chunk holds code k = kChunkOrder[p]. The AVX2 decode produces that
+// order without a single cross-lane byte shuffle (even and odd bytes are converted separately), which keeps
+// it off the shuffle port that would otherwise bound the decode below memory bandwidth.
+//
+// The decoded value is dec(code) / 256, exactly: e4m3 (bias 7) moved into a half (bias 15) keeps all bits,
+// subnormals included, and half subnormals convert exactly (F16C ignores DAZ). The kernels multiply the
+// reduced sum by 256 once (exact: a power of two). Codes 0x7F / 0xFF would decode to 480 / 256, so the AVX2
+// path tracks NaN codes per weight row and the epilogue makes those outputs NaN; the portable table holds NaN.
+#pragma once
+#include <array>
+#include <cstdint>
+
+#include "cpu/fp8.h"
+#include "cpu/isa.h"
+
+#if LOWBIT_X86
+#include <immintrin.h>
+#endif
+
+namespace lowbit::cpu {
+
+constexpr int kChunk = 32;
+constexpr float kDecodeUnscale = 256.f;  // dec(code) == kDecodeUnscale * decoded value
+
+constexpr std::array<uint8_t, kChunk> make_chunk_order() {
+  std::array<uint8_t, kChunk> o{};
+  // vector q of 8 floats: q = 0 even codes 0..14, 1 even 16..30, 2 odd 1..15, 3 odd 17..31
+  for (int p = 0; p < kChunk; p++) o[p] = uint8_t((p / 8 & 1) * 16 + (p / 16) + 2 * (p % 8));
+  return o;
+}
+inline constexpr std::array<uint8_t, kChunk> kChunkOrder = make_chunk_order();
+
+// bf16 activations (AVX-512 BF16 path): chunks of 64 codes, position p holds code kBf16ChunkOrder[p] -- the
+// order of 16-bit words that byte unpacks of 64 decoded codes produce (8 codes per 128-bit lane and half).
+constexpr int kBf16Chunk = 64;
+constexpr std::array<uint8_t, kBf16Chunk> make_bf16_chunk_order() {
+  std::array<uint8_t, kBf16Chunk> o{};
+  for (int p = 0; p < kBf16Chunk; p++) o[p] = uint8_t(16 * (p % 32 / 8) + 8 * (p / 32) + p % 8);
+  return o;
+}
+inline constexpr std::array<uint8_t, kBf16Chunk> kBf16ChunkOrder = make_bf16_chunk_order();
+
+constexpr std::array<float, 256> make_fp8_table_unscaled() {
+  std::array<float, 256> t{};
+  for (int i = 0; i < 256; i++) t[i] = fp8_e4m3_value(uint8_t(i)) / kDecodeUnscale;
+  return t;
+}
+inline constexpr std::array<float, 256> kFp8TableUnscaled = make_fp8_table_unscaled();
+
+inline int64_t round_up_chunk(int64_t n) { return (n + kChunk - 1) / kChunk * kChunk; }
+
+// Portable: 32 codes -> dst[p] = dec(code[kChunkOrder[p]]) / 256, NaN codes give NaN.
+inline void decode_chunk_portable(const uint8_t* code, float* dst) {
+  for (int p = 0; p < kChunk; p++) dst[p] = kFp8TableUnscaled[code[kChunkOrder[p]]];
+}
+
+#if LOWBIT_X86
+namespace avx2 {
+
+// 32 codes -> 4 vectors in kChunkOrder. nan_acc: byte-wise max of (code | 0x80), 0xFF somewhere <=> a NaN code.
+LOWBIT_TARGET_AVX2 inline void decode_chunk(const uint8_t* code, __m256 out[4], __m256i& nan_acc) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(code));
+  nan_acc = _mm256_max_epu8(nan_acc, _mm256_or_si256(b, _mm256_set1_epi8(char(0x80))));
+  // each 16-bit lane gets one code in its high byte; an arithmetic shift by one then puts sign|exp|mant of the
+  // code at bits 15|13..10|9..7 of a half, and the mask clears the copy of the sign at bit 14
+  const __m256i mask = _mm256_set1_epi16(short(0xBF80));
+  const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 1), mask);
+  const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(b, 1), mask);
+  out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(even));
+  out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(even, 1));
+  out[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(odd));
+  out[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(odd, 1));
+}
+
+LOWBIT_TARGET_AVX2 inline bool has_nan_code(__m256i nan_acc) {
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(nan_acc, _mm256_set1_epi8(char(0xFF)))) != 0;
+}
+
+LOWBIT_TARGET_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace avx2
+#endif
+
+}  // namespace lowbit::cpu

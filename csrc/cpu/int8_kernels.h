@@ -1,0 +1,49 @@
+// The inner loops of int8_mm, one implementation per instruction set (int8_kernels_avx2.cpp,
+// int8_kernels_portable.cpp); int8_mm.cpp drives them. Every path accumulates exactly in int32 (exact while
+// K < 2^17): signed x signed products, -128 included.
+//
+// GEMV-style tiles read MR activation rows and NR weight rows as they are (int8, K apart).
+// GEMM micro-tiles are panel_rows weight rows x `strip` activation rows. The k axis is cut into groups of
+// `group` consecutive values (the lanes of one multiply-add instruction): activations are packed as strips
+// [k group][strip rows][group], weights as a panel [panel_rows][k] of the same element type.
+// - group 2: int16 (sign-extended) pairs, for vpmaddwd (AVX2) and the portable loops.
+// - group 4: byte quads for vpdpbusd (AVX-VNNI on 256 bits, AVX512-VNNI on 512), which multiplies unsigned by signed bytes: the weights are
+//   stored as w + 128 (w ^ 0x80) and the driver subtracts 128 * sum_k x[m, k] (exact modulo 2^32, so exact
+//   whenever the true sum fits in int32).
+#pragma once
+#include <cstdint>
+
+#include "cpu/isa.h"
+
+namespace lowbit::cpu {
+
+constexpr int kInt8TileRows = 4;  // the largest MR and NR of a GEMV tile
+
+struct Int8Kernels {
+  // acc[m * nr + r] = sum_{k < K} x[m * K + k] * w[r * K + k], m < mr <= 4, r < nr <= 4
+  void (*gemv_tile)(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc);
+  int group;          // 2: int16 pairs; 4: byte quads with offset weights (see above)
+  int panel_rows;     // weight rows per micro-tile
+  int strip;          // activation rows per micro-tile (two vectors of int32 lanes)
+  // tile[r * strip + j] (+)= sum_{k < len} panel[r * ldp + k] * x(j, k), len a multiple of group;
+  // panel / xs point to int16 (group 2) or uint8 / int8 (group 4) elements.
+  void (*gemm_micro)(const void* panel, int64_t ldp, const void* xs, int64_t len, int32_t* tile, bool accumulate);
+};
+
+const Int8Kernels& int8_kernels_portable();
+#if LOWBIT_X86
+const Int8Kernels& int8_kernels_avx2();
+const Int8Kernels& int8_kernels_avxvnni();
+const Int8Kernels& int8_kernels_avx512();
+#endif
+inline const Int8Kernels& int8_kernels(Isa i) {
+#if LOWBIT_X86
+  if (i >= Isa::Avx512) return int8_kernels_avx512();
+  if (i >= Isa::AvxVnni) return int8_kernels_avxvnni();
+  if (i >= Isa::Avx2) return int8_kernels_avx2();
+#endif
+  (void)i;
+  return int8_kernels_portable();
+}
+
+}  // namespace lowbit::cpu

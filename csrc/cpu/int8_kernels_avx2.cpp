@@ -1,0 +1,209 @@
+// AVX2, AVX-VNNI and AVX512-VNNI inner loops of int8_mm (see int8_kernels.h). int8 x int8 is signed x signed, which the byte
+// multiply-add (vpmaddubsw: unsigned x signed, saturating) cannot do exactly; values are sign-extended to
+// int16 and multiplied with vpmaddwd, whose pair sums (at most 2 * 128 * 128) are exact in int32.
+#include "cpu/int8_kernels.h"
+
+#if LOWBIT_X86
+// GCC 12 warns about the undefined pass-through operand inside its own AVX-512 intrinsics headers
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace lowbit::cpu {
+namespace {
+
+constexpr int kStep = 16;  // int8 values per vector step (sign-extended to 16 int16)
+constexpr int kStrip = 16;  // activation rows per GEMM micro-tile: two vectors of 8 int32
+
+LOWBIT_TARGET_AVX2 inline __m256i widen(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+LOWBIT_TARGET_AVX2 inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// acc[m][r] += the 16 products at x rows xp[m] and weight rows wp[r]
+template <int MR, int NR>
+LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void gemv_step(__m256i (&acc)[MR][NR], const int8_t* const* xp,
+                                                                        const int8_t* const* wp) {
+  __m256i xv[MR];
+  for (int m = 0; m < MR; m++) xv[m] = widen(xp[m]);
+  for (int r = 0; r < NR; r++) {
+    const __m256i wv = widen(wp[r]);
+    for (int m = 0; m < MR; m++) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(xv[m], wv));
+  }
+}
+
+template <int MR, int NR>
+LOWBIT_TARGET_AVX2 void gemv_tile_t(const int8_t* x, const int8_t* w, int64_t K, int32_t* out) {
+  __m256i acc[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_si256();
+  const int8_t* xp[MR];
+  const int8_t* wp[NR];
+  const int64_t full = K / kStep * kStep;
+  for (int64_t k = 0; k < full; k += kStep) {
+    for (int m = 0; m < MR; m++) xp[m] = x + m * K + k;
+    for (int r = 0; r < NR; r++) wp[r] = w + r * K + k;
+    gemv_step<MR, NR>(acc, xp, wp);
+  }
+  if (full < K) {  // the tail through zero-padded copies: never read past a row
+    int8_t xt[MR][kStep] = {}, wt[NR][kStep] = {};
+    for (int m = 0; m < MR; m++) {
+      std::memcpy(xt[m], x + m * K + full, size_t(K - full));
+      xp[m] = xt[m];
+    }
+    for (int r = 0; r < NR; r++) {
+      std::memcpy(wt[r], w + r * K + full, size_t(K - full));
+      wp[r] = wt[r];
+    }
+    gemv_step<MR, NR>(acc, xp, wp);
+  }
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) out[m * NR + r] = hsum_epi32(acc[m][r]);
+}
+
+using GemvFn = void (*)(const int8_t*, const int8_t*, int64_t, int32_t*);
+
+void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  static const GemvFn table[kInt8TileRows][kInt8TileRows] = {
+#define LOWBIT_ROW(M) {&gemv_tile_t<M, 1>, &gemv_tile_t<M, 2>, &gemv_tile_t<M, 3>, &gemv_tile_t<M, 4>}
+      LOWBIT_ROW(1), LOWBIT_ROW(2), LOWBIT_ROW(3), LOWBIT_ROW(4),
+#undef LOWBIT_ROW
+  };
+  table[mr - 1][nr - 1](x, w, K, acc);
+}
+
+// 4 x 16 register tile: per pair of k, two vectors of activation pairs and four broadcast weight pairs feed
+// 8 multiply-adds. Named accumulators, not an array, so that GCC keeps them in registers.
+LOWBIT_TARGET_AVX2 void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, int32_t* tile,
+                                   bool accumulate) {
+  static_assert(kStrip == 16, "the register tile below is 4 x 16");
+  const auto* panel = static_cast<const int16_t*>(panel_);
+  const auto* xs = static_cast<const int16_t*>(xs_);
+#define LOWBIT_ROWS(X) X(0) X(1) X(2) X(3)
+#define LOWBIT_LOAD(P) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P))
+#define LOWBIT_INIT(R)                                                                   \
+  __m256i c##R##a = accumulate ? LOWBIT_LOAD(tile + R * 16) : _mm256_setzero_si256();     \
+  __m256i c##R##b = accumulate ? LOWBIT_LOAD(tile + R * 16 + 8) : _mm256_setzero_si256(); \
+  const int16_t* p##R = panel + R * ldp;
+#define LOWBIT_MADD(R)                                                                   \
+  std::memcpy(&pair, p##R + k, sizeof(pair));                                            \
+  a = _mm256_set1_epi32(pair);                                                           \
+  c##R##a = _mm256_add_epi32(c##R##a, _mm256_madd_epi16(a, b0));                         \
+  c##R##b = _mm256_add_epi32(c##R##b, _mm256_madd_epi16(a, b1));
+#define LOWBIT_STORE(R)                                                                  \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + R * 16), c##R##a);               \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + R * 16 + 8), c##R##b);
+  LOWBIT_ROWS(LOWBIT_INIT)
+  for (int64_t k = 0; k < len; k += 2) {
+    const __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16));
+    const __m256i b1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16 + 16));
+    int32_t pair;
+    __m256i a;
+    LOWBIT_ROWS(LOWBIT_MADD)
+  }
+  LOWBIT_ROWS(LOWBIT_STORE)
+#undef LOWBIT_ROWS
+#undef LOWBIT_LOAD
+#undef LOWBIT_INIT
+#undef LOWBIT_MADD
+#undef LOWBIT_STORE
+}
+
+// 6 x 16 register tile of byte quads: per 4 k, two vectors of activation quads (signed) and six broadcast
+// weight quads (stored + 128, unsigned) feed 12 vpdpbusd, each 32 exact products summed into int32 lanes.
+LOWBIT_TARGET_AVXVNNI void gemm_micro_vnni(const void* panel_, int64_t ldp, const void* xs_, int64_t len,
+                                           int32_t* tile, bool accumulate) {
+  static_assert(kStrip == 16, "the register tile below is 6 x 16");
+  const auto* panel = static_cast<const uint8_t*>(panel_);
+  const auto* xs = static_cast<const int8_t*>(xs_);
+#define LOWBIT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define LOWBIT_LOAD(P) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P))
+#define LOWBIT_INIT(R)                                                                   \
+  __m256i c##R##a = accumulate ? LOWBIT_LOAD(tile + R * 16) : _mm256_setzero_si256();     \
+  __m256i c##R##b = accumulate ? LOWBIT_LOAD(tile + R * 16 + 8) : _mm256_setzero_si256(); \
+  const uint8_t* p##R = panel + R * ldp;
+#define LOWBIT_DOT(R)                                                                    \
+  std::memcpy(&quad, p##R + k, sizeof(quad));                                            \
+  a = _mm256_set1_epi32(quad);                                                           \
+  c##R##a = _mm256_dpbusd_avx_epi32(c##R##a, a, b0);                                     \
+  c##R##b = _mm256_dpbusd_avx_epi32(c##R##b, a, b1);
+#define LOWBIT_STORE(R)                                                                  \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + R * 16), c##R##a);               \
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + R * 16 + 8), c##R##b);
+  LOWBIT_ROWS(LOWBIT_INIT)
+  for (int64_t k = 0; k < len; k += 4) {
+    const __m256i b0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16));
+    const __m256i b1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(xs + k * 16 + 32));
+    int32_t quad;
+    __m256i a;
+    LOWBIT_ROWS(LOWBIT_DOT)
+  }
+  LOWBIT_ROWS(LOWBIT_STORE)
+#undef LOWBIT_ROWS
+#undef LOWBIT_LOAD
+#undef LOWBIT_INIT
+#undef LOWBIT_DOT
+#undef LOWBIT_STORE
+}
+
+}  // namespace
+
+const Int8Kernels& int8_kernels_avx2() {
+  static const Int8Kernels k{&gemv_tile, 2, 4, kStrip, &gemm_micro};
+  return k;
+}
+
+// The GEMV tiles stay on vpmaddwd: at few rows int8_mm is bound by reading the weights, not by multiplies.
+const Int8Kernels& int8_kernels_avxvnni() {
+  static const Int8Kernels k{&gemv_tile, 4, 6, kStrip, &gemm_micro_vnni};
+  return k;
+}
+
+// The same 6-row tile on 512-bit vectors: 6 x 32 activation rows, 12 vpdpbusd of 64 products each per 4 k.
+static LOWBIT_TARGET_AVX512VNNI void gemm_micro_avx512(const void* panel_, int64_t ldp, const void* xs_, int64_t len,
+                                               int32_t* tile, bool accumulate) {
+  const auto* panel = static_cast<const uint8_t*>(panel_);
+  const auto* xs = static_cast<const int8_t*>(xs_);
+#define LOWBIT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define LOWBIT_INIT(R)                                                                          \
+  __m512i c##R##a = accumulate ? _mm512_loadu_si512(tile + R * 32) : _mm512_setzero_si512();     \
+  __m512i c##R##b = accumulate ? _mm512_loadu_si512(tile + R * 32 + 16) : _mm512_setzero_si512(); \
+  const uint8_t* p##R = panel + R * ldp;
+#define LOWBIT_DOT(R)                                    \
+  std::memcpy(&quad, p##R + k, sizeof(quad));            \
+  a = _mm512_set1_epi32(quad);                           \
+  c##R##a = _mm512_dpbusd_epi32(c##R##a, a, b0);         \
+  c##R##b = _mm512_dpbusd_epi32(c##R##b, a, b1);
+#define LOWBIT_STORE(R)                                  \
+  _mm512_storeu_si512(tile + R * 32, c##R##a);           \
+  _mm512_storeu_si512(tile + R * 32 + 16, c##R##b);
+  LOWBIT_ROWS(LOWBIT_INIT)
+  for (int64_t k = 0; k < len; k += 4) {
+    const __m512i b0 = _mm512_load_si512(xs + k * 32);
+    const __m512i b1 = _mm512_load_si512(xs + k * 32 + 64);
+    int32_t quad;
+    __m512i a;
+    LOWBIT_ROWS(LOWBIT_DOT)
+  }
+  LOWBIT_ROWS(LOWBIT_STORE)
+#undef LOWBIT_ROWS
+#undef LOWBIT_INIT
+#undef LOWBIT_DOT
+#undef LOWBIT_STORE
+}
+
+const Int8Kernels& int8_kernels_avx512() {
+  static const Int8Kernels k{&gemv_tile, 4, 6, 32, &gemm_micro_avx512};
+  return k;
+}
+
+}  // namespace lowbit::cpu
+#endif

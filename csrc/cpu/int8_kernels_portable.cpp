@@ -1,0 +1,46 @@
+// Portable inner loops of int8_mm (see int8_kernels.h): plain int32 loops, correct on any CPU.
+#include <cstring>
+
+#include "cpu/int8_kernels.h"
+
+namespace lowbit::cpu {
+namespace {
+
+void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  for (int m = 0; m < mr; m++)
+    for (int r = 0; r < nr; r++) {
+      const int8_t* xr = x + m * K;
+      const int8_t* wr = w + r * K;
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; k++) s += int32_t(xr[k]) * int32_t(wr[k]);
+      acc[m * nr + r] = s;
+    }
+}
+
+constexpr int kPanelRows = 4;
+constexpr int kStrip = 16;
+
+void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, int32_t* tile, bool accumulate) {
+  const auto* panel = static_cast<const int16_t*>(panel_);
+  const auto* xs = static_cast<const int16_t*>(xs_);
+  int32_t c[kPanelRows][kStrip];
+  for (int r = 0; r < kPanelRows; r++)
+    for (int j = 0; j < kStrip; j++) c[r][j] = accumulate ? tile[r * kStrip + j] : 0;
+  for (int64_t k = 0; k < len; k += 2) {
+    const int16_t* xp = xs + k * kStrip;
+    for (int r = 0; r < kPanelRows; r++) {
+      const int32_t a0 = panel[r * ldp + k], a1 = panel[r * ldp + k + 1];
+      for (int j = 0; j < kStrip; j++) c[r][j] += a0 * xp[2 * j] + a1 * xp[2 * j + 1];
+    }
+  }
+  std::memcpy(tile, c, sizeof(c));
+}
+
+}  // namespace
+
+const Int8Kernels& int8_kernels_portable() {
+  static const Int8Kernels k{&gemv_tile, 2, kPanelRows, kStrip, &gemm_micro};
+  return k;
+}
+
+}  // namespace lowbit::cpu

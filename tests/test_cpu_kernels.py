@@ -1,0 +1,106 @@
+"""The CPU backend's code paths, each forced: every instruction-set level this machine has (portable, avx2,
+avxvnni, avx512; torch_lowbit.testing.forced_cpu_isa) x every M regime (GEMV tiles, their row groups, the panel GEMM and
+its blocks) x tails, on shapes large enough to reach them (K = 4096). CPU only; the op tests run the small shapes
+on every backend."""
+import pytest
+import torch
+
+from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
+    ref_int8_mm
+from torch_lowbit.testing import cpu_isa, forced_cpu_isa
+
+LEVELS = ["portable", "avx2", "avxvnni", "avx512"]
+ISAS = LEVELS[:LEVELS.index(cpu_isa()) + 1]  # the levels this CPU supports, portable first
+ops = torch.ops.lowbit
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    with forced_cpu_isa(request.param):
+        assert cpu_isa() == request.param
+        yield request.param
+
+
+def test_portable_is_always_available():
+    with forced_cpu_isa("portable"):
+        assert cpu_isa() == "portable"
+    assert cpu_isa() == ISAS[-1]
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 7, 8, 33, 130])  # GEMV 1 row / 2 rows / row groups; GEMM
+@pytest.mark.parametrize("K", [4096, 4095])
+def test_fp8_mm_regimes(isa, M, K):
+    g = torch.Generator().manual_seed(M + K)
+    N = 70 if M < 100 else 38
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    bits = random_fp8_bits((N, K), g)
+    scale, bias = torch.rand(N, generator=g) + 0.5, torch.randn(N, generator=g)
+    ref, absref = ref_fp8_mm(x, bits, scale, bias)
+    assert_matmul_close(ops.fp8_mm(x, bits, scale, bias, None), ref, absref, acc_rtol=1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 3, 40])
+@pytest.mark.parametrize("block", [[128, 128], [32, 100], [7, 1000], [64, 4096]])
+def test_fp8_mm_block_scales(isa, M, block):
+    g = torch.Generator().manual_seed(M + block[1])
+    N, K = 90, 4000
+    x = torch.randn(M, K, generator=g)
+    bits = random_fp8_bits((N, K), g)
+    scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
+    ref, absref = ref_fp8_mm(x, bits, scale, None, block)
+    assert_matmul_close(ops.fp8_mm(x, bits, scale, None, block), ref, absref, acc_rtol=1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 3, 20])
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_fp8_every_finite_code_exact(isa, M, flush_denormal):
+    # bits[n, k] = the (n + k)-th finite code and x rows are unit vectors, so out[m, n] is one decoded code:
+    # every finite code (subnormals included) on each path, also with denormals flushed (the F16C decode must
+    # not depend on DAZ). NaN codes are pinned by test_fp8_mm.py::test_nan_codes_give_nan_columns.
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    N, K = len(codes), 256
+    bits = codes[(torch.arange(N)[:, None] + torch.arange(K)[None]) % N]
+    cols = torch.arange(M) * 13
+    x = torch.zeros(M, K)
+    x[torch.arange(M), cols] = 1.0
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        out = ops.fp8_mm(x, bits, torch.ones(1), None, None)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(out.double(), fp8_bits_to_f64(bits[:, cols].T))
+
+
+@pytest.mark.parametrize("groups", [[1] * 8, [1, 0, 3, 1, 20, 2], [40]])
+def test_fp8_grouped_paths(isa, groups):
+    E, N, K = 9, 300, 2048
+    g = torch.Generator().manual_seed(len(groups))
+    offsets = torch.tensor([0] + groups, dtype=torch.int32).cumsum(0).to(torch.int32)
+    T = int(offsets[-1]) + 2  # two rows in no group
+    ids = torch.randint(-1, E, (len(groups),), dtype=torch.int32, generator=g)
+    x = torch.randn(T, K, generator=g).to(torch.float16)
+    bits = random_fp8_bits((E, N, K), g)
+    scale = torch.rand(E, N, generator=g) + 0.5
+    ref, absref = ref_fp8_grouped_mm(x, bits, scale, offsets, ids)
+    assert_matmul_close(ops.fp8_grouped_mm(x, bits, scale, offsets, ids, None), ref, absref, acc_rtol=1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 3, 7, 8, 70, 300])  # GEMV tiles; GEMM with one and two row blocks
+@pytest.mark.parametrize("K", [4096, 4097, 4094])
+def test_int8_mm_exact(isa, M, K):
+    g = torch.Generator().manual_seed(M * K)
+    N = 53
+    xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    xq[0] = -128
+    wq[1] = -128
+    out = ops.int8_mm(xq, torch.ones(M), wq, torch.ones(N), None, torch.float32)
+    _, acc = ref_int8_mm(xq, torch.ones(M), wq, torch.ones(N))
+    assert torch.equal(out, acc.float())  # one rounding of the exact integer to fp32
+
+
+def test_int8_quantize_large_rows(isa):
+    x = torch.randn(9, 5000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q, s = ops.int8_quantize(x)
+    assert torch.equal(s, x.float().abs().amax(-1) / 127)
+    assert (q.float() - x.float() / s[:, None]).abs().max() <= 0.5 + 1e-3

@@ -1,0 +1,138 @@
+"""CPU kernels against torch baselines and the machine's read bandwidth: ``python -m torch_lowbit.bench --suite cpu``.
+
+Each case runs our op and its baseline in the same process, alternating in rounds (other work shares these
+cores: a round measures both under the same load), and reports the medians, the ratio and the issue's goal.
+Weight GB/s counts the bytes of the low-bit weight read per call.
+
+The bandwidth baseline is a plain parallel read (``_C._cpu_stream_read``) of the very fp8 weight the GEMV reads,
+so both see the same bytes in the same cache state; the read of a large buffer (beyond any cache) is printed too.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from .. import _C
+from ..testing import cpu_isa
+from .timing import median_time, print_table, write_json
+
+
+def _fp8_weight(N, K, gen):
+    bits = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=gen)
+    bits[(bits & 0x7F) == 0x7F] = 0x3F  # finite codes, as a quantizer produces
+    return bits, torch.rand(N, generator=gen) * 0.01 + 0.001
+
+
+def _paired(ours, base, rounds, repeat):
+    """Medians over rounds; each round takes the median of `repeat` calls of ours, then of base."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(median_time(ours, warmup=1, repeat=repeat))
+        b.append(median_time(base, warmup=1, repeat=repeat))
+    return statistics.median(a), statistics.median(b)
+
+
+def _case(rows, name, ours, base, base_name, goal, rounds, repeat, weight_bytes=None, ratio_kind="faster"):
+    t, tb = _paired(ours, base, rounds, repeat)
+    if ratio_kind == "faster":  # baseline time / our time, goal is a minimum
+        ratio, ok, goal_s = tb / t, tb / t >= goal, f">= {goal:.2f}x faster"
+    else:  # our time / baseline time, goal is a maximum
+        ratio, ok, goal_s = t / tb, t / tb <= goal, f"<= {goal:.2f}x its time"
+    row = dict(case=name, ms=t * 1e3, baseline=base_name, base_ms=tb * 1e3, ratio=ratio, goal=goal_s,
+               met="yes" if ok else "NO", gbs=(weight_bytes / t / 1e9) if weight_bytes else None)
+    rows.append(row)
+    print(f"  {name}: {t * 1e3:.3f} ms vs {base_name} {tb * 1e3:.3f} ms -> {ratio:.2f} ({goal_s}: {row['met']})",
+          flush=True)
+    return t
+
+
+def run(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m torch_lowbit.bench --suite cpu", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller shapes and fewer rounds (a smoke run)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per case (default 5, quick 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quick = args.quick
+    rounds = args.rounds or (2 if quick else 5)
+    rep = 3 if quick else 7
+    K, N = (1024, 2048) if quick else (4096, 14336)
+    gK, gN, G = (512, 384, 8) if quick else (2048, 1536, 8)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    print(f"cpu suite: K={K} N={N}, {torch.get_num_threads()} threads, kernels: {cpu_isa()}, "
+          f"{platform.processor() or platform.machine()}", flush=True)
+    rows = []
+    ops = torch.ops.lowbit
+
+    bits, scale = _fp8_weight(N, K, gen)
+    w_bf16 = (torch.randn(N, K, generator=gen) * 0.02).to(torch.bfloat16)
+    x1 = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+    fp8_m1 = lambda: ops.fp8_mm(x1, bits, scale, None, None)  # noqa: E731
+
+    # streaming read: the same bytes the GEMV reads, and a buffer beyond the caches
+    t_read, t_gemv = _paired(lambda: _C._cpu_stream_read(bits), fp8_m1, rounds, rep)
+    big = torch.ones(64 << 20 if quick else 512 << 20, dtype=torch.uint8)
+    t_big = median_time(lambda: _C._cpu_stream_read(big), warmup=1, repeat=rep)
+    read_gbs, big_gbs, gemv_gbs = bits.numel() / t_read / 1e9, big.numel() / t_big / 1e9, bits.numel() / t_gemv / 1e9
+    del big
+    frac = gemv_gbs / read_gbs
+    rows.append(dict(case="fp8_mm M=1 weight stream", ms=t_gemv * 1e3, baseline="stream read of the weight",
+                     base_ms=t_read * 1e3, ratio=frac, goal=">= 0.85 of read GB/s", met="yes" if frac >= 0.85 else "NO",
+                     gbs=gemv_gbs))
+    print(f"  read bandwidth: {read_gbs:.1f} GB/s (the weight's {bits.numel() / 1e6:.0f} MB), {big_gbs:.1f} GB/s "
+          f"({'64 MB' if quick else '512 MB'} buffer); fp8_mm M=1 streams {gemv_gbs:.1f} GB/s = {frac:.0%}", flush=True)
+
+    _case(rows, "fp8_mm M=1 bf16", fp8_m1, lambda: F.linear(x1, w_bf16), "F.linear bf16", 2.0, rounds, rep,
+          bits.numel())
+    wq = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+    wq_scale = torch.rand(N, generator=gen).to(torch.bfloat16)
+    _case(rows, "fp8_mm M=1 bf16", fp8_m1, lambda: torch._weight_int8pack_mm(x1, wq, wq_scale),
+          "_weight_int8pack_mm", 1.35, rounds, rep, bits.numel())
+    del w_bf16
+
+    w_f32 = torch.randn(N, K, generator=gen) * 0.02
+    x64 = torch.randn(64, K, generator=gen).to(torch.bfloat16)
+    x64f = x64.float()
+    rep_big = 2 if quick else 3
+    _case(rows, "fp8_mm M=64 bf16", lambda: ops.fp8_mm(x64, bits, scale, None, None), lambda: F.linear(x64f, w_f32),
+          "F.linear fp32", 1.15, rounds, rep_big, bits.numel(), ratio_kind="time")
+    wscale = torch.rand(N, generator=gen)
+    for M in (64, 256):
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+        xf = x.float()
+
+        def w8a8(x=x):
+            q, s = ops.int8_quantize(x)
+            return ops.int8_mm(q, s, wq, wscale, None, torch.bfloat16)
+        _case(rows, f"int8_quantize+int8_mm M={M} bf16", w8a8, lambda xf=xf: F.linear(xf, w_f32), "F.linear fp32",
+              2.0, rounds, rep_big, wq.numel())
+    del w_f32, bits, wq
+
+    # grouped decode: G groups of one row, each its own expert
+    gbits = torch.stack([_fp8_weight(gN, gK, gen)[0] for _ in range(G)])
+    gscale = torch.rand(G, gN, generator=gen) * 0.01
+    gw = [(torch.randn(gN, gK, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(G)]
+    xg = torch.randn(G, gK, generator=gen).to(torch.bfloat16)
+    offsets = torch.arange(G + 1, dtype=torch.int32)
+
+    def loop():
+        return torch.cat([F.linear(xg[g:g + 1], gw[g]) for g in range(G)])
+    _case(rows, f"fp8_grouped_mm {G}x1 rows K={gK} N={gN}", lambda: ops.fp8_grouped_mm(xg, gbits, gscale, offsets,
+          None, None), loop, "per-group F.linear bf16", 1.8, rounds, rep * 3, gbits.numel())
+
+    print()
+    print_table(rows, [("case", "case", None), ("ms", "ms", "{:.3f}"), ("gbs", "weight GB/s", "{:.1f}"),
+                       ("baseline", "baseline", None), ("base_ms", "baseline ms", "{:.3f}"),
+                       ("ratio", "ratio", "{:.2f}"), ("goal", "goal", None), ("met", "met", None)])
+    if args.json:
+        write_json(args.json, rows, suite="cpu", K=K, N=N, threads=torch.get_num_threads(), isa=cpu_isa(),
+                   read_gbs=read_gbs, big_read_gbs=big_gbs, quick=quick)
+        print(f"wrote {args.json}")
+    return 0
