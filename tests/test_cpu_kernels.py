@@ -5,6 +5,8 @@ on every backend."""
 import pytest
 import torch
 
+_THREADS = torch.get_num_threads()
+
 from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
     ref_int8_mm
 from torch_lowbit.testing import cpu_isa, forced_cpu_isa
@@ -49,6 +51,25 @@ def test_fp8_mm_block_scales(isa, M, block):
     scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
     ref, absref = ref_fp8_mm(x, bits, scale, None, block)
     assert_matmul_close(ops.fp8_mm(x, bits, scale, None, block), ref, absref, acc_rtol=1e-5)
+
+
+def test_fp8_gemm_block_scales_ignore_stale_workspace(isa):
+    # The GEMM decodes weight panels into a reused per-thread workspace. Fill it with NaN (a NaN-code weight),
+    # then run block scales whose last K block is short: nothing stale may leak into the result.
+    torch.set_num_threads(1)  # one thread: both calls use the calling thread's workspace
+    try:
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(40, 4096, generator=g)
+        assert torch.isnan(ops.fp8_mm(x, torch.full((64, 4096), 0x7F, dtype=torch.uint8), torch.ones(1),
+                                      None, None)).all()
+        N, K, block = 64, 4000, [128, 128]  # the last K block holds 32 codes
+        bits = random_fp8_bits((N, K), g)
+        scale = torch.rand(1, 32, generator=g) + 0.5
+        xk = x[:, :K].contiguous()
+        ref, absref = ref_fp8_mm(xk, bits, scale, None, block)
+        assert_matmul_close(ops.fp8_mm(xk, bits, scale, None, block), ref, absref, acc_rtol=1e-5)
+    finally:
+        torch.set_num_threads(_THREADS)
 
 
 @pytest.mark.parametrize("M", [1, 3, 20])

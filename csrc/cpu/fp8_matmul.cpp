@@ -76,8 +76,14 @@ void gemm(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& op, c
     for (int64_t b = b0; b < b1; b++) {
       const int64_t r0 = b * kGemmPanel, nr = std::min(kGemmPanel, N - r0);
       bool nan[kGemmPanel] = {};
-      for (int64_t s = 0; s < kb; s++)
+      for (int64_t s = 0; s < kb; s++) {
         kern.decode_rows(op.w + r0 * op.K, op.K, nr, seg.begin(s), seg.size(s), panel + s * P, Kp, nan);
+        // decode_rows pads only to a whole chunk; a short last segment leaves stale scratch (maybe NaN) up to P,
+        // which the zero-padded activations would still multiply (0 * NaN = NaN)
+        const int64_t written = ceil_div(seg.size(s), kChunk) * kChunk;
+        for (int64_t r = 0; written < P && r < nr; r++)
+          std::fill(panel + r * Kp + s * P + written, panel + r * Kp + s * P + P, 0.f);
+      }
       if (block) {
         at::Tensor C = at::from_blob(acc, {kb, M, nr}, f32);
         at::bmm_out(C, X, at::from_blob(panel, {kb, P, nr}, {P, 1, Kp}, f32));
