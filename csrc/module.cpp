@@ -4,6 +4,7 @@
 
 #include "cpu/isa.h"
 #include "cpu/read_bandwidth.h"
+#include "cpu/workspace.h"
 #include "metal/emu_launcher.h"
 #include "metal/plan_int8_mm.h"
 #include "metal/plans.h"
@@ -46,5 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "cap the instruction set of the CPU kernels ('portable', 'avx2', 'best'); returns the previous cap");
   m.def("_cpu_isa", [] { return std::string(lowbit::cpu::isa_name(lowbit::cpu::isa())); },
         "the instruction set the CPU kernels use now");
+  m.def(
+      "_cpu_poison_workspaces", [](bool on) { lowbit::cpu::g_poison_scratch = on; },
+      "fill the CPU kernels' reused scratch buffers with 0xFF on every use (a test switch)");
   m.def("_cpu_stream_read", &lowbit::cpu::stream_read, "read a tensor's bytes in parallel (bandwidth baseline)");
 }

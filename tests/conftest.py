@@ -20,6 +20,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 METAL_OPS = {"fp8_mm", "fp8_dequantize", "fp8_grouped_mm", "int8_quantize", "int8_mm"}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _poisoned_cpu_workspaces():
+    """The CPU kernels reuse per-thread scratch across calls; in tests every use starts as 0xFF (NaN / -1), so
+    a kernel reading scratch it did not write fails instead of passing on leftovers (like the emulator's
+    poisoned outputs)."""
+    torch_lowbit._C._cpu_poison_workspaces(True)
+    yield
+    torch_lowbit._C._cpu_poison_workspaces(False)
+
+
 class Backend:
     def __init__(self, name):
         self.name = name
