@@ -98,6 +98,18 @@ def test_unwritten_outputs_stay_poisoned(lib):
     assert (out[1::2].view(np.uint32) == 0xFFFFFFFF).all()
 
 
+@pytest.mark.parametrize("n", [5, 6, 7])  # 20..28 bytes: the stray store stays inside the 16-byte slack
+def test_write_just_past_the_end_is_reported(lib, n):
+    with pytest.raises(E.KernelError, match=r"wrote past the end of \[\[buffer\(0\)\]\] \(byte offset %d" % (4 * n)):
+        lib.run("write_one_past_end", [np.zeros(n, np.float32), np.array([n], np.uint32)], grid=(1,), tg=(n,),
+                outputs=(0,))
+
+
+def test_write_just_before_the_start_is_reported(lib):
+    with pytest.raises(E.KernelError, match=r"wrote before the start of \[\[buffer\(0\)\]\] \(byte offset -4"):
+        lib.run("write_one_before_start", [np.zeros(8, np.float32)], grid=(1,), tg=(8,), outputs=(0,))
+
+
 def test_divergent_simd_op_is_reported_every_time(lib):
     for _ in range(2):  # the report must not be once per process
         with pytest.raises(E.KernelError, match="lanes wait at different simd ops"):

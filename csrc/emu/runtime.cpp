@@ -432,6 +432,29 @@ Guarded alloc_guarded(size_t n) {
   memset(g.base, 0xFF, body);  // the slack (< 16 bytes) between data end and the guard page stays poisoned
   return g;
 }
+
+// A write that lands in the poisoned slack around a buffer (past its end but short of the guard page, or in
+// the page before its start) does not fault: find it afterwards by the poison it overwrote. Appends one error
+// line to err and returns 1 when a byte changed (a write of 0xFF bytes there goes unseen).
+int check_slack(int idx, const Guarded& g, size_t n, std::string& err) {
+  const char* end = g.base + g.total - msl::rt::kPage;
+  char b[200];
+  for (const char* q = g.data + n; q < end; q++)
+    if (*q != char(0xFF)) {
+      snprintf(b, sizeof b, "error: the kernel wrote past the end of [[buffer(%d)]] (byte offset %ld, buffer size %zu)\n",
+               idx, long(q - g.data), n);
+      err += b;
+      return 1;
+    }
+  for (const char* q = g.base; q < g.data; q++)
+    if (*q != char(0xFF)) {
+      snprintf(b, sizeof b, "error: the kernel wrote before the start of [[buffer(%d)]] (byte offset %ld)\n", idx,
+               long(q - g.data));
+      err += b;
+      return 1;
+    }
+  return 0;
+}
 }  // namespace
 
 extern "C" {
@@ -459,7 +482,10 @@ int msl_emu_run(const char* kernel, int nbuf, void** host, const size_t* sizes, 
   if (msl::rt::launch_hook) msl::rt::launch_hook(kernel, &p, true);
   int ne = msl::rt::launch(k, p);
   if (msl::rt::launch_hook) msl::rt::launch_hook(kernel, &p, false);
-  if (errbuf && errcap) snprintf(errbuf, errcap, "%s", msl::rt::errors_text());
+  std::string err = msl::rt::errors_text();
+  for (int i = 0; i < nbuf; i++)
+    if (host[i]) ne += check_slack(i, g[i], sizes[i], err);
+  if (errbuf && errcap) snprintf(errbuf, errcap, "%s", err.c_str());
   for (int i = 0; i < nbuf; i++) {
     if (!host[i]) continue;
     if (flags[i] & 1) memcpy(host[i], g[i].data, sizes[i]);

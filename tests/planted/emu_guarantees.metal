@@ -35,3 +35,18 @@ kernel void racy_last_writer(device uint* out [[buffer(0)]], uint tid [[thread_i
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[tid] = slot[0];
 }
+
+// One element past the end (offset n): with n * 4 bytes not a multiple of 16 the store lands in the poisoned
+// slack before the guard page, where it does not fault; the emulator must still report it.
+kernel void write_one_past_end(device float* out [[buffer(0)]], constant uint& n [[buffer(1)]],
+                               uint i [[thread_position_in_grid]]) {
+  out[i + 1] = 1.0f;  // thread n - 1 writes out[n]
+}
+
+// One element before the start.
+kernel void write_one_before_start(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  if (i == 0) {
+    *(out - 1) = 1.0f;
+  }
+  out[i] = 2.0f;
+}
