@@ -30,6 +30,22 @@ KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk);
 
 constexpr int kMaxTileRows = 4;  // the largest MR and NR of a GEMV tile
 
+// The GEMV tiles are templates over <activation rows MR, weight rows NR, block scales?>; a call picks the
+// instantiation for its run-time (mr, nr) from one table built once per tile family. Tiles::get<M, N, B>()
+// returns the instantiation as a Fn.
+template <class Fn, class Tiles>
+Fn pick_gemv_tile(bool block, int mr, int nr) {
+  static const Fn table[2][kMaxTileRows][kMaxTileRows] = {
+#define LOWBIT_TILE_ROW(B, M)                                                                              \
+  {Tiles::template get<M, 1, B>(), Tiles::template get<M, 2, B>(), Tiles::template get<M, 3, B>(), \
+   Tiles::template get<M, 4, B>()}
+      {LOWBIT_TILE_ROW(false, 1), LOWBIT_TILE_ROW(false, 2), LOWBIT_TILE_ROW(false, 3), LOWBIT_TILE_ROW(false, 4)},
+      {LOWBIT_TILE_ROW(true, 1), LOWBIT_TILE_ROW(true, 2), LOWBIT_TILE_ROW(true, 3), LOWBIT_TILE_ROW(true, 4)},
+#undef LOWBIT_TILE_ROW
+  };
+  return table[block][mr - 1][nr - 1];
+}
+
 struct Fp8Kernels {
   // sums[m * nr + r] = sum over segments s of bscale[r][s] (1 when bscale is null) times
   //   sum_k x[m * ldx + packed k] * dec(w[r * K + k]) / 256, for m < mr <= 4, r < nr <= 4;

@@ -81,20 +81,14 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* 
 using GemvFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&, float*,
                         bool*);
 
-template <int MR, int NR>
-constexpr GemvFn pick(bool block) {
-  return block ? &gemv_tile_t<MR, NR, true> : &gemv_tile_t<MR, NR, false>;
-}
+struct FloatTiles {  // this file's tile family, for pick_gemv_tile
+  template <int MR, int NR, bool kBlock>
+  static constexpr GemvFn get() { return &gemv_tile_t<MR, NR, kBlock>; }
+};
 
 void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* const* bscale,
                const KSegments& seg, float* sums, bool* nan) {
-  static const GemvFn table[2][kMaxTileRows][kMaxTileRows] = {
-#define LOWBIT_ROW(B, M) {pick<M, 1>(B), pick<M, 2>(B), pick<M, 3>(B), pick<M, 4>(B)}
-      {LOWBIT_ROW(false, 1), LOWBIT_ROW(false, 2), LOWBIT_ROW(false, 3), LOWBIT_ROW(false, 4)},
-      {LOWBIT_ROW(true, 1), LOWBIT_ROW(true, 2), LOWBIT_ROW(true, 3), LOWBIT_ROW(true, 4)},
-#undef LOWBIT_ROW
-  };
-  table[bscale != nullptr][mr - 1][nr - 1](x, ldx, w, K, bscale, seg, sums, nan);
+  pick_gemv_tile<GemvFn, FloatTiles>(bscale != nullptr, mr, nr)(x, ldx, w, K, bscale, seg, sums, nan);
 }
 
 LOWBIT_TARGET_AVX2 void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst,

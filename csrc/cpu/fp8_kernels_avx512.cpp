@@ -81,20 +81,14 @@ LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t
 using GemvFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&, float*,
                         bool*);
 
-template <int MR, int NR>
-constexpr GemvFn pick(bool block) {
-  return block ? &gemv_tile_t<MR, NR, true> : &gemv_tile_t<MR, NR, false>;
-}
+struct FloatTiles {  // this file's tile family, for pick_gemv_tile
+  template <int MR, int NR, bool kBlock>
+  static constexpr GemvFn get() { return &gemv_tile_t<MR, NR, kBlock>; }
+};
 
 void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* const* bscale,
                const KSegments& seg, float* sums, bool* nan) {
-  static const GemvFn table[2][kMaxTileRows][kMaxTileRows] = {
-#define LOWBIT_ROW(B, M) {pick<M, 1>(B), pick<M, 2>(B), pick<M, 3>(B), pick<M, 4>(B)}
-      {LOWBIT_ROW(false, 1), LOWBIT_ROW(false, 2), LOWBIT_ROW(false, 3), LOWBIT_ROW(false, 4)},
-      {LOWBIT_ROW(true, 1), LOWBIT_ROW(true, 2), LOWBIT_ROW(true, 3), LOWBIT_ROW(true, 4)},
-#undef LOWBIT_ROW
-  };
-  table[bscale != nullptr][mr - 1][nr - 1](x, ldx, w, K, bscale, seg, sums, nan);
+  pick_gemv_tile<GemvFn, FloatTiles>(bscale != nullptr, mr, nr)(x, ldx, w, K, bscale, seg, sums, nan);
 }
 
 // bf16 activations: a byte-permute table decode straight to bf16 (e4m3 values are exact in bf16; the two
@@ -174,20 +168,14 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
 using GemvBf16Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&,
                             float*);
 
-template <int MR, int NR>
-constexpr GemvBf16Fn pick_bf16(bool block) {
-  return block ? &gemv_tile_bf16_t<MR, NR, true> : &gemv_tile_bf16_t<MR, NR, false>;
-}
+struct Bf16Tiles {  // this file's tile family, for pick_gemv_tile
+  template <int MR, int NR, bool kBlock>
+  static constexpr GemvBf16Fn get() { return &gemv_tile_bf16_t<MR, NR, kBlock>; }
+};
 
 void gemv_tile_bf16(int mr, int nr, const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K,
                     const float* const* bscale, const KSegments& seg, float* sums, bool* /*nan: decoded as NaN*/) {
-  static const GemvBf16Fn table[2][kMaxTileRows][kMaxTileRows] = {
-#define LOWBIT_ROW(B, M) {pick_bf16<M, 1>(B), pick_bf16<M, 2>(B), pick_bf16<M, 3>(B), pick_bf16<M, 4>(B)}
-      {LOWBIT_ROW(false, 1), LOWBIT_ROW(false, 2), LOWBIT_ROW(false, 3), LOWBIT_ROW(false, 4)},
-      {LOWBIT_ROW(true, 1), LOWBIT_ROW(true, 2), LOWBIT_ROW(true, 3), LOWBIT_ROW(true, 4)},
-#undef LOWBIT_ROW
-  };
-  table[bscale != nullptr][mr - 1][nr - 1](x, ldx, w, K, bscale, seg, sums);
+  pick_gemv_tile<GemvBf16Fn, Bf16Tiles>(bscale != nullptr, mr, nr)(x, ldx, w, K, bscale, seg, sums);
 }
 
 }  // namespace
