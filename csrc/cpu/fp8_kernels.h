@@ -30,6 +30,10 @@ KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk);
 
 constexpr int kMaxTileRows = 4;  // the largest MR and NR of a GEMV tile
 
+// One instantiation of an fp32-activation GEMV tile: Fp8Kernels::gemv_tile without the run-time (mr, nr).
+using Fp8GemvTileFn = void (*)(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* const* bscale,
+                               const KSegments& seg, float* sums, bool* nan);
+
 // The GEMV tiles are templates over <activation rows MR, weight rows NR, block scales?>; a call picks the
 // instantiation for its run-time (mr, nr) from one table built once per tile family. Tiles::get<M, N, B>()
 // returns the instantiation as a Fn.

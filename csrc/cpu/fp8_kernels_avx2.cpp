@@ -78,17 +78,14 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* 
   for (int r = 0; r < NR; r++) nan[r] = nan[r] || avx2::has_nan_code(nan_acc[r]);
 }
 
-using GemvFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&, float*,
-                        bool*);
-
 struct FloatTiles {  // this file's tile family, for pick_gemv_tile
   template <int MR, int NR, bool kBlock>
-  static constexpr GemvFn get() { return &gemv_tile_t<MR, NR, kBlock>; }
+  static constexpr Fp8GemvTileFn get() { return &gemv_tile_t<MR, NR, kBlock>; }
 };
 
 void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* const* bscale,
                const KSegments& seg, float* sums, bool* nan) {
-  pick_gemv_tile<GemvFn, FloatTiles>(bscale != nullptr, mr, nr)(x, ldx, w, K, bscale, seg, sums, nan);
+  pick_gemv_tile<Fp8GemvTileFn, FloatTiles>(bscale != nullptr, mr, nr)(x, ldx, w, K, bscale, seg, sums, nan);
 }
 
 LOWBIT_TARGET_AVX2 void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst,
