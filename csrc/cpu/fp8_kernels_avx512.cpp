@@ -15,6 +15,11 @@
 namespace lowbit::cpu {
 namespace {
 
+// Prefetch the next tile's rows into L1, not L2: at batch 1 on a Sapphire Rapids (2 threads, weights from DRAM)
+// this streamed 18-20 GB/s against 15-18 with the L2 hint, in alternating runs. A tile's rows are used within a
+// few microseconds, long before L1 would evict them.
+constexpr auto kPrefetchHint = _MM_HINT_T0;
+
 // 32 codes -> positions 0..15 and 16..31 of kChunkOrder (the even, then the odd codes), as dec(code) / 256.
 LOWBIT_TARGET_AVX512 inline void decode_chunk(const uint8_t* code, __m512 out[2], __m256i& nan_acc) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(code));
@@ -55,8 +60,8 @@ LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t
     for (int m = 0; m < MR; m++)
       for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += kChunk) {
-      if ((k & 63) == 0)  // the next tile's rows: see the AVX2 tile
-        for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T1);
+      if ((k & 63) == 0)  // the next tile's rows: see the AVX2 tile, and kPrefetchHint
+        for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), kPrefetchHint);
       for (int r = 0; r < NR; r++) {
         __m512 d[2];
         decode_chunk(w + r * K + k0 + k, d, nan_acc[r]);
@@ -144,8 +149,8 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
     for (int m = 0; m < MR; m++)
       for (int r = 0; r < NR; r++) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; k += kBf16Chunk) {
-      for (int r = 0; r < NR; r++)  // the next tile's rows: see the AVX2 tile
-        _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T1);
+      for (int r = 0; r < NR; r++)  // the next tile's rows: see the AVX2 tile, and kPrefetchHint
+        _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), kPrefetchHint);
       for (int r = 0; r < NR; r++) {
         __m512i d[2];
         decode_bf16(w + r * K + k0 + k, n - k, t, d);
