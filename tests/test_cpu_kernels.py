@@ -9,7 +9,7 @@ _THREADS = torch.get_num_threads()
 
 from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
     ref_int8_mm
-from torch_lowbit.testing import cpu_isa, forced_cpu_isa
+from torch_lowbit.testing import cpu_bf16_gemm, cpu_isa, forced_cpu_isa
 
 LEVELS = ["portable", "avx2", "avxvnni", "avx512"]
 ISAS = LEVELS[:LEVELS.index(cpu_isa()) + 1]  # the levels this CPU supports, portable first
@@ -74,7 +74,8 @@ def test_fp8_gemm_block_scales_ignore_stale_workspace(isa):
 
 @pytest.mark.parametrize("M", [1, 3, 20])
 @pytest.mark.parametrize("flush_denormal", [False, True])
-def test_fp8_every_finite_code_exact(isa, M, flush_denormal):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_every_finite_code_exact(isa, M, flush_denormal, dtype):
     # bits[n, k] = the (n + k)-th finite code and x rows are unit vectors, so out[m, n] is one decoded code:
     # every finite code (subnormals included) on each path, also with denormals flushed (the F16C decode must
     # not depend on DAZ). NaN codes are pinned by test_fp8_mm.py::test_nan_codes_give_nan_columns.
@@ -82,7 +83,7 @@ def test_fp8_every_finite_code_exact(isa, M, flush_denormal):
     N, K = len(codes), 256
     bits = codes[(torch.arange(N)[:, None] + torch.arange(K)[None]) % N]
     cols = torch.arange(M) * 13
-    x = torch.zeros(M, K)
+    x = torch.zeros(M, K, dtype=dtype)  # bf16 x at M = 20: the bf16 GEMM where the CPU has it
     x[torch.arange(M), cols] = 1.0
     torch.set_flush_denormal(flush_denormal)
     try:
@@ -92,14 +93,73 @@ def test_fp8_every_finite_code_exact(isa, M, flush_denormal):
     assert torch.equal(out.double(), fp8_bits_to_f64(bits[:, cols].T))
 
 
+@pytest.fixture(params=["bf16", "fp32"])
+def gemm_route(request):
+    """The two GEMMs of fp8_mm with bf16 x: bf16 panels in oneDNN's AMX brgemm (where the CPU has it), and fp32
+    panels in torch's fp32 GEMM -- what CPUs without AMX run, forced here by disabling torch.backends.mkldnn."""
+    if request.param == "bf16" and not cpu_bf16_gemm():
+        pytest.skip("this CPU has no AMX bf16 brgemm")
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(request.param == "bf16")
+    try:
+        assert cpu_bf16_gemm() == (request.param == "bf16")
+        yield request.param
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+_LAYOUTS = {"tensor": None, "channel": None, "block128": [128, 128], "block16x48": [16, 48], "block7x1000": [7, 1000],
+            "block64x4096": [64, 4096]}
+
+
+# M: one block of brgemm columns, several with a tail; N: panels with tails; K: brgemm depth steps and short tails
+@pytest.mark.parametrize("M,N,K", [(8, 1, 64), (9, 63, 300), (64, 70, 4096), (65, 129, 4095), (300, 65, 1000),
+                                   (130, 200, 1)])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_fp8_mm_bf16_x_gemm(gemm_route, M, N, K, layout):
+    g = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    bits = random_fp8_bits((N, K), g)
+    block = _LAYOUTS[layout]
+    if layout == "tensor":
+        scale = torch.rand(1, generator=g) + 0.5
+    elif layout == "channel":
+        scale = torch.rand(N, generator=g) + 0.5
+    else:
+        scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
+    bias = torch.randn(N, generator=g)
+    ref, absref = ref_fp8_mm(x, bits, scale, bias, block)
+    assert_matmul_close(ops.fp8_mm(x, bits, scale, bias, block), ref, absref, acc_rtol=1e-5)
+
+
+def test_fp8_mm_bf16_x_gemm_nan_and_inf(gemm_route):
+    # NaN codes make their output columns NaN, an infinite x its row (inf * 0 = NaN), as in float64
+    g = torch.Generator().manual_seed(3)
+    M, N, K = 40, 100, 700
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    x[5, 17] = float("inf")
+    x[9, 3] = float("-inf")
+    bits = random_fp8_bits((N, K), g)
+    bits[7, 650] = 0x7F
+    bits[64, 0] = 0xFF
+    bits[:, 17] = 0  # row 5: inf * 0
+    for block in (None, [16, 128]):
+        scale = torch.rand(N, generator=g) + 0.5 if block is None else torch.rand(7, 6, generator=g) + 0.5
+        ref, absref = ref_fp8_mm(x, bits, scale, None, block)
+        out = ops.fp8_mm(x, bits, scale, None, block)
+        assert torch.isnan(out[:, [7, 64]]).all() and torch.isnan(out[5]).all()
+        assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
+
+
 @pytest.mark.parametrize("groups", [[1] * 8, [1, 0, 3, 1, 20, 2], [40]])
-def test_fp8_grouped_paths(isa, groups):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # bf16: big groups in the bf16 GEMM
+def test_fp8_grouped_paths(isa, groups, dtype):
     E, N, K = 9, 300, 2048
     g = torch.Generator().manual_seed(len(groups))
     offsets = torch.tensor([0] + groups, dtype=torch.int32).cumsum(0).to(torch.int32)
     T = int(offsets[-1]) + 2  # two rows in no group
     ids = torch.randint(-1, E, (len(groups),), dtype=torch.int32, generator=g)
-    x = torch.randn(T, K, generator=g).to(torch.float16)
+    x = torch.randn(T, K, generator=g).to(dtype)
     bits = random_fp8_bits((E, N, K), g)
     scale = torch.rand(E, N, generator=g) + 0.5
     ref, absref = ref_fp8_grouped_mm(x, bits, scale, offsets, ids)

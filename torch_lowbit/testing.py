@@ -25,6 +25,13 @@ def forced_cpu_isa(name: str):
         _C._cpu_set_isa(previous)
 
 
+def cpu_bf16_gemm() -> bool:
+    """Whether fp8_mm with bf16 x and enough rows for its GEMM runs bf16 weight panels through oneDNN's AMX brgemm
+    now (AMX and AVX-512 BF16 present, the cap at ``"avx512"``, ``torch.backends.mkldnn`` enabled); otherwise it
+    uses fp32 panels and torch's fp32 GEMM. ``torch.backends.mkldnn.flags(enabled=False)`` turns it off."""
+    return _C._cpu_bf16_gemm()
+
+
 def force_portable():
     """Run the CPU kernels on their portable path inside this block."""
     return forced_cpu_isa("portable")

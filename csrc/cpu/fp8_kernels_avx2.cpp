@@ -111,7 +111,7 @@ LOWBIT_TARGET_AVX2 void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, 
 }  // namespace
 
 const Fp8Kernels& fp8_kernels_avx2() {
-  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows};
+  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows, nullptr};
   return k;
 }
 

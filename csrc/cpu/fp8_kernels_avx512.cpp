@@ -1,7 +1,7 @@
 // AVX-512 GEMV tiles of the fp8 products (see fp8_kernels.h). Float activations: the AVX2 decode's half vectors converted 16 at a
 // time (vcvtph2ps zmm), which drops the lane extracts and halves the conversions and FMAs per code. At batch 1
-// the decode bounds the AVX2 tile below memory bandwidth; this one keeps up with it. The GEMM panel decode is
-// the AVX2 one (its cost is spread over all M rows).
+// the decode bounds the AVX2 tile below memory bandwidth; this one keeps up with it. The fp32 GEMM panel decode
+// is the AVX2 one (its cost is spread over all M rows); the bf16 panel decode is here.
 #include "cpu/fp8_kernels.h"
 
 #if LOWBIT_X86
@@ -180,10 +180,23 @@ void gemv_tile_bf16(int mr, int nr, const uint16_t* x, int64_t ldx, const uint8_
   pick_gemv_tile<GemvBf16Fn, Bf16Tiles>(bscale != nullptr, mr, nr)(x, ldx, w, K, bscale, seg, sums);
 }
 
+LOWBIT_TARGET_AVX512BF16 void decode_rows_bf16(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n,
+                                               uint16_t* dst, int64_t ldd) {
+  const __m512i t[4] = {_mm512_load_si512(kBf16Tables.hi), _mm512_load_si512(kBf16Tables.hi + 64),
+                        _mm512_load_si512(kBf16Tables.lo), _mm512_load_si512(kBf16Tables.lo + 64)};
+  for (int64_t r = 0; r < nrows; r++)
+    for (int64_t k = 0; k < n; k += kBf16Chunk) {
+      __m512i d[2];
+      decode_bf16(w + r * K + k0 + k, n - k, t, d);
+      _mm512_storeu_si512(dst + r * ldd + k, d[0]);
+      _mm512_storeu_si512(dst + r * ldd + k + 32, d[1]);
+    }
+}
+
 }  // namespace
 
 const Fp8Kernels& fp8_kernels_avx512() {
-  static const Fp8Kernels k{&gemv_tile, &gemv_tile_bf16, fp8_kernels_avx2().decode_rows};
+  static const Fp8Kernels k{&gemv_tile, &gemv_tile_bf16, fp8_kernels_avx2().decode_rows, &decode_rows_bf16};
   return k;
 }
 

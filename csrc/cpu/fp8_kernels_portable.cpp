@@ -53,7 +53,7 @@ void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t
 }  // namespace
 
 const Fp8Kernels& fp8_kernels_portable() {
-  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows};
+  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows, nullptr};
   return k;
 }
 
