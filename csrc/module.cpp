@@ -2,7 +2,7 @@
 // registrars); this file only adds the few host functions Python calls directly.
 #include <torch/extension.h>
 
-#include "cpu/fp8_matmul.h"
+#include "cpu/brgemm.h"
 #include "cpu/isa.h"
 #include "cpu/read_bandwidth.h"
 #include "cpu/workspace.h"
@@ -48,8 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "cap the instruction set of the CPU kernels ('portable', 'avx2', 'best'); returns the previous cap");
   m.def("_cpu_isa", [] { return std::string(lowbit::cpu::isa_name(lowbit::cpu::isa())); },
         "the instruction set the CPU kernels use now");
-  m.def("_cpu_bf16_gemm", &lowbit::cpu::bf16_gemm_available,
-        "whether fp8_mm's GEMM regime runs bf16 x through bf16 panels and oneDNN's AMX brgemm now");
+  m.def("_cpu_amx_gemm", &lowbit::cpu::amx_gemm_available,
+        "whether the GEMM regimes of fp8_mm (bf16 x) and int8_mm run on oneDNN's AMX brgemm now");
   m.def(
       "_cpu_poison_workspaces", [](bool on) { lowbit::cpu::g_poison_scratch = on; },
       "fill the CPU kernels' reused scratch buffers with 0xFF on every use (a test switch)");

@@ -9,7 +9,7 @@ _THREADS = torch.get_num_threads()
 
 from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
     ref_int8_mm
-from torch_lowbit.testing import cpu_bf16_gemm, cpu_isa, forced_cpu_isa
+from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa
 
 LEVELS = ["portable", "avx2", "avxvnni", "avx512"]
 ISAS = LEVELS[:LEVELS.index(cpu_isa()) + 1]  # the levels this CPU supports, portable first
@@ -93,16 +93,18 @@ def test_fp8_every_finite_code_exact(isa, M, flush_denormal, dtype):
     assert torch.equal(out.double(), fp8_bits_to_f64(bits[:, cols].T))
 
 
-@pytest.fixture(params=["bf16", "fp32"])
-def gemm_route(request):
-    """The two GEMMs of fp8_mm with bf16 x: bf16 panels in oneDNN's AMX brgemm (where the CPU has it), and fp32
-    panels in torch's fp32 GEMM -- what CPUs without AMX run, forced here by disabling torch.backends.mkldnn."""
-    if request.param == "bf16" and not cpu_bf16_gemm():
-        pytest.skip("this CPU has no AMX bf16 brgemm")
+@pytest.fixture(params=["amx", "no_amx"])
+def amx(request):
+    """The GEMM regimes with and without AMX: fp8_mm with bf16 x in oneDNN's AMX brgemm or as fp32 panels in
+    torch's fp32 GEMM, int8_mm in oneDNN's AMX int8 brgemm or our micro-kernels. Without is what CPUs lacking AMX
+    run; here it is forced by disabling torch.backends.mkldnn. Request it after `isa`, whose cap it depends on."""
+    on = request.param == "amx"
     enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(request.param == "bf16")
+    if on and not cpu_amx_gemm():
+        pytest.skip("no AMX brgemm on this CPU at this instruction-set cap")
+    torch._C._set_mkldnn_enabled(on)
     try:
-        assert cpu_bf16_gemm() == (request.param == "bf16")
+        assert cpu_amx_gemm() == on
         yield request.param
     finally:
         torch._C._set_mkldnn_enabled(enabled)
@@ -116,7 +118,7 @@ _LAYOUTS = {"tensor": None, "channel": None, "block128": [128, 128], "block16x48
 @pytest.mark.parametrize("M,N,K", [(8, 1, 64), (9, 63, 300), (64, 70, 4096), (65, 129, 4095), (300, 65, 1000),
                                    (130, 200, 1)])
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
-def test_fp8_mm_bf16_x_gemm(gemm_route, M, N, K, layout):
+def test_fp8_mm_bf16_x_gemm(amx, M, N, K, layout):
     g = torch.Generator().manual_seed(M * N + K)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     bits = random_fp8_bits((N, K), g)
@@ -132,7 +134,7 @@ def test_fp8_mm_bf16_x_gemm(gemm_route, M, N, K, layout):
     assert_matmul_close(ops.fp8_mm(x, bits, scale, bias, block), ref, absref, acc_rtol=1e-5)
 
 
-def test_fp8_mm_bf16_x_gemm_nan_and_inf(gemm_route):
+def test_fp8_mm_bf16_x_gemm_nan_and_inf(amx):
     # NaN codes make their output columns NaN, an infinite x its row (inf * 0 = NaN), as in float64
     g = torch.Generator().manual_seed(3)
     M, N, K = 40, 100, 700
@@ -168,7 +170,7 @@ def test_fp8_grouped_paths(isa, groups, dtype):
 
 @pytest.mark.parametrize("M", [1, 3, 7, 8, 70, 300])  # GEMV tiles; GEMM with one and two row blocks
 @pytest.mark.parametrize("K", [4096, 4097, 4094])
-def test_int8_mm_exact(isa, M, K):
+def test_int8_mm_exact(isa, amx, M, K):
     g = torch.Generator().manual_seed(M * K)
     N = 53
     xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
@@ -178,6 +180,22 @@ def test_int8_mm_exact(isa, M, K):
     out = ops.int8_mm(xq, torch.ones(M), wq, torch.ones(N), None, torch.float32)
     _, acc = ref_int8_mm(xq, torch.ones(M), wq, torch.ones(N))
     assert torch.equal(out, acc.float())  # one rounding of the exact integer to fp32
+
+
+# GEMM regime: weight blocks with tails (N), activation blocks with tails (M), K below a VNNI quad, not a whole
+# number of quads, and past one brgemm depth step
+@pytest.mark.parametrize("M,N,K", [(8, 130, 1), (9, 65, 3), (64, 64, 1030), (129, 1, 2049)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_int8_mm_gemm_epilogue(isa, amx, M, N, K, out_dtype):
+    g = torch.Generator().manual_seed(M + N + K)
+    xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    xs, ws, bias = torch.rand(M, generator=g) + 0.01, torch.rand(N, generator=g) + 0.01, torch.randn(N, generator=g)
+    ref, acc = ref_int8_mm(xq, xs, wq, ws, bias)
+    out = ops.int8_mm(xq, xs, wq, ws, bias, out_dtype)
+    # fp32 epilogue (three roundings) then one rounding to out_dtype
+    assert_matmul_close(out, ref, acc.abs().double() * xs.double()[:, None] * ws.double() + bias.double().abs(),
+                        acc_rtol=4 * 2.0 ** -24)
 
 
 def test_int8_quantize_large_rows(isa):

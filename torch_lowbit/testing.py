@@ -25,11 +25,12 @@ def forced_cpu_isa(name: str):
         _C._cpu_set_isa(previous)
 
 
-def cpu_bf16_gemm() -> bool:
-    """Whether fp8_mm with bf16 x and enough rows for its GEMM runs bf16 weight panels through oneDNN's AMX brgemm
-    now (AMX and AVX-512 BF16 present, the cap at ``"avx512"``, ``torch.backends.mkldnn`` enabled); otherwise it
-    uses fp32 panels and torch's fp32 GEMM. ``torch.backends.mkldnn.flags(enabled=False)`` turns it off."""
-    return _C._cpu_bf16_gemm()
+def cpu_amx_gemm() -> bool:
+    """Whether the GEMM regimes (enough rows) of ``fp8_mm`` with bf16 x and of ``int8_mm`` run on AMX now, through
+    oneDNN's brgemm in torch: the CPU has AMX, the cap is at ``"avx512"`` and ``torch.backends.mkldnn`` is enabled.
+    Otherwise fp8_mm uses fp32 panels in torch's fp32 GEMM and int8_mm its own AVX-512 / AVX2 micro-kernels.
+    ``torch.backends.mkldnn.enabled = False`` turns AMX off."""
+    return _C._cpu_amx_gemm()
 
 
 def force_portable():

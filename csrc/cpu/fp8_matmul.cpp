@@ -1,7 +1,6 @@
 #include "cpu/fp8_matmul.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -9,6 +8,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu/brgemm.h"
 #include "cpu/fp8_simd.h"
 #include "cpu/workspace.h"
 
@@ -120,29 +120,28 @@ constexpr int64_t kBf16Panel = 64;
 constexpr int64_t kBf16Cols = 64;
 constexpr int64_t kBf16Depth = 512;
 
-// x [M, K] bf16 bits -> the brgemm's B for each block of kBf16Cols rows: block b (rows m0.., width mw) at
-// dst + m0 * Kp, VNNI order (position pairs interleaved per row): position p of row m at
-// (p / 2) * 2 * mw + (m - m0) * 2 + p % 2, positions in kBf16ChunkOrder per segment, zero padded.
+// x [M, K] bf16 bits -> the brgemm's B for each block of kBf16Cols rows: the block of rows m0.. (width mw) at
+// dst + m0 * Kp in VNNI pairs (brgemm.h), positions in kBf16ChunkOrder per segment, zero padded.
 void pack_bf16_vnni(const uint16_t* x, int64_t M, const KSegments& seg, uint16_t* dst) {
   const int64_t Kp = seg.packed_size(), P = seg.padded;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
       const int64_t b0 = m / kBf16Cols * kBf16Cols, mw = std::min(kBf16Cols, M - b0);
-      uint16_t* d = dst + b0 * Kp + (m - b0) * 2;
+      uint16_t* d = dst + b0 * Kp;
       for (int64_t s = 0; s < seg.count; s++) {
         const uint16_t* src = x + m * seg.K + seg.begin(s);
         const int64_t n = seg.size(s);
         for (int64_t c = 0; c < P; c += kBf16Chunk)
           for (int q = 0; q < kBf16Chunk; q++) {
             const int64_t k = c + kBf16ChunkOrder[q], p = s * P + c + q;
-            d[(p >> 1) * 2 * mw + (p & 1)] = k < n ? src[k] : uint16_t(0);
+            d[vnni_offset<2>(p, m - b0, mw)] = k < n ? src[k] : uint16_t(0);
           }
       }
     }
   });
 }
 
-// bf16 x on a CPU with AMX (bf16_gemm_available): decoded bf16 panels times the packed activations in torch's
+// bf16 x on a CPU with AMX (amx_gemm_available): decoded bf16 panels times the packed activations in torch's
 // oneDNN brgemm, fp32 accumulation; 3-5x faster there than fp32 panels in the fp32 GEMM. The sums are the fp32
 // path's: decoded weights and bf16 x are exact in bf16, their products exact in fp32. (AMX, like vdpbf16ps,
 // reads bf16 denormals -- below 1e-38 -- as zero.) Block scales multiply each segment's sums, as in gemm.
@@ -154,6 +153,7 @@ void gemm_bf16(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& 
   uint16_t* xp = scratch<uint16_t>(Slot::Activations, size_t(M * Kp));
   pack_bf16_vnni(reinterpret_cast<const uint16_t*>(x), M, seg, xp);
   at::parallel_for(0, ceil_div(N, kBf16Panel), 1, [&](int64_t b0, int64_t b1) {
+    AmxTileScope amx;
     auto* panel = scratch<c10::BFloat16>(Slot::Panel, size_t(kBf16Panel * Kp));
     float* acc = scratch<float>(Slot::Tile, size_t(2 * kBf16Panel * kBf16Cols));
     float* part = acc + kBf16Panel * kBf16Cols;  // one segment's sums (block scales)
@@ -186,16 +186,10 @@ void gemm_bf16(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& 
             out[(m0 + m) * ldo + r0 + r] = T(finish(op, r0 + r, acc[r * mw + m], false));
       }
     }
-    at::native::cpublas::brgemm_release(true);  // the AMX tile state, before this thread runs other work
   });
 }
 
 }  // namespace
-
-bool bf16_gemm_available() {
-  // could_pack: oneDNN's brgemm takes VNNI-packed bf16 here (AMX), and torch.backends.mkldnn is enabled
-  return fp8_kernels(isa()).decode_rows_bf16 != nullptr && at::native::cpublas::could_pack(at::kBFloat16);
-}
 
 KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk) {
   KSegments s;
@@ -276,7 +270,7 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
   const Fp8Kernels& kern = fp8_kernels(isa());
   if (M >= kGemmMinRows) {
     if constexpr (std::is_same_v<T, c10::BFloat16>)
-      if (bf16_gemm_available()) return gemm_bf16(kern, x, M, op, out, ldo);
+      if (kern.decode_rows_bf16 && amx_gemm_available()) return gemm_bf16(kern, x, M, op, out, ldo);
     return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
   }
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);

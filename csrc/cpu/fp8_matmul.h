@@ -3,7 +3,7 @@
 // Regimes (chosen by fp8_matmul from M): few rows -> GEMV-style tiles that decode each weight chunk once for
 // all rows, weight rows split across threads; more rows -> a GEMM that decodes a panel of weight rows once and
 // multiplies it with all activation rows in an optimized GEMM: bf16 panels and oneDNN's AMX brgemm for bf16 x
-// where bf16_gemm_available(), fp32 panels and torch's fp32 GEMM otherwise. No dequantized copy of the weight
+// where amx_gemm_available() (brgemm.h), fp32 panels and torch's fp32 GEMM otherwise. No dequantized copy of the weight
 // exists; scratch memory is per-thread and reused across calls (workspace.h).
 #pragma once
 #include <ATen/ATen.h>
@@ -27,10 +27,6 @@ struct Fp8Operand {
 // Below this many activation rows the GEMV-style tiles are used (they re-decode the weight for every group of
 // 4 rows, so their cost grows with M; the panel GEMM's does not). Not tuned yet: a first guess.
 constexpr int64_t kGemmMinRows = 8;
-
-// Whether the GEMM regime runs bf16 x through bf16 panels and torch's oneDNN brgemm: the CPU has AMX (oneDNN
-// packs bf16 for it) and AVX-512 BF16 at the current instruction-set cap, and torch.backends.mkldnn is enabled.
-bool bf16_gemm_available();
 
 // How the GEMV tiles see the activations: fp32 in chunks of 32 codes, or -- bf16 x, where the kernels have a
 // bf16 dot product -- the bf16 values themselves in chunks of 64.

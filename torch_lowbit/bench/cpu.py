@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _C
-from ..testing import cpu_bf16_gemm, cpu_isa
+from ..testing import cpu_amx_gemm, cpu_isa
 from .timing import median_time, print_table, write_json
 
 
@@ -98,8 +98,8 @@ def run(argv) -> int:
     gK, gN, G = (512, 384, 8) if quick else (2048, 1536, 8)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    gemm = "bf16 x: AMX brgemm (oneDNN)" if cpu_bf16_gemm() else "fp32 GEMM"
-    print(f"cpu suite: K={K} N={N}, {torch.get_num_threads()} threads, kernels: {cpu_isa()}, GEMM regime {gemm}, "
+    gemm = "AMX (oneDNN brgemm)" if cpu_amx_gemm() else "fp32 GEMM / int8 micro-kernels"
+    print(f"cpu suite: K={K} N={N}, {torch.get_num_threads()} threads, kernels: {cpu_isa()}, GEMM regimes: {gemm}, "
           f"{platform.processor() or platform.machine()}", flush=True)
     rows = []
     ops = torch.ops.lowbit
@@ -169,7 +169,7 @@ def run(argv) -> int:
                        ("ratio", "ratio", "{:.2f}"), ("goal", "goal", None), ("met", "met", None)])
     if args.json:
         write_json(args.json, rows, suite="cpu", K=K, N=N, threads=torch.get_num_threads(), isa=cpu_isa(),
-                   bf16_gemm=cpu_bf16_gemm(),
+                   amx_gemm=cpu_amx_gemm(),
                    read_gbs=read_gbs, working_set_bytes=ws, last_level_cache_bytes=llc, quick=quick)
         print(f"wrote {args.json}")
     return 0
