@@ -115,7 +115,7 @@ _LAYOUTS = {"tensor": None, "channel": None, "block128": [128, 128], "block16x48
 
 
 # M: one block of brgemm columns, several with a tail; N: panels with tails; K: brgemm depth steps and short tails
-@pytest.mark.parametrize("M,N,K", [(8, 1, 64), (9, 63, 300), (64, 70, 4096), (65, 129, 4095), (300, 65, 1000),
+@pytest.mark.parametrize("M,N,K", [(5, 1, 64), (8, 2, 64), (9, 63, 300), (64, 70, 4096), (65, 129, 4095), (300, 65, 1000),
                                    (130, 200, 1)])
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_fp8_mm_bf16_x_gemm(amx, M, N, K, layout):
@@ -184,7 +184,7 @@ def test_int8_mm_exact(isa, amx, M, K):
 
 # GEMM regime: weight blocks with tails (N), activation blocks with tails (M), K below a VNNI quad, not a whole
 # number of quads, and past one brgemm depth step
-@pytest.mark.parametrize("M,N,K", [(8, 130, 1), (9, 65, 3), (64, 64, 1030), (129, 1, 2049)])
+@pytest.mark.parametrize("M,N,K", [(2, 130, 1), (9, 65, 3), (64, 64, 1030), (129, 1, 2049)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_int8_mm_gemm_epilogue(isa, amx, M, N, K, out_dtype):
     g = torch.Generator().manual_seed(M + N + K)

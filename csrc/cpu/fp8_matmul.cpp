@@ -268,11 +268,10 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
     return;
   }
   const Fp8Kernels& kern = fp8_kernels(isa());
-  if (M >= kGemmMinRows) {
-    if constexpr (std::is_same_v<T, c10::BFloat16>)
-      if (kern.decode_rows_bf16 && amx_gemm_available()) return gemm_bf16(kern, x, M, op, out, ldo);
-    return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
-  }
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (M >= kAmxGemmMinRows && kern.decode_rows_bf16 && amx_gemm_available())
+      return gemm_bf16(kern, x, M, op, out, ldo);
+  if (M >= kGemmMinRows) return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);
   void* xp = scratch<uint8_t>(Slot::Activations, size_t(M * acts.row_bytes()));
   pack_rows(acts, x, M, xp);

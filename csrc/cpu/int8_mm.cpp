@@ -17,6 +17,9 @@ namespace lowbit::cpu {
 namespace {
 
 constexpr int64_t kGemmMinRows = 8;  // below: GEMV-style tiles (a first guess, not tuned yet)
+// With AMX the GEMM wins from 2 rows (K = 4096, N = 14336, weights in L3: 2.5 ms at 2 to 9 rows, the tiles take
+// 3.5 ms at 2 rows); one row stays with the tiles (2.0 ms).
+constexpr int64_t kAmxGemmMinRows = 2;
 constexpr int64_t kMBlock = 256;     // activation rows packed at a time; their strips of one K chunk stay in L2
 constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (a whole number of panels)
 constexpr int64_t kKChunk = 512;     // k per panel: a panel of up to 6 x 512 int16 stays in L1
@@ -179,8 +182,9 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
   const int8_t* w = a.wq.data_ptr<int8_t>();
   LOWBIT_DISPATCH_FLOAT_TYPES(a.out_dtype, "int8_mm", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    if (a.M < kGemmMinRows || a.K == 0) gemv(kern, x, a.M, w, a.N, a.K, ep, o);
-    else if (amx_gemm_available()) gemm_amx(x, a.M, w, a.N, a.K, ep, o);
+    const bool amx = amx_gemm_available();
+    if (a.M < (amx ? kAmxGemmMinRows : kGemmMinRows) || a.K == 0) gemv(kern, x, a.M, w, a.N, a.K, ep, o);
+    else if (amx) gemm_amx(x, a.M, w, a.N, a.K, ep, o);
     else if (kern.group == 4) gemm<int8_t, uint8_t, 4>(kern, x, a.M, w, a.N, a.K, ep, o);
     else gemm<int16_t, int16_t, 2>(kern, x, a.M, w, a.N, a.K, ep, o);
   });
