@@ -93,6 +93,25 @@ def test_fp8_every_finite_code_exact(isa, M, flush_denormal, dtype):
     assert torch.equal(out.double(), fp8_bits_to_f64(bits[:, cols].T))
 
 
+@pytest.mark.parametrize("M", [1, 3, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [None, [4, 64]])
+def test_fp8_nan_codes_only_their_columns(isa, M, dtype, block):
+    # NaN codes (0x7F, 0xFF) in two rows of one 4-row GEMV tile, one in the chunk tail: their columns are NaN,
+    # the tile's other rows (which share the tile's NaN tracking on some paths) are not
+    g = torch.Generator().manual_seed(M)
+    N, K = 12, 1000
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bits = random_fp8_bits((N, K), g)
+    bits[5, 100] = 0x7F
+    bits[6, K - 1] = 0xFF
+    scale = torch.rand(N, generator=g) + 0.5 if block is None else torch.rand(3, 16, generator=g) + 0.5
+    ref, absref = ref_fp8_mm(x, bits, scale, None, block)
+    out = ops.fp8_mm(x, bits, scale, None, block)
+    assert torch.isnan(out[:, 5:7]).all() and not torch.isnan(out[:, [4, 7]]).any()
+    assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
+
+
 @pytest.fixture(params=["amx", "no_amx"])
 def amx(request):
     """The GEMM regimes with and without AMX: fp8_mm with bf16 x in oneDNN's AMX brgemm or as fp32 panels in

@@ -40,8 +40,9 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* 
   __m256 tot[MR][NR];
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) tot[m][r] = _mm256_setzero_ps();
-  __m256i nan_acc[NR];
-  for (int r = 0; r < NR; r++) nan_acc[r] = _mm256_setzero_si256();
+  // NaN codes tracked for the whole tile in one register (one per row spills at 16 vector registers); the rare
+  // tile that holds one finds its rows afterwards
+  __m256i nan_acc = _mm256_setzero_si256();
   for (int64_t s = 0; s < seg.count; s++) {
     const int64_t k0 = seg.begin(s), n = seg.size(s), full = n / kChunk * kChunk;
     const float* xs = x + s * seg.padded;
@@ -55,14 +56,14 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* 
         for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T1);
       for (int r = 0; r < NR; r++) {
         __m256 d[4];
-        avx2::decode_chunk(w + r * K + k0 + k, d, nan_acc[r]);
+        avx2::decode_chunk(w + r * K + k0 + k, d, nan_acc);
         fma_rows<MR, NR>(acc, r, d, xs, ldx, k);
       }
     }
     if (full < n) {
       for (int r = 0; r < NR; r++) {
         __m256 d[4];
-        decode_tail(w + r * K + k0 + full, n - full, d, nan_acc[r]);
+        decode_tail(w + r * K + k0 + full, n - full, d, nan_acc);
         fma_rows<MR, NR>(acc, r, d, xs, ldx, full);
       }
     }
@@ -75,7 +76,8 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* 
   }
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) sums[m * NR + r] = avx2::hsum(tot[m][r]);
-  for (int r = 0; r < NR; r++) nan[r] = nan[r] || avx2::has_nan_code(nan_acc[r]);
+  if (avx2::has_nan_code(nan_acc))
+    for (int r = 0; r < NR; r++) nan[r] = nan[r] || has_nan_code(w + r * K, K);
 }
 
 struct FloatTiles {  // this file's tile family, for pick_gemv_tile

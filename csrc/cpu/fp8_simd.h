@@ -52,6 +52,13 @@ inline constexpr std::array<float, 256> kFp8TableUnscaled = make_fp8_table_unsca
 
 inline int64_t round_up_chunk(int64_t n) { return (n + kChunk - 1) / kChunk * kChunk; }
 
+// Whether codes [0, n) hold a NaN code (0x7F or 0xFF): the slow check, for the rare rows a fast one flagged.
+inline bool has_nan_code(const uint8_t* code, int64_t n) {
+  for (int64_t k = 0; k < n; k++)
+    if ((code[k] & 0x7F) == 0x7F) return true;
+  return false;
+}
+
 // Portable: 32 codes -> dst[p] = dec(code[kChunkOrder[p]]) / 256, NaN codes give NaN.
 inline void decode_chunk_portable(const uint8_t* code, float* dst) {
   for (int p = 0; p < kChunk; p++) dst[p] = kFp8TableUnscaled[code[kChunkOrder[p]]];
