@@ -8,7 +8,7 @@ import torch
 _THREADS = torch.get_num_threads()
 
 from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
-    ref_int8_mm
+    ref_int8_mm, ref_int8_quantize
 from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa
 
 LEVELS = ["portable", "avx2", "avxvnni", "avx512"]
@@ -215,6 +215,36 @@ def test_int8_mm_gemm_epilogue(isa, amx, M, N, K, out_dtype):
     # fp32 epilogue (three roundings) then one rounding to out_dtype
     assert_matmul_close(out, ref, acc.abs().double() * xs.double()[:, None] * ws.double() + bias.double().abs(),
                         acc_rtol=4 * 2.0 ** -24)
+
+
+@pytest.mark.parametrize("K", [1, 7, 31, 32, 33, 64, 4095])  # below, at and past whole vector steps
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_quantize_rows_exact(isa, K, dtype):
+    # the vectorized rows against numpy's fp32 division and rint: random rows, a zero row, a row of exact ties
+    # (x / scale = n + 0.5: half to even), a row whose maximum sits in the tail
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(6, K, generator=g) * 3
+    x[1] = 0
+    x[2] = (torch.arange(K) % 9 - 4) + 0.5  # amax 4.5 -> scale 4.5 / 127; ties only where fp32 makes them so
+    x[3, -1] = 50.0
+    x[4, : K // 2] = -0.0
+    x = x.to(dtype)
+    q, s = ops.int8_quantize(x)
+    q_ref, s_ref, _ = ref_int8_quantize(x)
+    assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
+
+
+def test_int8_quantize_same_bits_on_every_path(isa):
+    # including what design.md leaves open (inf and NaN in x): every level gives the portable loop's bits
+    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(5))
+    x[0, 3] = float("inf")
+    x[1, 8] = 100.0  # the row's maximum, then a NaN in the same vector lane
+    x[1, 40] = float("nan")
+    x[2, 99] = float("nan")
+    q, s = ops.int8_quantize(x)
+    with forced_cpu_isa("portable"):
+        q0, s0 = ops.int8_quantize(x)
+    assert torch.equal(q, q0) and torch.equal(s.isnan(), s0.isnan()) and torch.equal(s[~s.isnan()], s0[~s0.isnan()])
 
 
 def test_int8_quantize_large_rows(isa):

@@ -28,7 +28,14 @@ struct Int8Kernels {
   // tile[r * strip + j] (+)= sum_{k < len} panel[r * ldp + k] * x(j, k), len a multiple of group;
   // panel / xs point to int16 (group 2) or uint8 / int8 (group 4) elements.
   void (*gemm_micro)(const void* panel, int64_t ldp, const void* xs, int64_t len, int32_t* tile, bool accumulate);
+  // int8_quantize of one row: returns scale = max |x[k]| / 127 and writes q[k] = rint(x[k] / scale) clamped to
+  // +-127 (fp32 division, round half to even; 0 for an all-zero row). The same bits on every path.
+  float (*quantize_row)(const float* x, int64_t K, int8_t* q);
 };
+
+// The portable quantize_row, also the tail of the vectorized ones.
+float quantize_row_portable(const float* x, int64_t K, int8_t* q);
+void quantize_with_scale(const float* x, int64_t K, float scale, int8_t* q);
 
 const Int8Kernels& int8_kernels_portable();
 #if LOWBIT_X86

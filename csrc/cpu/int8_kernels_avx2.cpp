@@ -9,6 +9,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace lowbit::cpu {
@@ -154,16 +156,56 @@ LOWBIT_TARGET_AVXVNNI void gemm_micro_vnni(const void* panel_, int64_t ldp, cons
 #undef LOWBIT_STORE
 }
 
+// int8_quantize of a row (int8_kernels.h): the portable loop's results bit for bit -- max is exact, vdivps is the
+// correctly rounded fp32 division and vroundps rounds half to even. NaN x is skipped by the absmax, as there,
+// and vmaxps(r, -127) gives -127 for a NaN ratio, like std::max(-127.f, r) there. Tails run the portable loop.
+LOWBIT_TARGET_AVX2 inline __m256i quantize8(const float* x, __m256 scale) {
+  const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f)));
+}
+
+LOWBIT_TARGET_AVX2 float quantize_row(const float* x, int64_t K, int8_t* q) {
+  const int64_t full = K / 32 * 32;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
+  for (int64_t k = 0; k < full; k += 32) {  // vmaxps returns its second operand, the running max, for NaN x
+    m0 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)), m0);
+    m1 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k + 8)), m1);
+    m2 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k + 16)), m2);
+    m3 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k + 24)), m3);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+  float amax = 0.f;
+  for (float v : lanes) amax = std::max(amax, v);
+  for (int64_t k = full; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
+  const float scale = amax / 127.f;
+  if (!(scale > 0.f)) {
+    std::memset(q, 0, size_t(K));
+    return scale;
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t k = 0; k < full; k += 32) {
+    // int32 -> int16 -> int8 packs work per 128-bit lane; the permute restores the order of the 32 values
+    const __m256i w01 = _mm256_packs_epi32(quantize8(x + k, s), quantize8(x + k + 8, s));
+    const __m256i w23 = _mm256_packs_epi32(quantize8(x + k + 16, s), quantize8(x + k + 24, s));
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), b);
+  }
+  quantize_with_scale(x + full, K - full, scale, q + full);
+  return scale;
+}
+
 }  // namespace
 
 const Int8Kernels& int8_kernels_avx2() {
-  static const Int8Kernels k{&gemv_tile, 2, 4, kStrip, &gemm_micro};
+  static const Int8Kernels k{&gemv_tile, 2, 4, kStrip, &gemm_micro, &quantize_row};
   return k;
 }
 
 // The GEMV tiles stay on vpmaddwd: at few rows int8_mm is bound by reading the weights, not by multiplies.
 const Int8Kernels& int8_kernels_avxvnni() {
-  static const Int8Kernels k{&gemv_tile, 4, 6, kStrip, &gemm_micro_vnni};
+  static const Int8Kernels k{&gemv_tile, 4, 6, kStrip, &gemm_micro_vnni, &quantize_row};
   return k;
 }
 
@@ -201,7 +243,7 @@ static LOWBIT_TARGET_AVX512VNNI void gemm_micro_avx512(const void* panel_, int64
 }
 
 const Int8Kernels& int8_kernels_avx512() {
-  static const Int8Kernels k{&gemv_tile, 4, 6, 32, &gemm_micro_avx512};
+  static const Int8Kernels k{&gemv_tile, 4, 6, 32, &gemm_micro_avx512, &quantize_row};
   return k;
 }
 

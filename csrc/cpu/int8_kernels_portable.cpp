@@ -1,4 +1,6 @@
 // Portable inner loops of int8_mm (see int8_kernels.h): plain int32 loops, correct on any CPU.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "cpu/int8_kernels.h"
@@ -38,8 +40,24 @@ void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, i
 
 }  // namespace
 
+void quantize_with_scale(const float* x, int64_t K, float scale, int8_t* q) {
+  for (int64_t k = 0; k < K; k++) {
+    // fp32 division then round-half-even (the default rounding mode); a zero row stays zero
+    const float r = scale > 0.f ? std::nearbyint(x[k] / scale) : 0.f;
+    q[k] = int8_t(std::min(127.f, std::max(-127.f, r)));
+  }
+}
+
+float quantize_row_portable(const float* x, int64_t K, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
+  const float scale = amax / 127.f;
+  quantize_with_scale(x, K, scale, q);
+  return scale;
+}
+
 const Int8Kernels& int8_kernels_portable() {
-  static const Int8Kernels k{&gemv_tile, 2, kPanelRows, kStrip, &gemm_micro};
+  static const Int8Kernels k{&gemv_tile, 2, kPanelRows, kStrip, &gemm_micro, &quantize_row_portable};
   return k;
 }
 
