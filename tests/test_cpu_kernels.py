@@ -112,6 +112,46 @@ def test_fp8_nan_codes_only_their_columns(isa, M, dtype, block):
     assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
 
 
+@pytest.mark.parametrize("K", [1, 15, 16, 17, 300])  # around whole 16-code steps
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [None, [2, 7], [3, 16], [1, 128]])
+def test_fp8_dequantize_exact(isa, K, dtype, block):
+    # each value is dec(code) * scale in fp32, rounded once to dtype (torch's own arithmetic as the reference);
+    # every code appears, NaN codes and subnormal results (tiny scales) included
+    g = torch.Generator().manual_seed(K)
+    N = 6
+    bits = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=g)
+    bits[0, : min(K, 256)] = torch.arange(min(K, 256), dtype=torch.uint8)
+    if block is None:
+        scale = torch.rand(N, generator=g) + 0.5
+        scale[0] = 1 + 3 * 2.0 ** -8  # powers of two times these are bf16 ties, rounding up and down to even
+        scale[3] = 1 + 2.0 ** -8
+        scale[1] = 3e-39  # fp32 subnormal products; 2^-20 below makes fp16 subnormals
+        scale[2] = 2.0 ** -20
+        full = scale[:, None].expand(N, K)
+    else:
+        scale = torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
+        scale[0, 1:] = 1 + 3 * 2.0 ** -8
+        scale[0, 0] = 2.0 ** -20
+        full = scale.repeat_interleave(block[0], 0)[:N].repeat_interleave(block[1], 1)[:, :K]
+    ref = (fp8_bits_to_f64(bits).float() * full).to(dtype)
+    out = ops.fp8_dequantize(bits, scale, block, dtype)
+    assert out.dtype == dtype and torch.equal(out.isnan(), ref.isnan())
+    assert torch.equal(out[~out.isnan()], ref[~ref.isnan()])
+
+
+def test_fp8_dequantize_same_bits_on_every_path(isa):
+    # NaN and infinite scales (beyond design.md) give the portable loop's bits on every level
+    bits = torch.randint(0, 256, (3, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    scale = torch.tensor([float("inf"), float("nan"), 1.0])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = ops.fp8_dequantize(bits, scale, None, dtype)
+        with forced_cpu_isa("portable"):
+            ref = ops.fp8_dequantize(bits, scale, None, dtype)
+        view = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(out.view(view), ref.view(view))
+
+
 @pytest.fixture(params=["amx", "no_amx"])
 def amx(request):
     """The GEMM regimes with and without AMX: fp8_mm with bf16 x in oneDNN's AMX brgemm or as fp32 panels in

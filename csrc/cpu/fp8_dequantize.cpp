@@ -1,36 +1,32 @@
-// fp8_dequantize on the CPU: rows in parallel, table decode, scale by layout.
+// fp8_dequantize on the CPU: rows in parallel, each cut into runs of one scale for the vectorized decode.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "checks.h"
-#include "cpu/dispatch.h"
-#include "cpu/fp8.h"
+#include "cpu/fp8_kernels.h"
 
 namespace lowbit::cpu {
 namespace {
 
-template <typename T>
-void dequantize_rows(const Fp8Weight& w, T* out) {
+// Runs of codes under one scale (a whole row, or one K block of it) through Fp8Kernels::dequantize_run.
+void dequantize_rows(const Fp8Weight& w, void* out, DequantOut kind, int64_t elem_size) {
   const uint8_t* bits = w.bits.data_ptr<uint8_t>();
   const float* s = w.scale.data_ptr<float>();
   const int64_t K = w.K;
+  const Fp8Kernels& kern = fp8_kernels(isa());
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* row = bits + n * K;
-      T* o = out + n * K;
-      switch (w.layout.kind) {
-        case ScaleKind::Tensor:
-        case ScaleKind::Channel: {
-          const float sc = w.layout.kind == ScaleKind::Tensor ? s[0] : s[n];
-          for (int64_t k = 0; k < K; k++) o[k] = T(fp8_e4m3_to_float(row[k]) * sc);
-          break;
-        }
-        case ScaleKind::Block: {
-          const float* srow = s + (n / w.layout.bn) * w.layout.kb;
-          for (int64_t k = 0; k < K; k++) o[k] = T(fp8_e4m3_to_float(row[k]) * srow[k / w.layout.bk]);
-          break;
-        }
+      uint8_t* o = static_cast<uint8_t*>(out) + n * K * elem_size;
+      if (w.layout.kind != ScaleKind::Block) {
+        kern.dequantize_run(row, K, w.layout.kind == ScaleKind::Tensor ? s[0] : s[n], o, kind);
+        continue;
       }
+      const float* srow = s + (n / w.layout.bn) * w.layout.kb;
+      for (int64_t b = 0, k0 = 0; k0 < K; b++, k0 += w.layout.bk)
+        kern.dequantize_run(row + k0, std::min(w.layout.bk, K - k0), srow[b], o + k0 * elem_size, kind);
     }
   });
 }
@@ -40,8 +36,9 @@ at::Tensor fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at:
   const Fp8Weight w = check_fp8_dequantize(weight, scale, block_size, dtype);
   at::Tensor out = at::empty({w.N, w.K}, weight.options().dtype(dtype));
   if (out.numel() == 0) return out;
-  LOWBIT_DISPATCH_FLOAT_TYPES(dtype, "fp8_dequantize",
-                                  [&] { dequantize_rows<scalar_t>(w, out.data_ptr<scalar_t>()); });
+  const DequantOut kind = dtype == at::kFloat ? DequantOut::F32 : dtype == at::kBFloat16 ? DequantOut::BF16
+                                                                                      : DequantOut::F16;
+  dequantize_rows(w, out.data_ptr(), kind, out.element_size());
   return out;
 }
 

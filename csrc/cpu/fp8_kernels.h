@@ -51,6 +51,9 @@ Fn pick_gemv_tile(bool block, int mr, int nr) {
   return table[block][mr - 1][nr - 1];
 }
 
+// The element type fp8_dequantize writes.
+enum class DequantOut : int { F32, BF16, F16 };
+
 struct Fp8Kernels {
   // sums[m * nr + r] = sum over segments s of bscale[r][s] (1 when bscale is null) times
   //   sum_k x[m * ldx + packed k] * dec(w[r * K + k]) / 256, for m < mr <= 4, r < nr <= 4;
@@ -70,7 +73,13 @@ struct Fp8Kernels {
   // bf16, and NaN codes decode to NaN.
   void (*decode_rows_bf16)(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, uint16_t* dst,
                            int64_t ldd);
+  // fp8_dequantize of one run of codes under one scale: out[k] = dec(code[k]) * scale in fp32, rounded once to
+  // `kind` (round to nearest even; NaN codes give NaN), k < n, in natural order. The same bits on every path.
+  void (*dequantize_run)(const uint8_t* code, int64_t n, float scale, void* out, DequantOut kind);
 };
+
+// The portable dequantize_run, also the tail of the vectorized ones.
+void dequantize_run_portable(const uint8_t* code, int64_t n, float scale, void* out, DequantOut kind);
 
 const Fp8Kernels& fp8_kernels_portable();
 #if LOWBIT_X86

@@ -4,6 +4,7 @@
 
 #if LOWBIT_X86
 #include <cstring>
+#include <limits>
 
 #include "cpu/fp8_simd.h"
 
@@ -110,10 +111,58 @@ LOWBIT_TARGET_AVX2 void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, 
   }
 }
 
+// 8 values to bf16, rounded to nearest even like c10::BFloat16 (every NaN becomes 0x7FC0), in the low 16 bits
+// of each 32-bit lane
+LOWBIT_TARGET_AVX2 inline __m256i to_bf16_lanes(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+// fp8_dequantize, 16 codes a step: the half-bits decode in natural order (a zero-extended byte per 16-bit lane),
+// dec = decoded * 256 exactly, one rounding of dec * scale, NaN codes (which decode to 480 / 256) made NaN.
+LOWBIT_TARGET_AVX2 void dequantize_run(const uint8_t* code, int64_t n, float scale, void* out, DequantOut kind) {
+  const int64_t full = n / 16 * 16;
+  const __m256 s = _mm256_set1_ps(scale), unscale = _mm256_set1_ps(kDecodeUnscale);
+  const __m256 nan_decoded = _mm256_set1_ps(480.f / kDecodeUnscale), sign = _mm256_set1_ps(-0.f);
+  const __m256 qnan = _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  for (int64_t k = 0; k < full; k += 16) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + k)));
+    const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1), _mm256_set1_epi16(short(0xBF80)));
+    __m256 v[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+    for (int i = 0; i < 2; i++) {
+      const __m256 is_nan = _mm256_cmp_ps(_mm256_andnot_ps(sign, v[i]), nan_decoded, _CMP_EQ_OQ);
+      v[i] = _mm256_blendv_ps(_mm256_mul_ps(_mm256_mul_ps(v[i], unscale), s), qnan, is_nan);
+    }
+    switch (kind) {
+      case DequantOut::F32:
+        _mm256_storeu_ps(static_cast<float*>(out) + k, v[0]);
+        _mm256_storeu_ps(static_cast<float*>(out) + k + 8, v[1]);
+        break;
+      case DequantOut::BF16: {  // packus works per 128-bit lane: the permute puts the 16 words back in order
+        const __m256i p = _mm256_packus_epi32(to_bf16_lanes(v[0]), to_bf16_lanes(v[1]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + k),
+                            _mm256_permute4x64_epi64(p, 0xD8));
+        break;
+      }
+      case DequantOut::F16:  // vcvtps2ph rounds to nearest even and keeps NaN sign and top payload, like c10::Half
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + k),
+                         _mm256_cvtps_ph(v[0], _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + k + 8),
+                         _mm256_cvtps_ph(v[1], _MM_FROUND_TO_NEAREST_INT));
+        break;
+    }
+  }
+  const int64_t elem = kind == DequantOut::F32 ? 4 : 2;
+  dequantize_run_portable(code + full, n - full, scale, static_cast<uint8_t*>(out) + full * elem, kind);
+}
+
 }  // namespace
 
 const Fp8Kernels& fp8_kernels_avx2() {
-  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows, nullptr};
+  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows, nullptr, &dequantize_run};
   return k;
 }
 

@@ -196,7 +196,8 @@ LOWBIT_TARGET_AVX512BF16 void decode_rows_bf16(const uint8_t* w, int64_t K, int6
 }  // namespace
 
 const Fp8Kernels& fp8_kernels_avx512() {
-  static const Fp8Kernels k{&gemv_tile, &gemv_tile_bf16, fp8_kernels_avx2().decode_rows, &decode_rows_bf16};
+  static const Fp8Kernels k{&gemv_tile, &gemv_tile_bf16, fp8_kernels_avx2().decode_rows, &decode_rows_bf16,
+                            fp8_kernels_avx2().dequantize_run};
   return k;
 }
 

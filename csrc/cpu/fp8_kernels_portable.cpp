@@ -1,8 +1,12 @@
 // Portable inner loops of the fp8 products (see fp8_kernels.h): table decode and plain loops that compilers
 // vectorize for the baseline of any CPU. Correct everywhere, including aarch64; the AVX2 path is the fast one.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cstring>
 
 #include "cpu/fp8_kernels.h"
+#include "cpu/fp8.h"
 #include "cpu/fp8_simd.h"
 
 namespace lowbit::cpu {
@@ -50,10 +54,23 @@ void decode_rows(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t
   for (int64_t r = 0; r < nrows; r++) decode_range(w + r * K + k0, n, dst + r * ldd);
 }
 
+template <typename T>
+void dequantize_as(const uint8_t* code, int64_t n, float scale, T* out) {
+  for (int64_t k = 0; k < n; k++) out[k] = T(fp8_e4m3_to_float(code[k]) * scale);
+}
+
 }  // namespace
 
+void dequantize_run_portable(const uint8_t* code, int64_t n, float scale, void* out, DequantOut kind) {
+  switch (kind) {
+    case DequantOut::F32: return dequantize_as(code, n, scale, static_cast<float*>(out));
+    case DequantOut::BF16: return dequantize_as(code, n, scale, static_cast<c10::BFloat16*>(out));
+    case DequantOut::F16: return dequantize_as(code, n, scale, static_cast<c10::Half*>(out));
+  }
+}
+
 const Fp8Kernels& fp8_kernels_portable() {
-  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows, nullptr};
+  static const Fp8Kernels k{&gemv_tile, nullptr, &decode_rows, nullptr, &dequantize_run_portable};
   return k;
 }
 
