@@ -158,15 +158,15 @@ def amx(request):
     torch's fp32 GEMM, int8_mm in oneDNN's AMX int8 brgemm or our micro-kernels. Without is what CPUs lacking AMX
     run; here it is forced by disabling torch.backends.mkldnn. Request it after `isa`, whose cap it depends on."""
     on = request.param == "amx"
-    enabled = torch._C._get_mkldnn_enabled()
+    enabled = torch.backends.mkldnn.enabled
     if on and not cpu_amx_gemm():
         pytest.skip("no AMX brgemm on this CPU at this instruction-set cap")
-    torch._C._set_mkldnn_enabled(on)
+    torch.backends.mkldnn.enabled = on
     try:
         assert cpu_amx_gemm() == on
         yield request.param
     finally:
-        torch._C._set_mkldnn_enabled(enabled)
+        torch.backends.mkldnn.enabled = enabled
 
 
 _LAYOUTS = {"tensor": None, "channel": None, "block128": [128, 128], "block16x48": [16, 48], "block7x1000": [7, 1000],
