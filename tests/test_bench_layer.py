@@ -27,3 +27,18 @@ def test_layer_suite_bad_options(argv, match, capsys):
     with pytest.raises(SystemExit):
         layer.run(argv)
     assert match in capsys.readouterr().err
+
+
+def test_cpu_suite_runs_at_a_capped_isa(tmp_path, capsys):
+    from torch_lowbit.bench import cpu
+    from torch_lowbit.testing import cpu_isa
+    if cpu_isa() == "portable":
+        pytest.skip("the suite's cap is only observable on a CPU above the portable level")
+    path = tmp_path / "cpu.json"
+    before = cpu_isa()
+    assert cpu.run(["--quick", "--rounds", "1", "--working-set-mb", "8", "--isa", "avx2", "--json", str(path)]) == 0
+    assert cpu_isa() == before  # the cap is lifted again
+    data = json.loads(path.read_text())
+    assert data["meta"]["isa"] == "avx2" and data["meta"]["amx_gemm"] is False
+    assert len(data["rows"]) == 7 and all(r["ms"] > 0 and r["base_ms"] > 0 for r in data["rows"])
+    assert "kernels: avx2" in capsys.readouterr().out

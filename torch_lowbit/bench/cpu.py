@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _C
-from ..testing import cpu_amx_gemm, cpu_isa
+from ..testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa
 from .timing import median_time, print_table, write_json
 
 
@@ -88,9 +88,16 @@ def run(argv) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
     p.add_argument("--working-set-mb", type=int, default=None,
                    help="bytes the M=1 cases stream per weight (default max(512, 2 x last-level cache) MB)")
+    p.add_argument("--isa", default="best", choices=["portable", "avx2", "avxvnni", "avx512", "best"],
+                   help="cap the instruction set of our CPU kernels (AMX needs avx512), to see a slower CPU's paths")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    with forced_cpu_isa(args.isa):
+        return _run(args)
+
+
+def _run(args) -> int:
     quick = args.quick
     rounds = args.rounds or (2 if quick else 5)
     rep = 3 if quick else 7
