@@ -212,7 +212,7 @@ def test_fp8_mm_bf16_x_gemm_nan_and_inf(amx):
         assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
 
 
-@pytest.mark.parametrize("groups", [[1] * 8, [1, 0, 3, 1, 20, 2], [40]])
+@pytest.mark.parametrize("groups", [[1] * 8, [1, 0, 3, 1, 20, 2], [5, 7, 1], [40]])  # 5, 7: GEMM on AMX (bf16)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # bf16: big groups in the bf16 GEMM
 def test_fp8_grouped_paths(isa, groups, dtype):
     E, N, K = 9, 300, 2048

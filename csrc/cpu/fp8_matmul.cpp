@@ -189,7 +189,18 @@ void gemm_bf16(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& 
   });
 }
 
+// Whether the GEMM regime runs T = bf16 x as bf16 panels on AMX.
+template <typename T>
+bool bf16_amx_gemm(const Fp8Kernels& kern) {
+  return std::is_same_v<T, c10::BFloat16> && kern.decode_rows_bf16 != nullptr && amx_gemm_available();
+}
+
 }  // namespace
+
+template <typename T>
+int64_t gemm_min_rows() {
+  return bf16_amx_gemm<T>(fp8_kernels(isa())) ? kAmxGemmMinRows : kGemmMinRows;
+}
 
 KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk) {
   KSegments s;
@@ -268,10 +279,10 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
     return;
   }
   const Fp8Kernels& kern = fp8_kernels(isa());
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    if (M >= kAmxGemmMinRows && kern.decode_rows_bf16 && amx_gemm_available())
-      return gemm_bf16(kern, x, M, op, out, ldo);
-  if (M >= kGemmMinRows) return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
+  if (M >= gemm_min_rows<T>()) {
+    if (bf16_amx_gemm<T>(kern)) return gemm_bf16(kern, x, M, op, out, ldo);
+    return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
+  }
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);
   void* xp = scratch<uint8_t>(Slot::Activations, size_t(M * acts.row_bytes()));
   pack_rows(acts, x, M, xp);
@@ -279,6 +290,7 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
 }
 
 #define LOWBIT_INSTANTIATE(T)                                                                                  \
+  template int64_t gemm_min_rows<T>();                                                                         \
   template void fp8_matmul<T>(const T*, int64_t, const Fp8Operand&, T*, int64_t);                              \
   template GemvActivations gemv_activations<T>(const Fp8Kernels&, const ScaleLayout&, int64_t);                \
   template void pack_rows<T>(const GemvActivations&, const T*, int64_t, void*);                                \

@@ -41,6 +41,11 @@ struct GemvActivations {
 template <typename T>
 GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K);
 
+// The number of activation rows from which fp8_matmul<T> runs its GEMM regime now (kAmxGemmMinRows for bf16 x
+// where amx_gemm_available(), else kGemmMinRows): fewer rows run the GEMV tiles.
+template <typename T>
+int64_t gemm_min_rows();
+
 // out[m * ldo + n] = sum_k x[m, k] * dec(w[n, k]) * scale(n, k) (+ bias[n]), rounded once to T; x is [M, K].
 template <typename T>
 void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo);
