@@ -192,7 +192,6 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
 }
 
 }  // namespace
-
 }  // namespace lowbit::cpu
 
 TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
