@@ -186,6 +186,9 @@ LOWBIT_TARGET_AVX512BF16 void decode_rows_bf16(const uint8_t* w, int64_t K, int6
                         _mm512_load_si512(kBf16Tables.lo), _mm512_load_si512(kBf16Tables.lo + 64)};
   for (int64_t r = 0; r < nrows; r++)
     for (int64_t k = 0; k < n; k += kBf16Chunk) {
+      // the next row, a page away at K = 4096 where the hardware prefetchers stop (see the GEMV tiles); past the
+      // last row this touches whatever follows, which a prefetch may (it never faults)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + 1) * K + k0 + k), kPrefetchHint);
       __m512i d[2];
       decode_bf16(w + r * K + k0 + k, n - k, t, d);
       _mm512_storeu_si512(dst + r * ldd + k, d[0]);
