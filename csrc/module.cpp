@@ -52,6 +52,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the GEMM regimes of fp8_mm (bf16 x) and int8_mm run on oneDNN's AMX brgemm now");
   m.def(
       "_cpu_poison_workspaces", [](bool on) { lowbit::cpu::g_poison_scratch = on; },
-      "fill the CPU kernels' reused scratch buffers with 0xFF on every use (a test switch)");
+      "hand out the CPU kernels' scratch buffers filled with 0xFF and ending at an inaccessible page (a test switch)");
+  m.def(
+      "_cpu_scratch_read",
+      [](int64_t n, int64_t offset) {
+        return int(lowbit::cpu::scratch<uint8_t>(lowbit::cpu::Slot::Tile, size_t(n))[offset]);
+      },
+      "byte `offset` of a fresh n-byte scratch buffer, unchecked (tests of the scratch guard)");
   m.def("_cpu_stream_read", &lowbit::cpu::stream_read, "read a tensor's bytes in parallel (bandwidth baseline)");
 }

@@ -23,8 +23,9 @@ METAL_OPS = {"fp8_mm", "fp8_dequantize", "fp8_grouped_mm", "int8_quantize", "int
 @pytest.fixture(autouse=True, scope="session")
 def _poisoned_cpu_workspaces():
     """The CPU kernels reuse per-thread scratch across calls; in tests every use starts as 0xFF (NaN / -1), so
-    a kernel reading scratch it did not write fails instead of passing on leftovers (like the emulator's
-    poisoned outputs)."""
+    a kernel reading scratch it did not write fails instead of passing on leftovers, and ends at an
+    inaccessible page, so one reading or writing past what it asked for faults (like the emulator's poisoned
+    outputs and guard pages)."""
     torch_lowbit._C._cpu_poison_workspaces(True)
     yield
     torch_lowbit._C._cpu_poison_workspaces(False)

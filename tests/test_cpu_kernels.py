@@ -2,6 +2,10 @@
 avxvnni, avx512; torch_lowbit.testing.forced_cpu_isa) x every M regime (GEMV tiles, their row groups, the panel GEMM and
 its blocks) x tails, on shapes large enough to reach them (K = 4096). CPU only; the op tests run the small shapes
 on every backend."""
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -21,6 +25,15 @@ def isa(request):
     with forced_cpu_isa(request.param):
         assert cpu_isa() == request.param
         yield request.param
+
+
+def test_scratch_guard_faults_past_the_request():
+    # the test switch (conftest) ends every scratch buffer at an inaccessible page: a byte inside reads as the
+    # 0xFF poison, the first byte past the request (rounded up to 64) kills the process
+    code = ("import torch_lowbit; from torch_lowbit import _C; _C._cpu_poison_workspaces(True); "
+            "assert _C._cpu_scratch_read(100, 127) == 255; print('inside', flush=True); _C._cpu_scratch_read(100, 128)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "inside" and r.returncode == -signal.SIGSEGV, (r.returncode, r.stderr[-500:])
 
 
 def test_portable_is_always_available():

@@ -28,10 +28,11 @@ void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, i
   int32_t c[kPanelRows][kStrip];
   for (int r = 0; r < kPanelRows; r++)
     for (int j = 0; j < kStrip; j++) c[r][j] = accumulate ? tile[r * kStrip + j] : 0;
-  for (int64_t k = 0; k < len; k += 2) {
-    const int16_t* xp = xs + k * kStrip;
-    for (int r = 0; r < kPanelRows; r++) {
-      const int32_t a0 = panel[r * ldp + k], a1 = panel[r * ldp + k + 1];
+  for (int r = 0; r < kPanelRows; r++) {
+    const int16_t* row = panel + r * ldp;
+    for (int64_t k = 0; k < len; k += 2) {
+      const int32_t a0 = row[k], a1 = row[k + 1];
+      const int16_t* xp = xs + k * kStrip;
       for (int j = 0; j < kStrip; j++) c[r][j] += a0 * xp[2 * j] + a1 * xp[2 * j + 1];
     }
   }

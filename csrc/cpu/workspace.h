@@ -1,11 +1,15 @@
 // Per-thread scratch memory that grows and is then reused: the kernels allocate nothing per call beyond the
 // output. at::parallel_for runs on a persistent OpenMP pool, so worker buffers live across calls.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 namespace lowbit::cpu {
 
@@ -13,28 +17,61 @@ namespace lowbit::cpu {
 // activations into one slot and, as a worker of the same parallel_for, uses others).
 enum class Slot : int { Activations = 0, Panel = 1, Tile = 2, Count = 3 };
 
-// Test switch: fill every buffer handed out with 0xFF bytes (NaN as float, -1 as int8), so a kernel that reads
-// scratch it did not write in this call fails loudly instead of depending on what an earlier call left there.
+// Test switch: every buffer handed out is filled with 0xFF bytes (NaN as float, -1 as int8), so a kernel that
+// reads scratch it did not write in this call fails loudly instead of depending on what an earlier call left
+// there; and it is a fresh mapping whose end (the request rounded up to 64 bytes) meets an inaccessible page, so
+// a kernel that reads or writes past what it asked for faults at once, as in the Metal emulator.
 inline std::atomic<bool> g_poison_scratch{false};
 
-// A 64-byte aligned buffer of at least n elements of T owned by the calling thread; contents unspecified.
-template <typename T>
-T* scratch(Slot slot, size_t n) {
-  struct Buf {
-    std::unique_ptr<void, decltype(&std::free)> p{nullptr, &std::free};
-    size_t bytes = 0;
-  };
-  thread_local Buf bufs[int(Slot::Count)];
-  Buf& b = bufs[int(slot)];
-  const size_t want = (n * sizeof(T) + 63) / 64 * 64;
-  if (want > b.bytes) {
-    void* p = std::aligned_alloc(64, want);
-    if (!p) throw std::bad_alloc();
-    b.p.reset(p);
+namespace detail {
+
+struct ScratchBuf {
+  void* data = nullptr;
+  size_t bytes = 0;
+  void* map = nullptr;  // the guarded mapping holding data (test switch), else data came from aligned_alloc
+  size_t map_len = 0;
+  ScratchBuf() = default;
+  ScratchBuf(const ScratchBuf&) = delete;
+  ScratchBuf& operator=(const ScratchBuf&) = delete;
+  ~ScratchBuf() { release(); }
+  void release() {
+    if (map) munmap(map, map_len);
+    else std::free(data);
+    data = map = nullptr;
+    bytes = map_len = 0;
+  }
+};
+
+inline void* scratch_bytes(Slot slot, size_t want) {
+  thread_local ScratchBuf bufs[int(Slot::Count)];
+  ScratchBuf& b = bufs[int(slot)];
+  if (g_poison_scratch.load(std::memory_order_relaxed)) {
+    b.release();
+    const size_t page = size_t(sysconf(_SC_PAGESIZE)), body = (want + page - 1) / page * page;
+    void* m = mmap(nullptr, body + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::bad_alloc();
+    mprotect(static_cast<char*>(m) + body, page, PROT_NONE);
+    b.map = m, b.map_len = body + page, b.bytes = want;
+    b.data = static_cast<char*>(m) + body - want;  // 64-byte aligned: want and the page are multiples of 64
+    std::memset(b.data, 0xFF, want);
+    return b.data;
+  }
+  if (want > b.bytes || b.map) {
+    b.release();
+    b.data = std::aligned_alloc(64, want);
+    if (!b.data) throw std::bad_alloc();
     b.bytes = want;
   }
-  if (g_poison_scratch.load(std::memory_order_relaxed)) std::memset(b.p.get(), 0xFF, want);
-  return static_cast<T*>(b.p.get());
+  return b.data;
+}
+
+}  // namespace detail
+
+// A 64-byte aligned buffer of at least n elements of T owned by the calling thread, one per slot (whatever T);
+// contents unspecified. It stays valid until the same thread asks for the same slot again.
+template <typename T>
+T* scratch(Slot slot, size_t n) {
+  return static_cast<T*>(detail::scratch_bytes(slot, std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64)));
 }
 
 }  // namespace lowbit::cpu
