@@ -49,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_cpu_isa", [] { return std::string(lowbit::cpu::isa_name(lowbit::cpu::isa())); },
         "the instruction set the CPU kernels use now");
   m.def("_cpu_amx_gemm", &lowbit::cpu::amx_gemm_available,
-        "whether the GEMM regimes of fp8_mm (bf16 x) and int8_mm run on oneDNN's AMX brgemm now");
+        "whether the GEMM regimes of fp8_mm and int8_mm run on oneDNN's AMX brgemm now");
   m.def(
       "_cpu_poison_workspaces", [](bool on) { lowbit::cpu::g_poison_scratch = on; },
       "hand out the CPU kernels' scratch buffers filled with 0xFF and ending at an inaccessible page (a test switch)");

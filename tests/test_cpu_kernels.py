@@ -182,6 +182,24 @@ def amx(request):
         torch.backends.mkldnn.enabled = enabled
 
 
+def test_fp8_mm_gemm_float_x_extremes(amx):
+    # float x split into bf16 terms: full 24-bit significands, values next to FLT_MAX (whose bf16 rounding would
+    # overflow) and tiny ones, against float64
+    g = torch.Generator().manual_seed(4)
+    M, N, K = 16, 40, 256
+    x = (torch.rand(M, K, generator=g) + 1) * 2.0 ** torch.randint(-60, 60, (M, K), generator=g).float()
+    x[3] = 0
+    x[3, 5] = torch.finfo(torch.float32).max
+    x[4, 9] = -torch.finfo(torch.float32).max
+    x[5] = torch.rand(K, generator=g) * 1e-30
+    bits = torch.randint(0, 0x30, (N, K), dtype=torch.uint8, generator=g)  # small codes: finite products
+    scale = torch.rand(N, generator=g) * 0.01 + 2.0 ** -20
+    ref, absref = ref_fp8_mm(x, bits, scale, None)
+    out = ops.fp8_mm(x, bits, scale, None, None)
+    assert torch.isfinite(out[3:5]).all()
+    assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
+
+
 _LAYOUTS = {"tensor": None, "channel": None, "block128": [128, 128], "block16x48": [16, 48], "block7x1000": [7, 1000],
             "block64x4096": [64, 4096]}
 
@@ -190,9 +208,10 @@ _LAYOUTS = {"tensor": None, "channel": None, "block128": [128, 128], "block16x48
 @pytest.mark.parametrize("M,N,K", [(5, 1, 64), (8, 2, 64), (9, 63, 300), (64, 70, 4096), (65, 129, 4095), (300, 65, 1000),
                                    (130, 200, 1)])
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
-def test_fp8_mm_bf16_x_gemm(amx, M, N, K, layout):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])  # 1, 2, 3 bf16 terms on AMX
+def test_fp8_mm_gemm_routes(amx, M, N, K, layout, dtype):
     g = torch.Generator().manual_seed(M * N + K)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    x = torch.randn(M, K, generator=g).to(dtype)
     bits = random_fp8_bits((N, K), g)
     block = _LAYOUTS[layout]
     if layout == "tensor":
@@ -206,11 +225,12 @@ def test_fp8_mm_bf16_x_gemm(amx, M, N, K, layout):
     assert_matmul_close(ops.fp8_mm(x, bits, scale, bias, block), ref, absref, acc_rtol=1e-5)
 
 
-def test_fp8_mm_bf16_x_gemm_nan_and_inf(amx):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_mm_gemm_nan_and_inf(amx, dtype):
     # NaN codes make their output columns NaN, an infinite x its row (inf * 0 = NaN), as in float64
     g = torch.Generator().manual_seed(3)
     M, N, K = 40, 100, 700
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    x = torch.randn(M, K, generator=g).to(dtype)
     x[5, 17] = float("inf")
     x[9, 3] = float("-inf")
     bits = random_fp8_bits((N, K), g)

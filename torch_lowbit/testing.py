@@ -26,7 +26,7 @@ def forced_cpu_isa(name: str):
 
 
 def cpu_amx_gemm() -> bool:
-    """Whether the GEMM regimes (enough rows) of ``fp8_mm`` with bf16 x and of ``int8_mm`` run on AMX now, through
+    """Whether the GEMM regimes (enough rows) of ``fp8_mm`` and ``int8_mm`` run on AMX now, through
     oneDNN's brgemm in torch: the CPU has AMX, the cap is at ``"avx512"`` and ``torch.backends.mkldnn`` is enabled.
     Otherwise fp8_mm uses fp32 panels in torch's fp32 GEMM and int8_mm its own AVX-512 / AVX2 micro-kernels.
     ``torch.backends.mkldnn.enabled = False`` turns AMX off."""

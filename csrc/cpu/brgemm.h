@@ -11,7 +11,7 @@
 
 namespace lowbit::cpu {
 
-// Whether the GEMM regimes of fp8_mm (bf16 x) and int8_mm run on AMX now: torch's brgemm takes VNNI-packed
+// Whether the GEMM regimes of fp8_mm and int8_mm run on AMX now: torch's brgemm takes VNNI-packed
 // operands only with AMX (oneDNN's avx512_core_amx: AMX-BF16 and AMX-INT8) and while torch.backends.mkldnn is
 // enabled (elsewhere it would throw), and the instruction-set cap (a test switch) is at Avx512.
 inline bool amx_gemm_available() {

@@ -2,9 +2,11 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/bit_cast.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 
@@ -120,38 +122,65 @@ constexpr int64_t kBf16Panel = 64;
 constexpr int64_t kBf16Cols = 64;
 constexpr int64_t kBf16Depth = 512;
 
-// x [M, K] bf16 bits -> the brgemm's B for each block of kBf16Cols rows: the block of rows m0.. (width mw) at
-// dst + m0 * Kp in VNNI pairs (brgemm.h), positions in kBf16ChunkOrder per segment, zero padded.
-void pack_bf16_vnni(const uint16_t* x, int64_t M, const KSegments& seg, uint16_t* dst) {
+// x as a sum of bf16 terms (AMX multiplies bf16): bf16 x is one term; half x two (11 significant bits: the
+// bf16 rounding and the exact remainder, which has at most 4); float x three (the remainder's remainder) --
+// x to within about 2^-24 relative, the error of an fp32 GEMM's own accumulation.
+template <typename T>
+constexpr int kBf16Terms = std::is_same_v<T, c10::BFloat16> ? 1 : std::is_same_v<T, c10::Half> ? 2 : 3;
+
+template <typename T>
+inline void split_bf16(T v, uint16_t* terms) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    terms[0] = v.x;  // the bits as they are
+    return;
+  }
+  float f = float(v);
+  for (int t = 0; t < kBf16Terms<T>; t++) {
+    c10::BFloat16 h(f);  // round to nearest even
+    if (std::isinf(float(h)) && std::isfinite(f))  // within half a bf16 ulp of FLT_MAX: truncate instead
+      h = c10::BFloat16(uint16_t(c10::bit_cast<uint32_t>(f) >> 16), c10::BFloat16::from_bits());
+    terms[t] = h.x;
+    f = std::isfinite(float(h)) ? f - float(h) : 0.f;  // inf / NaN x: the first term alone, as in fp32
+  }
+}
+
+// x [M, K] -> the brgemm's B, term by term (term t at dst + t * M * Kp), for each block of kBf16Cols rows: the
+// block of rows m0.. (width mw) at + m0 * Kp in VNNI pairs (brgemm.h), positions in kBf16ChunkOrder per segment,
+// zero padded.
+template <typename T>
+void pack_bf16_vnni(const T* x, int64_t M, const KSegments& seg, uint16_t* dst) {
   const int64_t Kp = seg.packed_size(), P = seg.padded;
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
       const int64_t b0 = m / kBf16Cols * kBf16Cols, mw = std::min(kBf16Cols, M - b0);
       uint16_t* d = dst + b0 * Kp;
       for (int64_t s = 0; s < seg.count; s++) {
-        const uint16_t* src = x + m * seg.K + seg.begin(s);
+        const T* src = x + m * seg.K + seg.begin(s);
         const int64_t n = seg.size(s);
         for (int64_t c = 0; c < P; c += kBf16Chunk)
           for (int q = 0; q < kBf16Chunk; q++) {
-            const int64_t k = c + kBf16ChunkOrder[q], p = s * P + c + q;
-            d[vnni_offset<2>(p, m - b0, mw)] = k < n ? src[k] : uint16_t(0);
+            const int64_t k = c + kBf16ChunkOrder[q], at = vnni_offset<2>(s * P + c + q, m - b0, mw);
+            uint16_t terms[kBf16Terms<T>] = {};
+            if (k < n) split_bf16(src[k], terms);
+            for (int t = 0; t < kBf16Terms<T>; t++) d[t * M * Kp + at] = terms[t];
           }
       }
     }
   });
 }
 
-// bf16 x on a CPU with AMX (amx_gemm_available): decoded bf16 panels times the packed activations in torch's
-// oneDNN brgemm, fp32 accumulation; 3-5x faster there than fp32 panels in the fp32 GEMM. The sums are the fp32
-// path's: decoded weights and bf16 x are exact in bf16, their products exact in fp32. (AMX, like vdpbf16ps,
-// reads bf16 denormals -- below 1e-38 -- as zero.) Block scales multiply each segment's sums, as in gemm.
+// On a CPU with AMX (amx_gemm_available): decoded bf16 panels times the packed activation terms in torch's
+// oneDNN brgemm, fp32 accumulation; at M = 64, 3x (bf16, half x) and 2x (float x) faster there than fp32 panels in
+// the fp32 GEMM. The sums are the fp32 path's: decoded weights and bf16 terms are exact in bf16, their products
+// exact in fp32. (AMX, like vdpbf16ps, reads bf16 denormals -- below 1e-38 -- as zero.) Block scales multiply each
+// segment's sums.
 template <typename T>
 void gemm_bf16(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo) {
   const KSegments seg = k_segments_for(op.layout.kind == ScaleKind::Block, op.layout.bk, op.K, kBf16Chunk);
   const int64_t Kp = seg.packed_size(), P = seg.padded, N = op.N;
   const bool block = op.layout.kind == ScaleKind::Block;
-  uint16_t* xp = scratch<uint16_t>(Slot::Activations, size_t(M * Kp));
-  pack_bf16_vnni(reinterpret_cast<const uint16_t*>(x), M, seg, xp);
+  uint16_t* xp = scratch<uint16_t>(Slot::Activations, size_t(kBf16Terms<T> * M * Kp));
+  pack_bf16_vnni(x, M, seg, xp);
   at::parallel_for(0, ceil_div(N, kBf16Panel), 1, [&](int64_t b0, int64_t b1) {
     AmxTileScope amx;
     auto* panel = scratch<c10::BFloat16>(Slot::Panel, size_t(kBf16Panel * Kp));
@@ -170,9 +199,10 @@ void gemm_bf16(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& 
         for (int64_t s = 0; s < seg.count; s++) {
           // this segment's sums, in K steps of at most kBf16Depth positions: acc directly without block scales
           float* c = block ? part : acc;
-          for (int64_t k = 0; k < P; k += kBf16Depth)
-            at::native::cpublas::brgemm(nr, mw, std::min(kBf16Depth, P - k), Kp, mw, mw, k > 0,
-                                        panel + s * P + k, xb + (s * P + k) * mw, c, true);
+          for (int t = 0; t < kBf16Terms<T>; t++)
+            for (int64_t k = 0; k < P; k += kBf16Depth)
+              at::native::cpublas::brgemm(nr, mw, std::min(kBf16Depth, P - k), Kp, mw, mw, t > 0 || k > 0,
+                                          panel + s * P + k, xb + t * M * Kp + (s * P + k) * mw, c, true);
           if (block)
             for (int64_t r = 0; r < nr; r++) {
               const float bs = block_scale_row(op, r0 + r)[s];
@@ -189,17 +219,14 @@ void gemm_bf16(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& 
   });
 }
 
-// Whether the GEMM regime runs T = bf16 x as bf16 panels on AMX.
-template <typename T>
-bool bf16_amx_gemm(const Fp8Kernels& kern) {
-  return std::is_same_v<T, c10::BFloat16> && kern.decode_rows_bf16 != nullptr && amx_gemm_available();
-}
+// Whether the GEMM regime runs on AMX (as bf16 panels and bf16 terms of x).
+bool bf16_amx_gemm(const Fp8Kernels& kern) { return kern.decode_rows_bf16 != nullptr && amx_gemm_available(); }
 
 }  // namespace
 
 template <typename T>
 int64_t gemm_min_rows() {
-  return bf16_amx_gemm<T>(fp8_kernels(isa())) ? kAmxGemmMinRows : kGemmMinRows;
+  return bf16_amx_gemm(fp8_kernels(isa())) ? kAmxGemmMinRows : kGemmMinRows;
 }
 
 KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk) {
@@ -280,7 +307,7 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
   }
   const Fp8Kernels& kern = fp8_kernels(isa());
   if (M >= gemm_min_rows<T>()) {
-    if (bf16_amx_gemm<T>(kern)) return gemm_bf16(kern, x, M, op, out, ldo);
+    if (bf16_amx_gemm(kern)) return gemm_bf16(kern, x, M, op, out, ldo);
     return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
   }
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);

@@ -2,9 +2,9 @@
 //
 // Regimes (chosen by fp8_matmul from M): few rows -> GEMV-style tiles that decode each weight chunk once for
 // all rows, weight rows split across threads; more rows -> a GEMM that decodes a panel of weight rows once and
-// multiplies it with all activation rows in an optimized GEMM: bf16 panels and oneDNN's AMX brgemm for bf16 x
-// where amx_gemm_available() (brgemm.h), fp32 panels and torch's fp32 GEMM otherwise. No dequantized copy of the weight
-// exists; scratch memory is per-thread and reused across calls (workspace.h).
+// multiplies it with all activation rows in an optimized GEMM: bf16 panels and x as 1-3 bf16 terms in oneDNN's
+// AMX brgemm where amx_gemm_available() (brgemm.h), fp32 panels and torch's fp32 GEMM otherwise. No dequantized
+// copy of the weight exists; scratch memory is per-thread and reused across calls (workspace.h).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -27,7 +27,7 @@ struct Fp8Operand {
 // Below this many activation rows the GEMV-style tiles are used (they re-decode the weight for every group of
 // 4 rows, so their cost grows with M; the panel GEMM's does not). Not tuned yet: a first guess.
 constexpr int64_t kGemmMinRows = 8;
-// The same for bf16 x on AMX: there the GEMM (K = 4096, N = 14336: 6.5 ms from 5 rows to 16, weights in L3) beats
+// The same on AMX: there the GEMM (bf16 x, K = 4096, N = 14336: 6.5 ms from 5 rows to 16, weights in L3) beats
 // the tiles from 5 rows (4.6 ms at 4 rows, 7.9 ms at 6: a second group of rows decodes the weights again).
 constexpr int64_t kAmxGemmMinRows = 5;
 
@@ -41,8 +41,8 @@ struct GemvActivations {
 template <typename T>
 GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K);
 
-// The number of activation rows from which fp8_matmul<T> runs its GEMM regime now (kAmxGemmMinRows for bf16 x
-// where amx_gemm_available(), else kGemmMinRows): fewer rows run the GEMV tiles.
+// The number of activation rows from which fp8_matmul<T> runs its GEMM regime now (kAmxGemmMinRows where
+// amx_gemm_available(), else kGemmMinRows): fewer rows run the GEMV tiles.
 template <typename T>
 int64_t gemm_min_rows();
 
