@@ -11,10 +11,10 @@ namespace lowbit::cpu {
 namespace {
 
 // Runs of codes under one scale (a whole row, or one K block of it) through Fp8Kernels::dequantize_run.
-void dequantize_rows(const Fp8Weight& w, void* out, DequantOut kind, int64_t elem_size) {
+void dequantize_rows(const Fp8Weight& w, void* out, DequantOut kind) {
   const uint8_t* bits = w.bits.data_ptr<uint8_t>();
   const float* s = w.scale.data_ptr<float>();
-  const int64_t K = w.K;
+  const int64_t K = w.K, elem_size = element_size(kind);
   const Fp8Kernels& kern = fp8_kernels(isa());
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
@@ -38,7 +38,7 @@ at::Tensor fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, at:
   if (out.numel() == 0) return out;
   const DequantOut kind = dtype == at::kFloat ? DequantOut::F32 : dtype == at::kBFloat16 ? DequantOut::BF16
                                                                                       : DequantOut::F16;
-  dequantize_rows(w, out.data_ptr(), kind, out.element_size());
+  dequantize_rows(w, out.data_ptr(), kind);
   return out;
 }
 

@@ -40,7 +40,7 @@ at::Tensor fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const a
   LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "fp8_grouped_mm", [&] {
     const scalar_t* xp = a.x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t gemm_rows = gemm_min_rows<scalar_t>();
+    const int64_t gemm_rows = gemm_min_rows();
     for (int64_t g = 0; g < a.G; g++) {
       const int64_t e = ids[g], r0 = off[g], r1 = off[g + 1];
       if (e < 0 || r1 <= r0) continue;

@@ -53,6 +53,7 @@ Fn pick_gemv_tile(bool block, int mr, int nr) {
 
 // The element type fp8_dequantize writes.
 enum class DequantOut : int { F32, BF16, F16 };
+constexpr int64_t element_size(DequantOut kind) { return kind == DequantOut::F32 ? 4 : 2; }
 
 struct Fp8Kernels {
   // sums[m * nr + r] = sum over segments s of bscale[r][s] (1 when bscale is null) times

@@ -155,8 +155,7 @@ LOWBIT_TARGET_AVX2 void dequantize_run(const uint8_t* code, int64_t n, float sca
         break;
     }
   }
-  const int64_t elem = kind == DequantOut::F32 ? 4 : 2;
-  dequantize_run_portable(code + full, n - full, scale, static_cast<uint8_t*>(out) + full * elem, kind);
+  dequantize_run_portable(code + full, n - full, scale, static_cast<uint8_t*>(out) + full * element_size(kind), kind);
 }
 
 }  // namespace

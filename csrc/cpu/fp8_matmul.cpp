@@ -224,10 +224,7 @@ bool bf16_amx_gemm(const Fp8Kernels& kern) { return kern.decode_rows_bf16 != nul
 
 }  // namespace
 
-template <typename T>
-int64_t gemm_min_rows() {
-  return bf16_amx_gemm(fp8_kernels(isa())) ? kAmxGemmMinRows : kGemmMinRows;
-}
+int64_t gemm_min_rows() { return bf16_amx_gemm(fp8_kernels(isa())) ? kAmxGemmMinRows : kGemmMinRows; }
 
 KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk) {
   KSegments s;
@@ -306,8 +303,9 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
     return;
   }
   const Fp8Kernels& kern = fp8_kernels(isa());
-  if (M >= gemm_min_rows<T>()) {
-    if (bf16_amx_gemm(kern)) return gemm_bf16(kern, x, M, op, out, ldo);
+  const bool amx = bf16_amx_gemm(kern);
+  if (M >= (amx ? kAmxGemmMinRows : kGemmMinRows)) {
+    if (amx) return gemm_bf16(kern, x, M, op, out, ldo);
     return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
   }
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);
@@ -317,7 +315,6 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
 }
 
 #define LOWBIT_INSTANTIATE(T)                                                                                  \
-  template int64_t gemm_min_rows<T>();                                                                         \
   template void fp8_matmul<T>(const T*, int64_t, const Fp8Operand&, T*, int64_t);                              \
   template GemvActivations gemv_activations<T>(const Fp8Kernels&, const ScaleLayout&, int64_t);                \
   template void pack_rows<T>(const GemvActivations&, const T*, int64_t, void*);                                \

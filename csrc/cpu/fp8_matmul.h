@@ -41,9 +41,8 @@ struct GemvActivations {
 template <typename T>
 GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K);
 
-// The number of activation rows from which fp8_matmul<T> runs its GEMM regime now (kAmxGemmMinRows where
+// The number of activation rows from which fp8_matmul runs its GEMM regime now (kAmxGemmMinRows where
 // amx_gemm_available(), else kGemmMinRows): fewer rows run the GEMV tiles.
-template <typename T>
 int64_t gemm_min_rows();
 
 // out[m * ldo + n] = sum_k x[m, k] * dec(w[n, k]) * scale(n, k) (+ bias[n]), rounded once to T; x is [M, K].

@@ -6,7 +6,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
+#include <new>
 
 #include <sys/mman.h>
 #include <unistd.h>
