@@ -17,7 +17,7 @@ namespace {
 at::Tensor emu_fp8_grouped_mm_unvalidated(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                                           const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids) {
   lowbit::metal::EmuLauncher l;
-  return lowbit::metal::plan_fp8_grouped_mm(lowbit::metal::Target{l, /*host_visible=*/false}, x, weight, scale,
+  return lowbit::metal::plan_fp8_grouped_mm(lowbit::metal::Target{l, /*host_visible=*/false, l.caps()}, x, weight, scale,
                                             offsets, expert_ids, std::nullopt);
 }
 

@@ -67,10 +67,19 @@ struct Dispatch {
   std::string describe_buffers() const;  // "[[buffer(0)]] x, [[buffer(1)]] weight, ..."
 };
 
+// What the device can run, for plans that pick a kernel variant for newer GPUs. apple_family is N of
+// MTLGPUFamilyAppleN (7 = M1, the floor of every portable kernel); msl_version is the Metal Shading Language
+// version the library was built with, major * 100 + minor (301 = MSL 3.1).
+struct DeviceCaps {
+  uint32_t apple_family = 7;
+  uint32_t msl_version = 301;
+};
+
 class Launcher {
  public:
   virtual ~Launcher() = default;
   virtual void run(const Dispatch& d) = 0;
+  virtual DeviceCaps caps() const { return {}; }
 };
 
 inline std::string Dispatch::describe_buffers() const {

@@ -15,28 +15,28 @@ struct PlannedOps {
   static at::Tensor fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                            const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
     L l;
-    return plan_fp8_mm(Target{l, HostVisible}, x, weight, scale, bias, block_size);
+    return plan_fp8_mm(Target{l, HostVisible, l.caps()}, x, weight, scale, bias, block_size);
   }
   static at::Tensor fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale,
                                    at::OptionalIntArrayRef block_size, at::ScalarType dtype) {
     L l;
-    return plan_fp8_dequantize(Target{l, HostVisible}, weight, scale, block_size, dtype);
+    return plan_fp8_dequantize(Target{l, HostVisible, l.caps()}, weight, scale, block_size, dtype);
   }
   static at::Tensor fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                                    const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
                                    at::OptionalIntArrayRef block_size) {
     L l;
-    return plan_fp8_grouped_mm(Target{l, HostVisible}, x, weight, scale, offsets, expert_ids, block_size);
+    return plan_fp8_grouped_mm(Target{l, HostVisible, l.caps()}, x, weight, scale, offsets, expert_ids, block_size);
   }
   static std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x) {
     L l;
-    return plan_int8_quantize(Target{l, HostVisible}, x);
+    return plan_int8_quantize(Target{l, HostVisible, l.caps()}, x);
   }
   static at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq,
                             const at::Tensor& w_scale, const std::optional<at::Tensor>& bias,
                             std::optional<at::ScalarType> out_dtype) {
     L l;
-    return plan_int8_mm(Target{l, HostVisible}, xq, x_scale, wq, w_scale, bias, out_dtype);
+    return plan_int8_mm(Target{l, HostVisible, l.caps()}, xq, x_scale, wq, w_scale, bias, out_dtype);
   }
 
   static void register_all(torch::Library& m) {

@@ -16,6 +16,7 @@ namespace lowbit::metal {
 struct Target {
   Launcher& launcher;
   bool host_visible;  // true for the emulator: plans may read small tensors on the host
+  DeviceCaps caps{};  // the launcher's device (the portable floor unless the launcher says more)
 };
 
 }  // namespace lowbit::metal
