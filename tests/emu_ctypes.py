@@ -97,12 +97,15 @@ class Library:
         self.lib.msl_emu_run.restype = ctypes.c_int
         self.lib.msl_emu_run.argtypes = [
             ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
-            ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
+            ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint),
+            ctypes.POINTER(ctypes.c_uint),
             ctypes.POINTER(ctypes.c_size_t), ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         self.lib.msl_emu_set_reverse.argtypes = [ctypes.c_int]
 
-    def run(self, kernel, buffers, grid, tg, outputs=(), reverse=False, check=True):
+    def run(self, kernel, buffers, grid, tg, outputs=(), reverse=False, check=True, offsets=None, tg_mem=None):
         """buffers[i] binds [[buffer(i)]]; indices in outputs start poisoned (0xFF) and are copied back.
+        offsets[i]: the byte offset buffer i would be bound at on the device (its address residue modulo 64
+        in the emulator; default 0). tg_mem[i]: bytes of [[threadgroup(i)]].
         Returns the emulator's report; with check, raises KernelError naming the kernel if it has any error
         or warning (like the emulator launcher of torch.ops.lowbit_emu)."""
         n = len(buffers)
@@ -112,11 +115,12 @@ class Library:
         flags = (ctypes.c_int * n)(*[3 if i in outputs else 0 for i in range(n)])
         g = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1, 1))[:3])
         t = (ctypes.c_uint * 3)(*(tuple(tg) + (1, 1, 1))[:3])
-        mem = (ctypes.c_size_t * 8)()
+        residues = (ctypes.c_size_t * n)(*(offsets or [0] * n))
+        mem = (ctypes.c_size_t * 8)(*(tg_mem or []))
         err = ctypes.create_string_buffer(16384)
         self.lib.msl_emu_set_reverse(1 if reverse else 0)
         try:
-            ne = self.lib.msl_emu_run(kernel.encode(), n, ptrs, sizes, flags, g, t, mem, 0, err, len(err))
+            ne = self.lib.msl_emu_run(kernel.encode(), n, ptrs, sizes, flags, residues, g, t, mem, 0, err, len(err))
         finally:
             self.lib.msl_emu_set_reverse(0)
         text = err.value.decode()

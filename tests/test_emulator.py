@@ -20,11 +20,13 @@ pytestmark = pytest.mark.skipif(E.compiler() is None, reason="needs g++ to build
 GEMV = os.path.join(E.PLANTED, "gemv.metal")
 GUARANTEES = os.path.join(E.PLANTED, "emu_guarantees.metal")
 DEQUANT_BUG = os.path.join(E.PLANTED, "fp8_dequantize_tail_bug.metal")
+RULES = os.path.join(E.PLANTED, "metal_rules.metal")
+CONVERTING_LOAD = os.path.join(E.PLANTED, "simdgroup_load_converting.metal")
 
 
 @pytest.fixture(scope="module")
 def lib():
-    return E.Library(E.build([GEMV, GUARANTEES]))
+    return E.Library(E.build([GEMV, GUARANTEES, RULES]))
 
 
 def gemv_case(N, K, seed=0):
@@ -60,9 +62,10 @@ def test_correct_gemvs_pass(lib, kernel, N, K, reverse):
     assert close(y, ref, K)
 
 
-@pytest.mark.parametrize("N,K", [(16, 5), (8, 130)])
+@pytest.mark.parametrize("N,K", [(64, 5), (32, 130)])
 def test_wrong_tail_bound_is_caught(lib, N, K):
-    # N * K is a multiple of 16: the overread on the last row reaches the guard page -> a reported fault;
+    # N * K is a multiple of 64 (buffers end < 64 bytes before the guard page, keeping their device address
+    # residue modulo 64): the overread on the last row reaches the guard page -> a reported fault;
     # every other row reads into the next one and counts the tail twice -> a wrong result
     with pytest.raises(E.KernelError, match=r"(?s)gemv_bug_tail.*past the end of \[\[buffer\(0\)\]\].*threadgroup"):
         run_gemv(lib, "gemv_bug_tail", N, K)
@@ -146,12 +149,12 @@ def planted_dequantize():
 
 
 def test_read_past_a_buffer_names_kernel_buffer_and_thread(planted_dequantize):
-    w = torch.randint(0, 0x7E, (16, 5), dtype=torch.uint8)  # 80 bytes: the overread reaches the guard page
+    w = torch.randint(0, 0x7E, (64, 5), dtype=torch.uint8)  # 320 bytes: the overread reaches the guard page
     with pytest.raises(RuntimeError) as e:
         torch.ops.lowbit_emu.fp8_dequantize(w, torch.ones(1), None, torch.float32)
     msg = str(e.value)
     assert "fp8_dequantize_float" in msg and "past the end of [[buffer(0)]]" in msg
-    assert "threadgroup (0,3,0) thread (1,3,0)" in msg and "[[buffer(0)]] weight" in msg
+    assert "threadgroup (0,15,0) thread (1,3,0)" in msg and "[[buffer(0)]] weight" in msg
 
 
 def test_unwritten_output_elements_show_through_the_op(planted_dequantize):
@@ -167,3 +170,71 @@ def test_the_real_kernels_are_back_after_the_planted_ones():
     w = torch.randint(0, 0x7E, (16, 5), dtype=torch.uint8)
     out = torch.ops.lowbit_emu.fp8_dequantize(w, torch.ones(1), None, torch.float32)
     assert torch.equal(out, w.view(torch.float8_e4m3fn).float())
+
+
+# ---------------------------------------------------------------------------------------------- Metal's rules
+def uint4_load(lib, kernel, word, offset=0, n=4):
+    src = np.arange(4 * n + 8, dtype=np.uint32)
+    out = np.zeros((n, 4), np.uint32)
+    lib.run(kernel, [src, out, np.array([word], np.uint32)], grid=(1,), tg=(n,), outputs=(1,), offsets=[offset, 0, 0])
+    return out, src[word:word + 4 * n].reshape(n, 4)
+
+
+def test_aligned_uint4_loads_run(lib):
+    out, ref = uint4_load(lib, "uint4_load_at", word=4)
+    assert np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize("word,offset", [(1, 0), (2, 0), (0, 4), (0, 8), (4, 36)])
+def test_misaligned_uint4_load_faults(lib, word, offset):
+    # offset: the buffer's byte offset on the device (a view at storage_offset * element_size); the emulator
+    # binds the buffer at that residue modulo 64, so the load is misaligned exactly when it would be on mps
+    with pytest.raises(E.KernelError, match=r"(?s)uint4_load_at.*misaligned 16-byte vector load at byte offset "
+                                            r"%d of \[\[buffer\(0\)\]\] \(bound at device offset %d modulo 64\)"
+                                            r".*needs 16-byte.*thread \(0,0,0\)" % (4 * word, offset % 64)):
+        uint4_load(lib, "uint4_load_at", word, offset)
+
+
+@pytest.mark.parametrize("word,offset", [(1, 0), (3, 8)])
+def test_packed_uint4_loads_need_only_scalar_alignment(lib, word, offset):
+    out, ref = uint4_load(lib, "packed_uint4_load_at", word, offset)
+    assert np.array_equal(out, ref)
+
+
+def test_misaligned_threadgroup_vector_store_faults(lib):
+    with pytest.raises(E.KernelError, match="misaligned 16-byte vector store at .*threadgroup"):
+        lib.run("threadgroup_float4_store_misaligned", [np.zeros(32, np.float32)], grid=(1,), tg=(32,), outputs=(0,))
+
+
+def test_threadgroup_memory_past_32k_faults(lib):
+    with pytest.raises(E.KernelError, match=r"threadgroup_array_33k' uses 33792 bytes of threadgroup memory.*32768"):
+        lib.run("threadgroup_array_33k", [np.zeros(32, np.float32)], grid=(1,), tg=(32,), outputs=(0,))
+
+
+def test_threadgroup_arrays_and_buffers_count_together(lib):
+    out = np.zeros(32, np.float32)
+    lib.run("threadgroup_array_16k_plus_dynamic", [out], grid=(2,), tg=(32,), outputs=(0,), tg_mem=[16384])
+    assert np.array_equal(out, (np.arange(32) + 1) % 32 + 1.0)
+    with pytest.raises(E.KernelError, match=r"uses 32784 bytes of threadgroup memory \(16384 in threadgroup arrays, "
+                                            r"16400 in \[\[threadgroup\(i\)\]\] buffers\)"):
+        lib.run("threadgroup_array_16k_plus_dynamic", [out], grid=(1,), tg=(32,), outputs=(0,), tg_mem=[16400])
+
+
+@pytest.mark.parametrize("grid,tg,match", [
+    ((2 ** 26 + 1,), (64,), r"grid dimension x has 67108865 threadgroups x 64 threads = 4294967360 thread positions"),
+    ((1, 2 ** 22), (1, 1025), r"1025 threads per threadgroup"),
+])
+def test_launches_past_metal_limits_are_refused(lib, grid, tg, match):
+    with pytest.raises(E.KernelError, match=r"grid_position.*" + match):
+        lib.run("grid_position", [np.zeros(64, np.uint32)], grid=grid, tg=tg, outputs=(0,))
+
+
+def test_grid_of_exactly_2_to_the_32_positions_is_allowed(lib):
+    # the largest grid whose positions fit; not run (4G threads): a zero-size y dimension stops it after the
+    # limit checks, which look at each dimension
+    lib.run("grid_position", [np.zeros(64, np.uint32)], grid=(2 ** 26, 0), tg=(64,), outputs=())
+
+
+def test_converting_simdgroup_load_does_not_compile():
+    with pytest.raises(RuntimeError, match="simdgroup_load: the source pointer's element type must be the matrix's"):
+        E.build([CONVERTING_LOAD])

@@ -24,6 +24,7 @@
 
 #include "msl_shim.h"
 #include "msl_undef.h"
+#include "../metal/limits.h"
 
 // ---------------------------------------------------------------------------------------------- context switch
 // x86-64: a 14-instruction switch of the callee-saved registers (no signal-mask syscalls, ~20x faster than
@@ -79,6 +80,7 @@ struct Worker {
   std::vector<char*> stacks;
   std::vector<char> tgmem[8];
   unsigned long epoch = 0;
+  size_t tg_static_bytes = 0;  // kernel-scope threadgroup arrays touched by this threadgroup so far
   sigjmp_buf recover;
   bool in_tg = false;
   std::vector<char> altstack;
@@ -88,6 +90,9 @@ thread_local ThreadCtx* tl_cur = nullptr;
 static thread_local Worker* tl_worker = nullptr;
 static const size_t kStack = [] { const char* e = getenv("MSL_EMU_STACK_KB"); return size_t(e ? atoi(e) : 256) * 1024; }();
 static const size_t kPage = size_t(sysconf(_SC_PAGESIZE));
+// threadgroup epochs, unique across launches: a worker's first threadgroup must not match a threadgroup
+// array's epoch left from an earlier launch on the same OS thread (it would skip the poisoning)
+static std::atomic<unsigned long> g_epoch{0};
 // MSL_EMU_SCHED=rev runs the fibers of a round in reverse thread order (shakes out different races)
 // (the test suite flips it per launch through msl_emu_set_reverse)
 static std::atomic<bool> g_reverse{[] { const char* e = getenv("MSL_EMU_SCHED"); return e && std::string(e) == "rev"; }()};
@@ -150,12 +155,50 @@ void* tg_buffer_ptr(int i) { return tl_worker->tgmem[i].data(); }
 void (*trace_tg_hook)(void*, size_t) = nullptr;
 void (*launch_hook)(const char*, const LaunchParams*, bool) = nullptr;
 const LaunchParams* current_launch() { return tl_cur ? &tl_cur->launch->p : nullptr; }
+[[noreturn]] static void abandon_threadgroup();
+static size_t dynamic_tg_bytes(const LaunchParams& p) {
+  size_t n = 0;
+  for (size_t b : p.tg_mem_sizes) n += b;
+  return n;
+}
 void tg_poison(void* p, size_t n, unsigned long* ep) {  // first toucher in each threadgroup fills with 0xFF (NaN / -1)
-  if (*ep != tl_worker->epoch) {
-    *ep = tl_worker->epoch;
+  Worker* w = tl_worker;
+  if (*ep != w->epoch) {
+    *ep = w->epoch;
     memset(p, 0xFF, n);
     if (trace_tg_hook) trace_tg_hook(p, n);
+    w->tg_static_bytes += n;
+    const size_t dyn = dynamic_tg_bytes(tl_cur->launch->p);
+    if (w->tg_static_bytes + dyn > lowbit::metal::kMaxThreadgroupMemoryBytes) {
+      report_error("kernel '%s' uses %zu bytes of threadgroup memory (%zu in threadgroup arrays, %zu in "
+                   "[[threadgroup(i)]] buffers); Apple GPUs allow %llu", tl_cur->launch->p.kernel,
+                   w->tg_static_bytes + dyn, w->tg_static_bytes, dyn,
+                   (unsigned long long)lowbit::metal::kMaxThreadgroupMemoryBytes);
+      abandon_threadgroup();
+    }
   }
+}
+void misaligned_vector(const void* p, size_t align, size_t bytes, bool store) {
+  Worker* w = tl_worker;
+  if (!w || !w->in_tg || !tl_cur) return;  // host code, not a GPU thread
+  const uintptr_t a = uintptr_t(p);
+  const LaunchParams& lp = tl_cur->launch->p;
+  char at[120];
+  snprintf(at, sizeof at, "%p in threadgroup or thread memory", p);
+  for (int i = 0; i < 31; i++) {
+    const uintptr_t s = uintptr_t(lp.buffers[i]);
+    if (s && a >= s && a < s + lp.buffer_sizes[i])
+      snprintf(at, sizeof at, "byte offset %zu of [[buffer(%d)]] (bound at device offset %zu modulo 64)", size_t(a - s), i,
+               size_t(s % 64));
+  }
+  for (int i = 0; i < 8; i++) {
+    const uintptr_t s = uintptr_t(w->tgmem[i].data());
+    if (!w->tgmem[i].empty() && a >= s && a < s + w->tgmem[i].size())
+      snprintf(at, sizeof at, "byte offset %zu of [[threadgroup(%d)]]", size_t(a - s), i);
+  }
+  report_error("kernel '%s': misaligned %zu-byte vector %s at %s (MSL needs %zu-byte alignment)", lp.kernel, bytes,
+               store ? "store" : "load", at, align);
+  abandon_threadgroup();
 }
 static void block(int state) {
   ThreadCtx* c = tl_cur;
@@ -228,7 +271,8 @@ static void run_threadgroup(Worker& w, Launch& L, u3 tg) {
   while (w.stacks.size() < T) w.stacks.push_back(get_stack());
   w.ctx.resize(T);
   w.uc.resize(T);
-  w.epoch = (w.epoch + 1) | 1;
+  w.epoch = ++g_epoch;
+  w.tg_static_bytes = 0;
   for (int i = 0; i < 8; i++) {
     w.tgmem[i].assign(L.p.tg_mem_sizes[i], char(0xFF));
   }
@@ -245,7 +289,7 @@ static void run_threadgroup(Worker& w, Launch& L, u3 tg) {
     c.state = RUNNABLE, c.launch = &L, c.fiber = &w.uc[t];
     init_fiber(w, t);
   }
-  if (sigsetjmp(w.recover, 0)) {  // a fiber faulted (see on_segv): abandon this threadgroup
+  if (sigsetjmp(w.recover, 0)) {  // a fiber faulted (on_segv, abandon_threadgroup): abandon this threadgroup
     tl_cur = nullptr;
     return;
   }
@@ -355,6 +399,12 @@ static void on_segv(int sig, siginfo_t* si, void* uc) {
   w->in_tg = false;
   siglongjmp(w->recover, 1);
 }
+// A fault found by a check in the shim or runtime (already reported): leave the running fiber for good.
+static void abandon_threadgroup() {
+  Worker* w = tl_worker;
+  w->in_tg = false;
+  siglongjmp(w->recover, 1);
+}
 static void install_handlers() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -413,22 +463,26 @@ int launch(KernelThunk k, const LaunchParams& p) {
 }  // namespace msl::rt
 
 // ---------------------------------------------------------------------------------------------- C API (ctypes)
-// Buffers are copied into guarded allocations: the data ends flush (up to 16-byte alignment) against a
-// PROT_NONE page, so reading past the end faults and is reported with the buffer index and offset.
+// Buffers are copied into guarded allocations: the data starts at the address residue modulo 64 it has on the
+// device (mps binds a buffer at storage_offset * element_size from a page-aligned MTLBuffer, so misaligned
+// vector loads show) and ends as close as that allows (< 64 bytes of poisoned slack) to a PROT_NONE page, so
+// reading past the end faults and is reported with the buffer index and offset.
 namespace {
 struct Guarded {
   char* base = nullptr;
   size_t total = 0;
   char* data = nullptr;
 };
-Guarded alloc_guarded(size_t n) {
+constexpr size_t kResidueModulus = 64;
+Guarded alloc_guarded(size_t n, size_t residue) {
   const size_t pg = msl::rt::kPage;
   size_t body = (n + pg - 1) / pg * pg + pg;  // at least one page of slack before the data
   Guarded g;
   g.total = body + pg;
   g.base = static_cast<char*>(mmap(nullptr, g.total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
   mprotect(g.base + body, pg, PROT_NONE);
-  g.data = g.base + ((body - n) & ~size_t(15));
+  residue %= kResidueModulus;
+  g.data = g.base + ((body - n - residue) & ~(kResidueModulus - 1)) + residue;
   memset(g.base, 0xFF, body);  // the slack (< 16 bytes) between data end and the guard page stays poisoned
   return g;
 }
@@ -455,14 +509,53 @@ int check_slack(int idx, const Guarded& g, size_t n, std::string& err) {
     }
   return 0;
 }
+// Metal's launch limits (csrc/metal/limits.h), checked before anything runs: one error line per broken limit.
+std::string launch_limit_errors(const char* kernel, int nbuf, const size_t* sizes, const int* flags,
+                                const msl::rt::LaunchParams& p) {
+  namespace L = lowbit::metal;
+  std::string err;
+  char b[300];
+  const uint64_t threads = uint64_t(p.tg_size.x) * p.tg_size.y * p.tg_size.z;
+  if (threads == 0 || threads > L::kMaxThreadsPerThreadgroup) {
+    snprintf(b, sizeof b, "error: kernel '%s': %llu threads per threadgroup (%u,%u,%u); Apple GPUs allow 1 to %llu\n",
+             kernel, (unsigned long long)threads, p.tg_size.x, p.tg_size.y, p.tg_size.z,
+             (unsigned long long)L::kMaxThreadsPerThreadgroup);
+    err += b;
+  }
+  size_t dyn = 0;
+  for (size_t m : p.tg_mem_sizes) dyn += m;
+  if (dyn > L::kMaxThreadgroupMemoryBytes) {
+    snprintf(b, sizeof b, "error: kernel '%s': %zu bytes of [[threadgroup(i)]] memory; Apple GPUs allow %llu\n", kernel,
+             dyn, (unsigned long long)L::kMaxThreadgroupMemoryBytes);
+    err += b;
+  }
+  const uint32_t groups[3] = {p.tgs.x, p.tgs.y, p.tgs.z}, per[3] = {p.tg_size.x, p.tg_size.y, p.tg_size.z};
+  for (int d = 0; d < 3; d++)
+    if (uint64_t(groups[d]) * per[d] > L::kMaxThreadsPerGridDim) {
+      snprintf(b, sizeof b, "error: kernel '%s': grid dimension %c has %u threadgroups x %u threads = %llu thread "
+               "positions, past the 32-bit thread_position_in_grid\n", kernel, "xyz"[d], groups[d], per[d],
+               (unsigned long long)(uint64_t(groups[d]) * per[d]));
+      err += b;
+    }
+  for (int i = 0; i < nbuf; i++)
+    if ((flags[i] & 4) && sizes[i] > L::kMaxSetBytesBytes) {
+      snprintf(b, sizeof b, "error: kernel '%s': value [[buffer(%d)]] has %zu bytes; setBytes allows %llu\n", kernel, i,
+               sizes[i], (unsigned long long)L::kMaxSetBytesBytes);
+      err += b;
+    }
+  return err;
+}
 }  // namespace
 
 extern "C" {
-// flags per buffer: 1 = copy back to host after the run, 2 = output only (start poisoned with 0xFF, not copied in)
+// flags per buffer: 1 = copy back to host after the run, 2 = output only (start poisoned with 0xFF, not copied in),
+// 4 = a value (setBytes: at most 4 KiB). residues (may be null: all 0): each buffer's byte offset on the device
+// (storage_offset * element_size); the copy is bound at an address with the same residue modulo 64.
 // Not reentrant across threads by design: msl_emu_run holds g_launch_mu for the launch and the error text.
 // The error text of the launch (errors, then warnings) is copied into errbuf (NUL-terminated, cut at errcap).
-int msl_emu_run(const char* kernel, int nbuf, void** host, const size_t* sizes, const int* flags, const unsigned* grid,
-                const unsigned* tg, const size_t* tg_mem, int workers, char* errbuf, size_t errcap) {
+int msl_emu_run(const char* kernel, int nbuf, void** host, const size_t* sizes, const int* flags,
+                const size_t* residues, const unsigned* grid, const unsigned* tg, const size_t* tg_mem, int workers,
+                char* errbuf, size_t errcap) {
   if (errbuf && errcap) errbuf[0] = 0;
   msl::rt::KernelThunk k = msl::rt::find_kernel(kernel);
   if (!k) return -1;
@@ -471,11 +564,17 @@ int msl_emu_run(const char* kernel, int nbuf, void** host, const size_t* sizes, 
   p.tgs = {grid[0], grid[1], grid[2]};
   p.tg_size = {tg[0], tg[1], tg[2]};
   p.workers = workers;
+  p.kernel = kernel;
   for (int i = 0; i < 8 && tg_mem; i++) p.tg_mem_sizes[i] = tg_mem[i];
+  const std::string refused = launch_limit_errors(kernel, nbuf, sizes, flags, p);
+  if (!refused.empty()) {
+    if (errbuf && errcap) snprintf(errbuf, errcap, "%s", refused.c_str());
+    return 1;
+  }
   std::vector<Guarded> g(nbuf);
   for (int i = 0; i < nbuf; i++) {
     if (!host[i]) continue;
-    g[i] = alloc_guarded(sizes[i]);
+    g[i] = alloc_guarded(sizes[i], residues ? residues[i] : 0);
     if (!(flags[i] & 2)) memcpy(g[i].data, host[i], sizes[i]);
     p.buffers[i] = g[i].data, p.buffer_sizes[i] = sizes[i];
   }

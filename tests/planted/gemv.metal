@@ -1,6 +1,7 @@
 // Planted-bug fixtures for tests/test_emulator.py: an fp8 x float GEMV, y[n] = scale[n] * sum_k dec(W[n, k]) * x[k],
 // in a correct form and in copies with one known bug each. The emulator must pass the first and catch the rest.
 // One simdgroup per row; lanes read 4 consecutive weight bytes each, so a SIMD load covers 128 contiguous bytes.
+// Rows start anywhere (K is odd in the tests): the 4-byte loads are packed_uchar4, which needs no alignment.
 #include <metal_stdlib>
 using namespace metal;
 
@@ -30,7 +31,7 @@ inline float row_dot(device const uchar* w, device const float* x, uint K, uint 
   const uint K4 = K & ~3u;
   float acc = 0.0f;
   for (uint k = lane * 4; k < K4; k += 128) {
-    const uchar4 b = *(device const uchar4*)(w + k);
+    const uchar4 b = uchar4(*(device const packed_uchar4*)(w + k));
     acc += dec_fp8(b.x) * x[k] + dec_fp8(b.y) * x[k + 1] + dec_fp8(b.z) * x[k + 2] + dec_fp8(b.w) * x[k + 3];
   }
   for (uint k = K4 + lane; k < K; k += 32) acc += dec_fp8(w[k]) * x[k];
@@ -52,7 +53,7 @@ kernel void gemv_bug_tail(GEMV_PARAMS) {
   device const uchar* w = W + ulong(row) * a.K;
   float acc = 0.0f;
   for (uint k = lane * 4; k < a.K; k += 128) {
-    const uchar4 b = *(device const uchar4*)(w + k);
+    const uchar4 b = uchar4(*(device const packed_uchar4*)(w + k));
     acc += dec_fp8(b.x) * x[k] + dec_fp8(b.y) * x[k + 1] + dec_fp8(b.z) * x[k + 2] + dec_fp8(b.w) * x[k + 3];
   }
   for (uint k = (a.K & ~3u) + lane; k < a.K; k += 32) acc += dec_fp8(w[k]) * x[k];
@@ -145,7 +146,7 @@ kernel void gemv_row_per_thread(device const uchar* W [[buffer(0)]], device cons
   device const uchar* w = W + ulong(row) * a.K;
   float acc = 0.0f;
   for (uint k = 0; k + 4 <= a.K; k += 4) {
-    const uchar4 b = *(device const uchar4*)(w + k);
+    const uchar4 b = uchar4(*(device const packed_uchar4*)(w + k));
     acc += dec_fp8(b.x) * x[k] + dec_fp8(b.y) * x[k + 1] + dec_fp8(b.z) * x[k + 2] + dec_fp8(b.w) * x[k + 3];
   }
   for (uint k = a.K & ~3u; k < a.K; k++) acc += dec_fp8(w[k]) * x[k];

@@ -87,6 +87,21 @@ template <> struct is_msl_scalar<bfloat> : std::true_type {};
 template <class T> inline constexpr bool is_scalar_v = is_msl_scalar<std::remove_cv_t<T>>::value;
 
 // ------------------------------------------------------------------------------------------------ vectors
+}  // namespace metal
+namespace msl::rt {
+// A vector load or store at an address not aligned as MSL requires (a vector type's size, 3-component
+// vectors that of 4, packed vectors their scalar's): reported with kernel, buffer, byte offset and thread,
+// and the threadgroup abandoned, like a memory fault (runtime.cpp). On the GPU such a load returns
+// wrong data or faults.
+void misaligned_vector(const void* p, size_t align, size_t bytes, bool store);
+inline void check_vector_aligned(const void* p, size_t align, size_t bytes, bool store) {
+  uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  asm("" : "+r"(a));  // the compiler may not fold the test from the pointer's static type
+  if (a & (align - 1)) [[unlikely]] misaligned_vector(p, align, bytes, store);
+}
+}  // namespace msl::rt
+namespace metal {
+
 template <class T, int N> struct vec;
 template <class T, int N, class V = vec<T, N>> struct packed_vec;  // V only makes vec<T,N> an ADL-associated class
 
@@ -136,8 +151,14 @@ struct alignas(sizeof(T) * (N == 3 ? 4 : N)) vec : vstore<T, N> {
   static constexpr int size = N;
 
   vec() = default;
-  vec(const vec& o) { __builtin_memcpy(this->v, o.v, sizeof(T) * N); }  // one access, like a GPU vector load
-  vec& operator=(const vec& o) { __builtin_memcpy(this->v, o.v, sizeof(T) * N); return *this; }  // one access, like a GPU vector op
+  // one access each, like a GPU vector load / store, and aligned like one
+  vec(const vec& o) { load_check(&o); __builtin_memcpy(this->v, o.v, sizeof(T) * N); }
+  vec& operator=(const vec& o) {
+    load_check(&o);
+    msl::rt::check_vector_aligned(this, alignof(vec), sizeof(T) * N, true);
+    __builtin_memcpy(this->v, o.v, sizeof(T) * N);
+    return *this;
+  }
   vec(T s) { for (int i = 0; i < N; i++) this->v[i] = s; }                        // splat
   template <class S, std::enable_if_t<is_scalar_v<S> && !std::is_same_v<S, T>, int> = 0>
   vec(S s) : vec(T(s)) {}                                                          // splat with scalar conversion
@@ -145,12 +166,14 @@ struct alignas(sizeof(T) * (N == 3 ? 4 : N)) vec : vstore<T, N> {
   vec(const A&... a) { int k = 0; (put(k, a), ...); }                             // float4(f2, z, w) ...
   template <class U, std::enable_if_t<!std::is_same_v<U, T>, int> = 0>
   explicit vec(const vec<U, N>& o) {
+    vec<U, N>::load_check(&o);
     U t[N];
     __builtin_memcpy(t, o.v, sizeof(t));  // read the source as one access, then convert
     for (int i = 0; i < N; i++) this->v[i] = T(t[i]);
   }
   template <class U, class W>
   explicit(!std::is_same_v<U, T>) vec(const packed_vec<U, N, W>& o) {
+    msl::rt::check_vector_aligned(&o, alignof(U), sizeof(U) * N, false);
     if constexpr (std::is_same_v<U, T>) __builtin_memcpy(this->v, o.v, sizeof(T) * N);
     else for (int i = 0; i < N; i++) this->v[i] = T(o.v[i]);
   }
@@ -186,6 +209,8 @@ struct alignas(sizeof(T) * (N == 3 ? 4 : N)) vec : vstore<T, N> {
   friend vec operator~(const vec& a) { vec r; for (int i = 0; i < N; i++) r.v[i] = T(~a.v[i]); return r; }
   friend vec<bool, N> operator!(const vec& a) { vec<bool, N> r; for (int i = 0; i < N; i++) r.v[i] = !a.v[i]; return r; }
 
+  static void load_check(const vec* p) { msl::rt::check_vector_aligned(p, alignof(vec), sizeof(T) * N, false); }
+
  private:
   template <class A> void put(int& k, const A& a) {
     if constexpr (ncomp_v<A> == 1) this->v[k++] = T(a);
@@ -200,11 +225,16 @@ template <class T, int N, class V> struct packed_vec : vstore<T, N> {
   static constexpr int size = N;
   packed_vec() = default;
   packed_vec(const packed_vec&) = default;
-  packed_vec& operator=(const packed_vec& o) { __builtin_memcpy(this->v, o.v, sizeof(T) * N); return *this; }
+  packed_vec& operator=(const packed_vec& o) {
+    check(&o, false), check(this, true);
+    __builtin_memcpy(this->v, o.v, sizeof(T) * N);
+    return *this;
+  }
   packed_vec(const V& o) { __builtin_memcpy(this->v, o.v, sizeof(T) * N); }
   template <class... A, std::enable_if_t<(sizeof...(A) >= 2), int> = 0>
   packed_vec(const A&... a) : packed_vec(V(a...)) {}
-  operator V() const { V r; __builtin_memcpy(r.v, this->v, sizeof(T) * N); return r; }
+  operator V() const { check(this, false); V r; __builtin_memcpy(r.v, this->v, sizeof(T) * N); return r; }
+  static void check(const packed_vec* p, bool store) { msl::rt::check_vector_aligned(p, alignof(T), sizeof(T) * N, store); }
   T& operator[](int i) { return this->v[i]; }
   const T& operator[](int i) const { return this->v[i]; }
   template <class U> packed_vec& operator+=(const U& o) { return *this = V(*this) + o; }
@@ -341,13 +371,14 @@ constexpr metal::half operator""h(unsigned long long v) { return metal::half(flo
 // ------------------------------------------------------------------------------------------------ keywords
 // Address spaces: device/thread vanish, constant becomes const. `threadgroup` vanishes as a pointer qualifier;
 // kernel-scope threadgroup *variables* are rewritten by tools/msl_prep.py to MSL_TG_VAR (static thread_local:
-// shared by the fibers of the threadgroup that a worker OS thread is running).
+// shared by the fibers of the threadgroup that a worker OS thread is running), 16-byte aligned like Metal's
+// threadgroup allocations (kernels cast them to vector pointers).
 #define kernel
 #define device
 #define thread
 #define constant const
 #define threadgroup
-#define MSL_TG_VAR static thread_local
+#define MSL_TG_VAR alignas(16) static thread_local
 #define MSL_TG_POISON(v) \
   static thread_local unsigned long msl_tg_epoch_##v = 0; ::msl::rt::tg_poison(&(v), sizeof(v), &msl_tg_epoch_##v)
 // Attributes: `T name [[attr]]` becomes `T name [[]] = <proxy>[zero[0]]` -- a default argument read from the
