@@ -39,6 +39,7 @@ LOWBIT_CONSTANT uint kFp8GemmTile = 32;       // tiled GEMM: BM = BN = BK
 LOWBIT_CONSTANT uint kFp8GemmThreads = 128;   // tiled GEMM: 4 simdgroups, 2 x 2 over the output tile
 
 // Fp8MmParams::flags / Fp8GroupedMmParams::flags
+LOWBIT_CONSTANT uint kFp8VecLoadBytes = 16;  // the widest load of the fp8 kernels' vector paths (uint4)
 enum Fp8Flags : uint {
   // K % 16 == 0 and x and the weight start 16-byte aligned: every row starts aligned, so kernels may use
   // uint4 / vec<T, 4> loads; otherwise they use byte-aligned packed or scalar loads.

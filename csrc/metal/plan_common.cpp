@@ -1,5 +1,6 @@
 #include <limits>
 
+#include "metal/limits.h"
 #include "metal/plans.h"
 
 namespace lowbit::metal {
@@ -26,6 +27,41 @@ uint32_t checked_u32(const char* what, int64_t v) {
   TORCH_CHECK(v >= 0 && v <= int64_t(std::numeric_limits<uint32_t>::max()), "torch_lowbit metal: ", what, " = ", v,
               " does not fit the kernels' 32-bit sizes");
   return uint32_t(v);
+}
+
+bool vector_access_ok(int64_t bytes, int64_t row_elems, std::initializer_list<at::Tensor> buffers) {
+  for (const at::Tensor& t : buffers) {
+    const int64_t es = int64_t(t.element_size());
+    if ((t.storage_offset() * es) % bytes != 0 || (row_elems * es) % bytes != 0) return false;
+  }
+  return true;
+}
+
+void check_launch_limits(const Dispatch& d) {
+  const char* const who = "torch_lowbit metal: kernel ";
+  const uint64_t threads = uint64_t(d.threads.x) * d.threads.y * d.threads.z;
+  TORCH_CHECK(threads >= 1 && threads <= kMaxThreadsPerThreadgroup, who, d.kernel, " asks for ", threads,
+              " threads per threadgroup; Metal allows 1 to ", kMaxThreadsPerThreadgroup);
+  uint64_t tg_bytes = 0;
+  for (size_t b : d.threadgroup_memory) tg_bytes += b;
+  TORCH_CHECK(tg_bytes <= kMaxThreadgroupMemoryBytes, who, d.kernel, " asks for ", tg_bytes,
+              " bytes of threadgroup memory; Metal allows ", kMaxThreadgroupMemoryBytes);
+  const uint32_t groups[3] = {d.threadgroups.x, d.threadgroups.y, d.threadgroups.z};
+  const uint32_t per[3] = {d.threads.x, d.threads.y, d.threads.z};
+  for (int i = 0; i < 3; i++) {
+    TORCH_CHECK(uint64_t(groups[i]) * per[i] <= kMaxThreadsPerGridDim, who, d.kernel, ": grid dimension ", "xyz"[i],
+                " has ", groups[i], " threadgroups x ", per[i], " threads = ", uint64_t(groups[i]) * per[i],
+                " thread positions, more than the 2^32 a 32-bit thread_position_in_grid can index");
+  }
+  for (const Arg& a : d.args) {
+    TORCH_CHECK(!a.is_value() || a.bytes.size() <= kMaxSetBytesBytes, who, d.kernel, ": value ", a.name, " has ",
+                a.bytes.size(), " bytes; setBytes allows ", kMaxSetBytesBytes);
+  }
+}
+
+void Target::run(const Dispatch& d) const {
+  check_launch_limits(d);
+  launcher.run(d);
 }
 
 }  // namespace lowbit::metal

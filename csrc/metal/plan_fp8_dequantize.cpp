@@ -10,14 +10,14 @@ at::Tensor plan_fp8_dequantize(Target t, const at::Tensor& weight, const at::Ten
   Fp8DequantizeParams p{};
   p.N = checked_u32("N", w.N);
   p.K = checked_u32("K", w.K);
-  p.vec4 = w.K % 4 == 0 && w.bits.storage_offset() % 4 == 0;  // out is fresh: its rows are then aligned too
+  p.vec4 = vector_access_ok(4, w.K, {w.bits});  // uchar4 weight loads
   p.scale = scale_params(w.layout);
   // one thread per 4 bytes of a row; 64 x 4 threads per threadgroup
   const uint32_t groups_k = checked_u32("K / 4", ceil_div(w.K, 4));
   Dispatch d(std::string("fp8_dequantize_") + kernel_dtype_suffix(dtype));
   d.buffer("weight", w.bits).buffer("scale", w.scale).buffer("out", out, Access::Write).value("params", p);
   d.grid({uint32_t(ceil_div(groups_k, 64)), uint32_t(ceil_div(w.N, 4)), 1}, {64, 4, 1});
-  t.launcher.run(d);
+  t.run(d);
   return out;
 }
 

@@ -37,7 +37,7 @@ at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& 
   p.K = checked_u32("K", K);
   p.E = checked_u32("E", E);
   p.G = checked_u32("G", G);
-  p.flags = fp8_vec_loads_ok(a.x, a.w.bits, K) ? kFp8VecLoads : 0u;
+  p.flags = vector_access_ok(kFp8VecLoadBytes, K, {a.x, a.w.bits}) ? kFp8VecLoads : 0u;
   const ScaleLayout& l = a.w.layout;
   p.scale_stride = checked_u32("scale elements per expert",
                                l.kind == ScaleKind::Tensor ? 1 : l.kind == ScaleKind::Channel ? N : l.nb * l.kb);
@@ -55,7 +55,7 @@ at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& 
     d.grid({checked_u32("grid x", ceil_div(N, kFp8GemmTile)), checked_u32("grid y", ceil_div(T, kFp8GemmTile)), slots},
            {kFp8GemmThreads, 1, 1});
   }
-  t.launcher.run(d);
+  t.run(d);
   return out;
 }
 

@@ -34,11 +34,6 @@ const char* kernel_base_name(Fp8MmKernel k) {
 
 }  // namespace
 
-bool fp8_vec_loads_ok(const at::Tensor& x, const at::Tensor& bits, int64_t K) {
-  const auto aligned16 = [](const at::Tensor& t) { return (t.storage_offset() * t.element_size()) % 16 == 0; };
-  return K % 16 == 0 && aligned16(x) && aligned16(bits);
-}
-
 std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype) {
   return std::string(kernel_base_name(choose_fp8_mm_kernel(M))) + kernel_dtype_suffix(dtype);
 }
@@ -58,7 +53,7 @@ at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, 
   p.M = checked_u32("M", M);
   p.N = checked_u32("N", N);
   p.K = checked_u32("K", K);
-  p.flags = (fp8_vec_loads_ok(a.x, a.w.bits, K) ? kFp8VecLoads : 0u) | (a.bias ? kFp8HasBias : 0u);
+  p.flags = (vector_access_ok(kFp8VecLoadBytes, K, {a.x, a.w.bits}) ? kFp8VecLoads : 0u) | (a.bias ? kFp8HasBias : 0u);
   p.scale = scale_params(a.w.layout);
 
   const Fp8MmKernel k = choose_fp8_mm_kernel(M);
@@ -82,7 +77,7 @@ at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, 
              {kFp8GemmThreads, 1, 1});
       break;
   }
-  t.launcher.run(d);
+  t.run(d);
   return out.view(a.out_shape);
 }
 

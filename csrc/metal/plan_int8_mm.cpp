@@ -12,7 +12,7 @@ constexpr int64_t kInt8GemvMaxM = 8;
 // Tile shapes: must match metal/int8_gemv.metal and metal/int8_gemm.metal.
 constexpr int64_t kGemvRowsPerGroup = 64, kGemvXRows = 4, kGemvThreads = 256;
 constexpr int64_t kGemmBM = 32, kGemmBN = 64, kGemmThreads = 128;
-// 16-byte vector loads need rows that start on 16-byte boundaries.
+// the _k16 kernels load int4 (16 bytes) from xq and wq rows
 constexpr int64_t kVectorLoadBytes = 16;
 
 }  // namespace
@@ -46,7 +46,7 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
   const Int8MmKernel kind = choose_int8_mm_kernel(a.M, a.N, a.K);
   std::string name = kind == Int8MmKernel::Gemv ? "int8_gemv_" : "int8_gemm_";
   name += kernel_dtype_suffix(a.out_dtype);
-  if (a.K % kVectorLoadBytes == 0) name += "_k16";
+  if (vector_access_ok(kVectorLoadBytes, a.K, {a.xq, a.wq})) name += "_k16";
   Dispatch d(name);
   // without a bias the kernel never reads buffer 4; w_scale stands in so that every index is bound
   d.buffer("xq", a.xq).buffer("x_scale", a.x_scale).buffer("wq", a.wq).buffer("w_scale", a.w_scale);
@@ -60,7 +60,7 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
     d.grid({checked_u32("ceil(N / 64)", ceil_div(a.N, kGemmBN)), checked_u32("ceil(M / 32)", ceil_div(a.M, kGemmBM)), 1},
            {uint32_t(kGemmThreads), 1, 1});
   }
-  t.launcher.run(d);
+  t.run(d);
   return out.view(a.out_shape);
 }
 

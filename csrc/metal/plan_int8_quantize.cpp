@@ -23,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target t, const at::Tensor
     Dispatch d(std::string("int8_quantize_") + kernel_dtype_suffix(a.x.scalar_type()));
     d.buffer("x", a.x).buffer("q", q, Access::Write).buffer("scale", scale, Access::Write).value("params", p);
     d.grid({p.M, 1, 1}, {threads, 1, 1});
-    t.launcher.run(d);
+    t.run(d);
   }
   return {q.view(a.q_shape), scale.view(a.scale_shape)};
 }

@@ -17,7 +17,15 @@ struct Target {
   Launcher& launcher;
   bool host_visible;  // true for the emulator: plans may read small tensors on the host
   DeviceCaps caps{};  // the launcher's device (the portable floor unless the launcher says more)
+
+  // Every plan launches through here: Metal's launch limits are checked (check_launch_limits) before any
+  // launcher sees the dispatch, so the mps device and the emulator refuse the same launches.
+  void run(const Dispatch& d) const;
 };
+
+// Metal's limits (metal/limits.h) on one dispatch: threads per threadgroup, threadgroup memory, setBytes
+// sizes, 32-bit thread positions per grid dimension. Errors name the kernel and the limit.
+void check_launch_limits(const Dispatch& d);
 
 }  // namespace lowbit::metal
 
@@ -33,8 +41,11 @@ ScaleParams scale_params(const ScaleLayout& l);
 
 uint32_t checked_u32(const char* what, int64_t v);  // sizes travel as 32-bit in params structs
 
-// kFp8VecLoads: K % 16 == 0 and x and the weight bits start 16-byte aligned in their buffers
-bool fp8_vec_loads_ok(const at::Tensor& x, const at::Tensor& bits, int64_t K);
+// May a kernel use `bytes`-byte vector loads / stores on every one of `buffers`, whose rows hold row_elems
+// elements each? MSL needs a vector access aligned to its size, and mps binds a tensor at
+// storage_offset * element_size bytes into its MTLBuffer: so each buffer's byte offset and its row pitch
+// (row_elems * element_size) must be multiples of `bytes`. The one rule for every plan's vector variants.
+bool vector_access_ok(int64_t bytes, int64_t row_elems, std::initializer_list<at::Tensor> buffers);
 
 // The kernel (host_name) each plan picks, exposed to Python (torch_lowbit._C) so tests pin the thresholds.
 std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype);
