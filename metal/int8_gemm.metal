@@ -1,9 +1,9 @@
 // int8_mm for larger M: a tiled GEMM on 8x8 simdgroup matrices. Apple GPUs before M5 have no integer
 // MMA, so int8 is widened to half (every int8 value is exact in half) and multiplied with fp32
-// accumulators: each product (|p| <= 2^14) is exact in fp32, and so is every partial sum while its
-// magnitude stays <= 2^24. That always holds for K <= 1024 (1024 * 2^14 = 2^24); beyond that the sum is
-// exact unless a partial sum actually exceeds 2^24 in magnitude, after which each addition rounds to
-// fp32 (relative error ~2^-24 per step, below the output's own rounding for bf16 / fp16).
+// accumulators: each product (|p| <= 2^14, -128 * -128 included) is exact in fp32, and so is every partial
+// sum of at most 1024 products (|sum| <= 2^24). So the fp32 fragments sum K in chunks of 1024 and each
+// chunk is flushed, exactly, into int32 per lane (|total| <= 131071 * 2^14 < 2^31, the op's K limit): the
+// int32 sum is exact for every K, as design.md promises, and is rounded to fp32 once, in the epilogue.
 // (M5 / Metal 4 has `matmul2d` int8 x int8 -> int32: a variant for it would sit next to this one and be
 // picked by the plan's chooser behind a device-family check; see plan_int8_mm.cpp.)
 //
@@ -24,6 +24,7 @@ constant constexpr uint kGemmBN = 64;
 constant constexpr uint kGemmBK = 32;
 constant constexpr uint kGemmLd = kGemmBK + 8;  // padded tile row stride, in halves
 constant constexpr uint kGemmThreads = 128;
+constant constexpr uint kGemmExactK = 1024;  // K per fp32 chunk: every partial sum <= 2^24, exact
 
 template <typename T, bool Aligned>
 kernel void int8_gemm(
@@ -49,10 +50,12 @@ kernel void int8_gemm(
   const uint lr = tid / 2;         // tile row this thread loads
   const uint lk = (tid % 2) * 16;  // its 16-byte half of the 32-byte K step
 
-  simdgroup_float8x8 acc[2][4];
+  simdgroup_float8x8 acc[2][4];  // the current K chunk's sums
+  int2 total[2][4];              // this lane's two elements of each fragment, summed over the chunks
   for (uint i = 0; i < 2; i++) {
     for (uint j = 0; j < 4; j++) {
       acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      total[i][j] = int2(0);
     }
   }
   for (uint kb = 0; kb < p.K; kb += kGemmBK) {
@@ -82,10 +85,21 @@ kernel void int8_gemm(
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint k_done = kb + kGemmBK;
+    if (k_done % kGemmExactK == 0 || k_done >= p.K) {  // uniform: the whole threadgroup flushes together
+      for (uint i = 0; i < 2; i++) {
+        for (uint j = 0; j < 4; j++) {
+          total[i][j] += int2(acc[i][j].thread_elements());
+          acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        }
+      }
+    }
   }
 
   for (uint i = 0; i < 2; i++) {
     for (uint j = 0; j < 4; j++) {
+      acc[i][j].thread_elements()[0] = float(total[i][j].x);  // the one rounding of the exact sum
+      acc[i][j].thread_elements()[1] = float(total[i][j].y);
       simdgroup_store(acc[i][j], smem + (sm + 8 * i) * kGemmBN + sn + 8 * j, kGemmBN);
     }
   }

@@ -135,6 +135,43 @@ def test_mm_all_minus_128(backend, M):
 
 
 @pytest.mark.parametrize("backend", backends_for("int8_mm"))
+@pytest.mark.parametrize("K", [1100, 4096, 28672])  # 1100: a partial chunk after the first flush, a K tail
+def test_mm_int32_sum_is_exact_past_2_to_the_24(backend, K):
+    # Worst-case sums: +-127 codes whose products share one sign along a whole row (|acc| = 127^2 K, up to
+    # 2^28.8), -128 x 127 in another, random signs elsewhere. M > 8 runs the tiled GEMM, whose fp32 fragments
+    # round once a partial sum passes 2^24 unless flushed into int32 in time. Unit scales and an fp32 output:
+    # the output is float32(acc), rounded once from the exact int64 sum.
+    g = _gen("exact-past-2^24", K)
+    M, N = 12, 4
+    sign = lambda *shape: torch.randint(0, 2, shape, generator=g) * 2 - 1  # noqa: E731
+    xq, wq = 127 * sign(M, K), 127 * sign(N, K)
+    xq[0], xq[1], xq[2] = 127, -127, -128
+    wq[0] = 127
+    wq[1] = xq[3]  # row 3 x column 1: 127^2 K
+    xq, wq = xq.to(torch.int8), wq.to(torch.int8)
+    out = _run_mm(backend, xq, torch.ones(M), wq, torch.ones(N), out_dtype=torch.float32)
+    acc = xq.long() @ wq.long().T
+    assert acc.abs().max() == 128 * 127 * K
+    assert torch.equal(out, acc.to(torch.float32))
+
+
+@pytest.mark.parametrize("backend", backends_for("int8_mm"))
+@pytest.mark.parametrize("M", [1, 17])
+@pytest.mark.parametrize("x_off,w_off", [(1, 0), (0, 3), (8, 16), (16, 32)])
+def test_mm_views_at_any_storage_offset(backend, M, x_off, w_off):
+    # K % 16 == 0, but mps binds a view at storage_offset bytes: the 16-byte int4 loads of the _k16 kernels
+    # are only aligned when both offsets are multiples of 16 (the emulator faults on a misaligned one)
+    g = _gen("offset", M, x_off, w_off)
+    N, K = 9, 64
+    xq = _int8((M * K + x_off,), g)[x_off:].view(M, K)
+    wq = _int8((N * K + w_off,), g)[w_off:].view(N, K)
+    assert xq.storage_offset() == x_off and wq.storage_offset() == w_off
+    out = _run_mm(backend, xq, torch.ones(M), wq, torch.ones(N), out_dtype=torch.float32)
+    _, acc = ref_int8_mm(xq, torch.ones(M), wq, torch.ones(N))
+    assert torch.equal(out.double(), acc.double())
+
+
+@pytest.mark.parametrize("backend", backends_for("int8_mm"))
 @pytest.mark.parametrize("M", [1, 4, 17])
 @pytest.mark.parametrize("N", [1, 7, 63, 64, 65, 130])
 def test_mm_n_tails(backend, M, N):
