@@ -3,11 +3,14 @@
 //   fp8_grouped_gemv_*  decode, few rows per group: grid (ceil(N / 4), G + 1), 64 threads = 2 simdgroups of
 //                       2 output columns each; a group's rows go in passes of 8 (one pass for <= 8 rows),
 //                       so each selected expert's weights are read once per group.
-//   fp8_grouped_gemm_*  prefill, many rows per group: grid (ceil(N / 32), ceil(T / 32), G + 1), 128 threads;
-//                       grid y covers the largest possible group, threadgroups past their group's rows exit.
-// Grid slot g == G zeroes the rows in no group; a group with expert id -1 zeroes its rows; an empty group
-// returns at once. offsets are clamped to [0, T] and ids outside [0, E) act as -1, so malformed values
-// (validated on the host where the plan can read them, not on mps) never index outside a buffer.
+//                       Grid slot g == G zeroes the rows in no group.
+//   fp8_grouped_tiles   prefill, step 1: one thread lays the rows out as 32-row tiles per segment (below).
+//   fp8_grouped_gemm_*  prefill, step 2: grid (ceil(N / 32), ceil(T / 32) + G + 1), 128 threads; threadgroup
+//                       y finds its segment and tile in the step-1 table (a binary search) and computes it,
+//                       so only the row tiles that exist run: ceil(T / 32) + G + 1 at most, not T x G.
+// A group with expert id -1 zeroes its rows; an empty group has no tiles. offsets are clamped to [0, T] and
+// ids outside [0, E) act as -1, so malformed values (validated on the host where the plan can read them, not
+// on mps) never index outside a buffer.
 #include <metal_stdlib>
 #include "fp8_gemv.h"
 #include "fp8_gemm.h"
@@ -96,40 +99,71 @@ kernel void fp8_grouped_gemv(
   }
 }
 
+// The prefill tile table, tiles[2 * (G + 3)]: segments s = 0 .. G + 1 in row order -- s = 0 the rows before
+// the first group, s = 1 + g group g, s = G + 1 the rows after the last group -- with row bounds
+// bound[s] .. bound[s + 1] (bound = tiles[0 .. G + 3)) and first 32-row tile first[s] (first = tiles[G + 3 ..),
+// first[G + 2] = the number of tiles). The bounds are the offsets clamped to [0, T] and made non-decreasing (a
+// running max): valid offsets are unchanged, malformed ones still give disjoint segments inside [0, T], so the
+// tiles never exceed sum ceil(rows / 32) <= ceil(T / 32) + G + 1, the GEMM's grid y. One thread: G is at most
+// a few thousand, and the loads are independent of each other.
+kernel void fp8_grouped_tiles(
+    device const int* offsets [[buffer(0)]],
+    device uint* tiles [[buffer(1)]],
+    constant Fp8GroupedMmParams& p [[buffer(2)]]) {
+  device uint* bound = tiles;
+  device uint* first = tiles + p.G + 3;
+  uint row = 0, tile = 0;
+  bound[0] = 0;
+  first[0] = 0;
+  for (uint s = 0; s <= p.G + 1; s++) {
+    const uint end = s <= p.G ? max(row, clamp_row(offsets[s], p.T)) : p.T;
+    tile += (end - row + kFp8GemmTile - 1) / kFp8GemmTile;
+    row = end;
+    bound[s + 1] = end;
+    first[s + 1] = tile;
+  }
+}
+
 template <typename T>
 kernel void fp8_grouped_gemm(
     device const T* x [[buffer(0)]],
     device const uchar* w [[buffer(1)]],
     device const float* scale [[buffer(2)]],
-    device const int* offsets [[buffer(3)]],
+    device const uint* tiles [[buffer(3)]],
     device const int* expert_ids [[buffer(4)]],
     device T* out [[buffer(5)]],
     constant Fp8GroupedMmParams& p [[buffer(6)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
+    uint2 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup T xs[kFp8GemmTile * kGemmXStride];
   threadgroup half ws[kFp8GemmTile * kGemmWStride];
-  const uint g = tgid.z;
+  device const uint* bound = tiles;
+  device const uint* first = tiles + p.G + 3;
+  const uint y = tgid.y;
+  if (y >= first[p.G + 2]) {
+    return;  // past the tiles that exist; the whole threadgroup
+  }
+  uint lo = 0, hi = p.G + 2;  // first[lo] <= y < first[hi]: the last segment starting at or before tile y
+  while (hi - lo > 1) {
+    const uint mid = (lo + hi) / 2;
+    if (first[mid] <= y) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const uint m0 = bound[lo] + (y - first[lo]) * kFp8GemmTile;
+  const uint rows = min(kFp8GemmTile, bound[lo + 1] - m0);
   const uint n0 = tgid.x * kFp8GemmTile, c1 = min(n0 + kFp8GemmTile, p.N);
-  if (g == p.G) {
-    const uint r0 = tgid.y * kFp8GemmTile;
-    zero_rows_in_no_group<T>(out, offsets, p, r0, min(r0 + kFp8GemmTile, p.T), n0, c1, tid, kFp8GemmThreads);
-    return;
-  }
-  const GroupSpan s = group_span(offsets, expert_ids, g, p);
-  if (s.end - s.begin <= tgid.y * kFp8GemmTile) {
-    return;  // past this group's rows (also every tile of an empty group); the whole threadgroup
-  }
-  const uint m0 = s.begin + tgid.y * kFp8GemmTile;
-  const uint rows = min(kFp8GemmTile, s.end - m0);
-  if (s.expert < 0) {
+  const int id = lo >= 1 && lo <= p.G ? expert_ids[lo - 1] : -1;  // rows in no group: expert -1
+  if (id < 0 || uint(id) >= p.E) {
     zero_rows<T>(out, p.N, m0, m0 + rows, n0, c1, tid, kFp8GemmThreads);
     return;
   }
-  device const uchar* we = w + ulong(s.expert) * p.N * p.K;
-  device const float* se = scale + ulong(s.expert) * p.scale_stride;
+  device const uchar* we = w + ulong(id) * p.N * p.K;
+  device const float* se = scale + ulong(id) * p.scale_stride;
   fp8_gemm_tile<T>(x + ulong(m0) * p.K, rows, we, se, p.scale, se, false, out + ulong(m0) * p.N, n0, p.N, p.K,
                    (p.flags & kFp8VecLoads) != 0, xs, ws, tid, sg, lane);
 }

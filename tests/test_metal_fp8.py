@@ -214,6 +214,8 @@ GROUPED_CASES = {
     "decode": dict(T=16, offsets=[0, 1, 1, 2, 4, 14], ids=[2, 0, -1, 3, 1]),
     "decode_default_ids": dict(T=5, offsets=[0, 2, 2, 3], ids=None),
     "prefill": dict(T=70, offsets=[0, 40, 41, 41, 60, 66], ids=[1, 3, 0, -1, 1]),
+    # groups of exactly one 32-row tile, one row and none, between empty ones; 3 rows in no group at the end
+    "prefill_whole_tiles": dict(T=100, offsets=[0, 0, 32, 32, 33, 65, 97], ids=[3, 0, 2, 1, 3, 2]),
 }
 
 

@@ -45,14 +45,25 @@ at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& 
 
   const bool decode = use_decode_kernel(T, G);
   Dispatch d(fp8_grouped_mm_kernel_name(T, G, a.x.scalar_type()));
-  d.buffer("x", a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale).buffer("offsets", a.offsets);
-  d.buffer("expert_ids", a.expert_ids).buffer("out", out, Access::Write).value("params", p);
-  const uint32_t slots = checked_u32("G + 1", G + 1);  // one grid slot per group, plus the rows in no group
+  d.buffer("x", a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
   if (decode) {
-    d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsRows)), slots, 1},
-           {kFp8GemvSimdgroups * 32, 1, 1});
+    d.buffer("offsets", a.offsets);
   } else {
-    d.grid({checked_u32("grid x", ceil_div(N, kFp8GemmTile)), checked_u32("grid y", ceil_div(T, kFp8GemmTile)), slots},
+    // The tiles that exist, laid out on the device (the plan cannot read offsets on mps without a sync):
+    // fp8_grouped_tiles writes the table, the GEMM's threadgroups look their tile up in it.
+    at::Tensor tiles = at::empty({2 * (G + 3)}, a.offsets.options());
+    Dispatch layout("fp8_grouped_tiles");
+    layout.buffer("offsets", a.offsets).buffer("tiles", tiles, Access::Write).value("params", p);
+    layout.grid({1, 1, 1}, {1, 1, 1});
+    t.run(layout);
+    d.buffer("tiles", tiles);
+  }
+  d.buffer("expert_ids", a.expert_ids).buffer("out", out, Access::Write).value("params", p);
+  if (decode) {  // one grid slot per group, plus one for the rows in no group
+    d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsRows)), checked_u32("G + 1", G + 1), 1},
+           {kFp8GemvSimdgroups * 32, 1, 1});
+  } else {  // at most ceil(rows / 32) tiles per segment: G groups and the rows before and after them
+    d.grid({checked_u32("grid x", ceil_div(N, kFp8GemmTile)), checked_u32("grid y", ceil_div(T, kFp8GemmTile) + G + 1), 1},
            {kFp8GemmThreads, 1, 1});
   }
   t.run(d);
