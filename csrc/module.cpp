@@ -6,6 +6,7 @@
 #include "cpu/isa.h"
 #include "cpu/read_bandwidth.h"
 #include "cpu/workspace.h"
+#include "metal/dry_run_launcher.h"
 #include "metal/emu_launcher.h"
 #include "metal/plan_int8_mm.h"
 #include "metal/plans.h"
@@ -19,6 +20,37 @@ at::Tensor emu_fp8_grouped_mm_unvalidated(const at::Tensor& x, const at::Tensor&
   lowbit::metal::EmuLauncher l;
   return lowbit::metal::plan_fp8_grouped_mm(lowbit::metal::Target{l, /*host_visible=*/false, l.caps()}, x, weight, scale,
                                             offsets, expert_ids, std::nullopt);
+}
+
+// The dry-run records as Python dicts (torch_lowbit.emulator.dry_run).
+py::list dry_run_take() {
+  using lowbit::metal::Access;
+  py::list out;
+  for (const auto& r : lowbit::metal::take_dry_run_records()) {
+    py::dict d;
+    d["kernel"] = r.kernel;
+    d["grid"] = py::make_tuple(r.threadgroups.x, r.threadgroups.y, r.threadgroups.z);
+    d["threads"] = py::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+    d["threadgroup_memory"] = r.threadgroup_memory;
+    py::dict buffers, values;
+    py::list order;
+    for (const auto& b : r.buffers) {
+      py::dict e;
+      e["shape"] = py::tuple(py::cast(b.shape));
+      e["dtype"] = b.dtype;
+      e["storage_offset"] = b.storage_offset;
+      e["nbytes"] = b.nbytes;
+      e["access"] = b.access == Access::Read ? "read" : b.access == Access::Write ? "write" : "read_write";
+      buffers[py::str(b.name)] = e;
+    }
+    for (const auto& [name, bytes] : r.values) values[py::str(name)] = py::bytes(bytes);
+    for (int i : r.binding) order.append(i >= 0 ? r.buffers[i].name : r.values[~i].first);
+    d["buffers"] = buffers;
+    d["values"] = values;
+    d["binding"] = order;
+    out.append(d);
+  }
+  return out;
 }
 
 }  // namespace
@@ -37,6 +69,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_metal_fp8_mm_kernel", &lowbit::metal::fp8_mm_kernel_name, "the Metal kernel fp8_mm runs for (M, x dtype)");
   m.def("_metal_fp8_grouped_mm_kernel", &lowbit::metal::fp8_grouped_mm_kernel_name,
         "the Metal kernel fp8_grouped_mm runs for (T rows, G groups, x dtype)");
+  m.def("_dry_run_take", &dry_run_take, "the dispatches torch.ops.lowbit_dryrun recorded since the last call");
+  m.def(
+      "_metal_check_launch_limits",
+      [](const std::string& kernel, std::vector<uint32_t> grid, std::vector<uint32_t> threads, size_t tg_bytes,
+         size_t value_bytes) {
+        lowbit::metal::Dispatch d(kernel);
+        d.grid({grid.at(0), grid.at(1), grid.at(2)}, {threads.at(0), threads.at(1), threads.at(2)});
+        d.shared_memory(0, tg_bytes);
+        d.args.push_back(lowbit::metal::Arg{"params", at::Tensor(), std::vector<uint8_t>(value_bytes), {}});
+        lowbit::metal::check_launch_limits(d);
+      },
+      "the plans' launch-limit check on a dispatch of these sizes (raises like a plan would; for tests)");
   m.def("_emu_fp8_grouped_mm_unvalidated", &emu_fp8_grouped_mm_unvalidated,
         "fp8_grouped_mm in the emulator without host-side checks of offsets / expert_ids, as on mps (tests)");
   m.def(

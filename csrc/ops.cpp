@@ -1,5 +1,6 @@
-// Every op schema of torch_lowbit, once. The same schemas are defined twice: `lowbit` (CPU and MPS
-// kernels) and `lowbit_emu` (the Metal kernels run by the MSL emulator on CPU tensors, for tests).
+// Every op schema of torch_lowbit, once. The same schemas are defined three times: `lowbit` (CPU and MPS
+// kernels), `lowbit_emu` (the Metal kernels run by the MSL emulator on CPU tensors, for tests) and
+// `lowbit_dryrun` (the Metal plans on meta tensors, recording their dispatches: csrc/metal/dry_run_launcher.h).
 // Semantics: design.md, "The ops".
 #include <torch/library.h>
 
@@ -18,3 +19,4 @@ void define_ops(torch::Library& m) {
 
 TORCH_LIBRARY(lowbit, m) { lowbit::define_ops(m); }
 TORCH_LIBRARY(lowbit_emu, m) { lowbit::define_ops(m); }
+TORCH_LIBRARY(lowbit_dryrun, m) { lowbit::define_ops(m); }

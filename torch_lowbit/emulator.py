@@ -27,6 +27,36 @@ def reversed_thread_order():
         _C._emu_set_reverse(False)
 
 
+# ---------------------------------------------------------------------------------------------- dry run
+class DryRun:
+    """Dispatch records of :func:`dry_run`."""
+
+    @property
+    def ops(self):
+        """``torch.ops.lowbit_dryrun``: the five ops, to be called on meta tensors."""
+        import torch
+        return torch.ops.lowbit_dryrun
+
+    def take(self):
+        """One dict per dispatch since the last call, oldest first: kernel, grid (threadgroups per grid),
+        threads (per threadgroup), threadgroup_memory (bytes), buffers (name -> shape, dtype, storage_offset,
+        nbytes, access), values (name -> raw bytes of the params struct), binding (names in [[buffer(i)]] order)."""
+        return _C._dry_run_take()
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Run the Metal plans without running a kernel: inside this block, ``torch.ops.lowbit_dryrun.<op>`` on
+    meta tensors (which allocate nothing, so real model sizes cost no memory) validates, picks kernels and
+    sizes grids exactly as on the mps device (offsets and expert ids unread), and records each dispatch after
+    Metal's launch-limit check. Yields a :class:`DryRun`; call ``take()`` for the records."""
+    _C._dry_run_take()  # drop records of earlier runs
+    try:
+        yield DryRun()
+    finally:
+        _C._dry_run_take()
+
+
 # ---------------------------------------------------------------------------------------------- traffic build
 def _library(stem):
     import glob

@@ -1,0 +1,186 @@
+"""The Metal plans at real model sizes, without running a kernel: torch.ops.lowbit_dryrun runs each op's plan
+on meta tensors (no memory) as on the mps device and records its dispatches (torch_lowbit.emulator.dry_run).
+Every dispatch must cover its output with tight grids, fit Metal's launch limits (32-bit thread positions
+per grid dimension, 1024 threads, 32 KiB threadgroup memory, 4 KiB setBytes) and carry the sizes exactly in
+its 32-bit params. Shapes: Llama-3-70B (K = 8192, N = 28672, lm_head N = 128256), DeepSeek-V3 MoE (hidden
+7168, expert intermediate 2048, 256 experts, top-8) and Qwen3-30B-A3B MoE (hidden 2048, expert intermediate
+768, 128 experts, top-8), decode (M = 1, one token's top-8 rows) and prefill (M = 4096, T = 32768 rows)."""
+import math
+import struct
+
+import pytest
+import torch
+
+import torch_lowbit
+from torch_lowbit import _C
+from torch_lowbit.emulator import dry_run
+
+META = torch.device("meta")
+POSITIONS = 2 ** 32  # thread_position_in_grid is a 32-bit uint
+
+# Output tile (rows of x, columns of out) each threadgroup of a kernel computes, by kernel name prefix: the
+# kernels' geometry (metal/*.metal), written out here so a plan that sizes a grid wrongly fails.
+TILES = {"fp8_gemv_rows_": (8, 4), "fp8_gemv_": (1, 8), "fp8_gemm_": (32, 32), "int8_gemv_": (4, 64),
+         "int8_gemm_": (32, 64)}
+
+
+def tile_of(kernel):
+    return next(v for k, v in TILES.items() if kernel.startswith(k))
+
+
+def check_limits(r):
+    threads = math.prod(r["threads"])
+    assert 1 <= threads <= 1024 and r["threadgroup_memory"] <= 32768, r
+    for groups, per in zip(r["grid"], r["threads"]):
+        assert groups * per <= POSITIONS, r
+    assert all(len(v) <= 4096 for v in r["values"].values())
+
+
+def fp8_weight(N, K, E=None, block=True):
+    lead = () if E is None else (E,)
+    w = torch.empty(lead + (N, K), dtype=torch.float8_e4m3fn, device=META)
+    s = torch.empty(lead + ((math.ceil(N / 128), math.ceil(K / 128)) if block else (N,)), device=META)
+    return w, s, ([128, 128] if block else None)
+
+
+def run(op, *args):
+    with dry_run() as d:
+        out = getattr(d.ops, op)(*args)
+        recs = d.take()
+    for r in recs:
+        check_limits(r)
+    return out, recs
+
+
+def u32s(r, n):
+    return struct.unpack_from(f"<{n}I", r["values"]["params"])
+
+
+# ---------------------------------------------------------------------------------------------- dense
+LLAMA_70B = [(8192, 28672), (28672, 8192), (8192, 8192), (8192, 128256)]  # (K, N): up/gate, down, o_proj, lm_head
+
+
+@pytest.mark.parametrize("M", [1, 5, 4096])
+@pytest.mark.parametrize("K,N", LLAMA_70B)
+def test_fp8_mm_grids_at_llama_70b_sizes(M, K, N):
+    w, s, block = fp8_weight(N, K)
+    out, recs = run("fp8_mm", torch.empty(M, K, dtype=torch.bfloat16, device=META), w, s, None, block)
+    assert out.shape == (M, N) and len(recs) == 1
+    r = recs[0]
+    rows, cols = tile_of(r["kernel"])
+    assert r["kernel"].endswith("_bfloat")
+    assert r["grid"] == (math.ceil(N / cols), math.ceil(M / rows), 1)
+    assert u32s(r, 4) == (M, N, K, 1)  # M, N, K, flags = vector loads (K % 16 == 0, offsets 0)
+    assert r["buffers"]["weight"]["nbytes"] == N * K
+
+
+@pytest.mark.parametrize("M", [1, 8, 4096])
+@pytest.mark.parametrize("K,N", LLAMA_70B)
+def test_int8_grids_at_llama_70b_sizes(M, K, N):
+    x = torch.empty(M, K, dtype=torch.bfloat16, device=META)
+    (q, xs), recs = run("int8_quantize", x)
+    assert q.shape == (M, K) and xs.shape == (M,)
+    assert [(r["kernel"], r["grid"], r["threads"]) for r in recs] == [("int8_quantize_bfloat", (M, 1, 1), (256, 1, 1))]
+    wq = torch.empty(N, K, dtype=torch.int8, device=META)
+    out, recs = run("int8_mm", q, xs, wq, torch.empty(N, device=META), None, None)
+    assert out.shape == (M, N) and len(recs) == 1
+    r = recs[0]
+    rows, cols = tile_of(r["kernel"])
+    assert r["kernel"].endswith("_bfloat_k16")
+    gemv = r["kernel"].startswith("int8_gemv_")
+    assert r["grid"] == ((math.ceil(M / rows), math.ceil(N / cols), 1) if gemv else
+                         (math.ceil(N / cols), math.ceil(M / rows), 1))
+    assert u32s(r, 3) == (M, N, K)
+
+
+@pytest.mark.parametrize("N,K", [(28672, 8192), (128256, 8192)])
+def test_fp8_dequantize_grid_at_llama_70b_sizes(N, K):
+    w, s, block = fp8_weight(N, K)
+    out, (r,) = run("fp8_dequantize", w, s, block, torch.bfloat16)
+    assert out.shape == (N, K)
+    assert r["grid"] == (math.ceil(K / 4 / 64), math.ceil(N / 4), 1) and r["threads"] == (64, 4, 1)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+MOE = {  # hidden, expert intermediate, experts, top-k
+    "deepseek_v3": (7168, 2048, 256, 8),
+    "qwen3_30b_a3b": (2048, 768, 128, 8),
+}
+
+
+def grouped(model, proj, T):
+    hidden, inter, E, _ = MOE[model]
+    N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
+    w, s, block = fp8_weight(N, K, E=E)
+    x = torch.empty(T, K, dtype=torch.bfloat16, device=META)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=META)
+    ids = torch.empty(E, dtype=torch.int32, device=META)
+    out, recs = run("fp8_grouped_mm", x, w, s, offsets, ids, block)
+    assert out.shape == (T, N)
+    return recs, N, K, E
+
+
+@pytest.mark.parametrize("model", list(MOE))
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_grouped_prefill_tiles_only_the_rows_that_exist(model, proj):
+    T = 32768  # rows = tokens x top-k, sorted by expert
+    recs, N, K, E = grouped(model, proj, T)
+    layout, gemm = recs
+    assert layout["kernel"] == "fp8_grouped_tiles" and layout["grid"] == (1, 1, 1) and layout["threads"] == (1, 1, 1)
+    assert layout["buffers"]["tiles"]["shape"] == (2 * (E + 3),) and layout["buffers"]["tiles"]["access"] == "write"
+    assert gemm["kernel"] == "fp8_grouped_gemm_bfloat" and gemm["binding"][3] == "tiles"
+    # the tiles that can exist: ceil(rows / 32) per group, plus the rows before and after the groups
+    assert gemm["grid"] == (math.ceil(N / 32), math.ceil(T / 32) + E + 1, 1)
+    # (the T x G grid it replaces: (N / 32) * ceil(T / 32) * (G + 1), 33.7M threadgroups for DeepSeek's gate_up)
+    assert math.prod(gemm["grid"]) < 1.3 * math.ceil(N / 32) * math.ceil(T / 32)
+    assert u32s(gemm, 5) == (T, N, K, E, E)
+    assert gemm["buffers"]["weight"]["nbytes"] == E * N * K  # > 2^32 for DeepSeek: 64-bit expert offsets
+
+
+@pytest.mark.parametrize("model", list(MOE))
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_grouped_decode_is_one_slot_per_group(model, proj):
+    top_k = MOE[model][3]
+    (r,), N, K, E = grouped(model, proj, top_k)  # one token: its top-k rows
+    assert r["kernel"] == "fp8_grouped_gemv_bfloat"
+    assert r["grid"] == (math.ceil(N / 4), E + 1, 1) and r["threads"] == (64, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------- vector loads
+def view_at(offset, shape, dtype):
+    return torch.empty(math.prod(shape) + offset, dtype=dtype, device=META)[offset:].view(shape)
+
+
+@pytest.mark.parametrize("x_off,w_off,vec", [(0, 0, True), (1, 0, False), (0, 3, False), (16, 32, True)])
+def test_int8_vector_kernels_need_aligned_buffers(x_off, w_off, vec):
+    M, N, K = 16, 64, 4096
+    _, (r,) = run("int8_mm", view_at(x_off, (M, K), torch.int8), torch.empty(M, device=META),
+                  view_at(w_off, (N, K), torch.int8), torch.empty(N, device=META), None, None)
+    assert r["kernel"].endswith("_k16") == vec
+
+
+@pytest.mark.parametrize("x_off,w_off,vec", [(0, 0, True), (2, 0, False), (4, 0, True), (0, 8, False)])
+def test_fp8_vector_loads_need_aligned_buffers(x_off, w_off, vec):
+    M, N, K = 2, 32, 256
+    x = view_at(x_off, (M, K), torch.float32)  # 16-byte aligned at a multiple of 4 floats
+    w = view_at(w_off, (N, K), torch.uint8)
+    _, (r,) = run("fp8_mm", x, w, torch.empty(1, device=META), None, None)
+    assert u32s(r, 4)[3] & 1 == vec
+
+
+# ---------------------------------------------------------------------------------------------- limits
+@pytest.mark.parametrize("grid,threads,tg,values,match", [
+    ((2 ** 25 + 1, 1, 1), (128, 1, 1), 0, 16, r"k: grid dimension x has 33554433 threadgroups x 128 threads"),
+    ((1, 1, 2 ** 32 - 1), (1, 1, 2), 0, 16, r"grid dimension z .* more than the 2\^32"),
+    ((1, 1, 1), (32, 32, 2), 0, 16, r"k asks for 2048 threads per threadgroup; Metal allows 1 to 1024"),
+    ((1, 1, 1), (0, 1, 1), 0, 16, r"asks for 0 threads per threadgroup"),
+    ((1, 1, 1), (32, 1, 1), 32769, 16, r"k asks for 32769 bytes of threadgroup memory; Metal allows 32768"),
+    ((1, 1, 1), (32, 1, 1), 0, 4097, r"k: value params has 4097 bytes; setBytes allows 4096"),
+])
+def test_plans_refuse_launches_past_metal_limits(grid, threads, tg, values, match):
+    with pytest.raises(RuntimeError, match=match):
+        _C._metal_check_launch_limits("k", list(grid), list(threads), tg, values)
+
+
+def test_launch_at_the_limits_passes():
+    _C._metal_check_launch_limits("k", [2 ** 25, 2 ** 22, 1], [128, 1024 // 128, 1], 32768, 4096)
