@@ -283,22 +283,21 @@ struct Bf16Engine {
   // term t at dst + t * mb * width; for each block of kBf16Cols rows, the block of rows c0.. (width cw) at
   // + c0 * width in VNNI pairs (brgemm.h), positions segment by segment in kBf16ChunkOrder, zero padded
   void pack(const T* x, int64_t mb, const KSegments& seg, const KWindow& w, uint16_t* dst) const {
-    const int64_t width = w.width(), sw = w.seg_width();
-    at::parallel_for(0, mb, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; m++) {
+    const int64_t width = w.width(), sw = w.seg_width(), chunks = sw / kBf16Chunk, per_row = (w.s1 - w.s0) * chunks;
+    // work items are (row, chunk): with few rows, all threads still share the packing
+    at::parallel_for(0, mb * per_row, 256, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; i++) {
+        const int64_t m = i / per_row, s = w.s0 + i % per_row / chunks, c = i % chunks * kBf16Chunk;
         const int64_t c0 = m / kBf16Cols * kBf16Cols, cw = std::min(kBf16Cols, mb - c0);
         uint16_t* d = dst + c0 * width;
-        for (int64_t s = w.s0; s < w.s1; s++) {
-          int64_t k0;
-          const int64_t n = w.codes(seg, s, &k0);
-          const T* src = x + m * seg.K + k0;
-          for (int64_t c = 0; c < sw; c += kBf16Chunk)
-            for (int q = 0; q < kBf16Chunk; q++) {
-              const int64_t k = c + kBf16ChunkOrder[q], at = vnni_offset<2>((s - w.s0) * sw + c + q, m - c0, cw);
-              uint16_t terms[kBf16Terms<T>] = {};
-              if (k < n) split_bf16(src[k], terms);
-              for (int t = 0; t < kBf16Terms<T>; t++) d[t * mb * width + at] = terms[t];
-            }
+        int64_t k0;
+        const int64_t n = w.codes(seg, s, &k0);
+        const T* src = x + m * seg.K + k0;
+        for (int q = 0; q < kBf16Chunk; q++) {
+          const int64_t k = c + kBf16ChunkOrder[q], at = vnni_offset<2>((s - w.s0) * sw + c + q, m - c0, cw);
+          uint16_t terms[kBf16Terms<T>] = {};
+          if (k < n) split_bf16(src[k], terms);
+          for (int t = 0; t < kBf16Terms<T>; t++) d[t * mb * width + at] = terms[t];
         }
       }
     });
