@@ -103,5 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return int(lowbit::cpu::scratch<uint8_t>(lowbit::cpu::Slot::Tile, size_t(n))[offset]);
       },
       "byte `offset` of a fresh n-byte scratch buffer, unchecked (tests of the scratch guard)");
+  m.def("_cpu_scratch_high_water", &lowbit::cpu::scratch_high_water_and_reset,
+        "the most bytes of CPU kernel scratch held at once (all threads) since the last call; restarts the count");
   m.def("_cpu_stream_read", &lowbit::cpu::stream_read, "read a tensor's bytes in parallel (bandwidth baseline)");
 }

@@ -36,9 +36,14 @@ def test_cpu_suite_runs_at_a_capped_isa(tmp_path, capsys):
         pytest.skip("the suite's cap is only observable on a CPU above the portable level")
     path = tmp_path / "cpu.json"
     before = cpu_isa()
-    assert cpu.run(["--quick", "--rounds", "1", "--working-set-mb", "8", "--isa", "avx2", "--json", str(path)]) == 0
+    assert cpu.run(["--quick", "--rounds", "1", "--working-set-mb", "8", "--isa", "avx2", "--threads", "1",
+                    "--json", str(path)]) == 0
     assert cpu_isa() == before  # the cap is lifted again
     data = json.loads(path.read_text())
     assert data["meta"]["isa"] == "avx2" and data["meta"]["amx_gemm"] is False
-    assert len(data["rows"]) == 7 and all(r["ms"] > 0 and r["base_ms"] > 0 for r in data["rows"])
+    assert len(data["rows"]) == 11 and all(r["ms"] > 0 and r["base_ms"] > 0 for r in data["rows"])
+    assert data["meta"]["threads"] == [1] and all(r["threads"] == 1 for r in data["rows"])
+    names = [r["case"] for r in data["rows"]]
+    assert sum(n.startswith("int8_quantize+int8_mm M=1") for n in names) == 2
+    assert sum(n.startswith("fp8_mm M=64 bf16 K=") for n in names) == 2
     assert "kernels: avx2" in capsys.readouterr().out

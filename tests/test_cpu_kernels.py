@@ -13,6 +13,7 @@ _THREADS = torch.get_num_threads()
 
 from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
     ref_int8_mm, ref_int8_quantize
+from torch_lowbit import _C
 from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa
 
 LEVELS = ["portable", "avx2", "avxvnni", "avx512"]
@@ -225,6 +226,45 @@ def test_fp8_mm_gemm_routes(amx, M, N, K, layout, dtype):
     assert_matmul_close(ops.fp8_mm(x, bits, scale, bias, block), ref, absref, acc_rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_gemm_scratch_bounded_for_one_code_k_blocks(amx, dtype):
+    # issue 13: block_size [.., 1] padded every one-code K block to a whole chunk (32 / 64 positions) of packed
+    # activations for all rows and all of K at once, and the fp32 route kept every block's partial sums (72 MiB
+    # here; x is 256 KiB); the GEMM now packs one K window at a time, its scratch near the tiles' working set
+    g = torch.Generator().manual_seed(13)
+    M, N, K = 64, 128, 1024
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bits = random_fp8_bits((N, K), g)
+    scale = torch.rand(1, K, generator=g) + 0.5
+    _C._cpu_scratch_high_water()
+    out = ops.fp8_mm(x, bits, scale, None, [128, 1])
+    high = _C._cpu_scratch_high_water()
+    assert high <= 4 << 20, f"{high / 2 ** 20:.1f} MiB of scratch"
+    ref, absref = ref_fp8_mm(x, bits, scale, None, [128, 1])
+    assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["channel", "block16x48"])
+def test_fp8_gemm_row_blocks_and_scratch_release(amx, layout):
+    # enough rows that the GEMM's fp32 sums ([N, M]) go in two row blocks; that buffer is past the cap of what a
+    # thread keeps, so it is given back after the call
+    g = torch.Generator().manual_seed(16)
+    M, N, K = 1100, 8192, 70
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    bits = random_fp8_bits((N, K), g)
+    block = _LAYOUTS[layout]
+    scale = torch.rand(N, generator=g) + 0.5 if block is None else \
+        torch.rand(-(-N // block[0]), -(-K // block[1]), generator=g) + 0.5
+    _C._cpu_scratch_high_water()
+    out = ops.fp8_mm(x, bits, scale, None, block)
+    during, after = _C._cpu_scratch_high_water(), _C._cpu_scratch_high_water()
+    assert during - after >= 16 << 20, (during, after)
+    for cols in (slice(0, 304), slice(N - 96, N)):  # all rows, both ends of N (whole 16-row scale blocks)
+        rows = cols if block is None else slice(cols.start // block[0], cols.stop // block[0])
+        ref, absref = ref_fp8_mm(x, bits[cols], scale[rows], None, block)
+        assert_matmul_close(out[:, cols], ref, absref, acc_rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fp8_mm_gemm_nan_and_inf(amx, dtype):
     # NaN codes make their output columns NaN, an infinite x its row (inf * 0 = NaN), as in float64
@@ -272,6 +312,31 @@ def test_int8_mm_exact(isa, amx, M, K):
     out = ops.int8_mm(xq, torch.ones(M), wq, torch.ones(N), None, torch.float32)
     _, acc = ref_int8_mm(xq, torch.ones(M), wq, torch.ones(N))
     assert torch.equal(out, acc.float())  # one rounding of the exact integer to fp32
+
+
+@pytest.mark.parametrize("M", [1, 2, 4])  # the GEMV tiles (AMX takes 2 and more rows to its GEMM)
+@pytest.mark.parametrize("K", [1, 63, 64, 65, 200])  # below, at and past one 64-byte vector, masked tails
+def test_int8_gemv_tiles_exact(isa, M, K):
+    # every tile shape (N = 7: 4 + 3 rows; 1 + 1 + ... for M > 1) and the extremes of both signs
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    N = 7
+    xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    xq[0, :] = -128
+    wq[1, :], wq[2, :] = -128, 127
+    out = ops.int8_mm(xq, torch.ones(M), wq, torch.ones(N), None, torch.float32)
+    _, acc = ref_int8_mm(xq, torch.ones(M), wq, torch.ones(N))
+    assert torch.equal(out, acc.float())
+
+
+def test_int8_gemv_largest_sum(isa):
+    # K = 131071, the bound: (-128) * (-128) * K is the largest sum, 2^31 - 16384; the byte dot products' offset
+    # (128 * sum x) is far past int32 on the way and must cancel exactly
+    K = 131071
+    xq = torch.full((1, K), -128, dtype=torch.int8)
+    wq = torch.stack([torch.full((K,), -128, dtype=torch.int8), torch.full((K,), 127, dtype=torch.int8)])
+    out = ops.int8_mm(xq, torch.ones(1), wq, torch.ones(2), None, torch.float32)
+    assert out.tolist() == [[float(128 * 128 * K), float(-128 * 127 * K)]]
 
 
 # GEMM regime: weight blocks with tails (N), activation blocks with tails (M), K below a VNNI quad, not a whole

@@ -66,6 +66,7 @@ at::Tensor fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const a
         gemv_rows(kern, acts, packed + g.packed_row * ld, g.r1 - g.r0, operand(g.expert), n0, n1, op + g.r0 * N, N);
       }
     });
+    release_scratch_above_cap(Slot::Activations);
   });
   return out;
 }

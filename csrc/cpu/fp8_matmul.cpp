@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "cpu/brgemm.h"
 #include "cpu/fp8_simd.h"
@@ -16,10 +17,6 @@
 
 namespace lowbit::cpu {
 namespace {
-
-// GEMM: weight rows decoded per parallel work item (kGemmPanel x K floats, 4 MB at K = 4096), decoded once for
-// all M activation rows. Smaller panels make MKL choose its no-copy kernels, which measured slower.
-constexpr int64_t kGemmPanel = 256;
 
 // Tensor / channel scales multiply after the K reduction (block scales were applied per segment), then bias.
 inline float finish(const Fp8Operand& op, int64_t n, float sum, bool nan) {
@@ -55,6 +52,50 @@ void pack(const T* x, int64_t M, const KSegments& seg, float* dst, int64_t row_s
   });
 }
 
+// The GEMM regimes go through K in windows. Each window's activations (all rows of an M block) are packed once;
+// then every thread decodes its weight panels' slice of the window and multiplies it into fp32 sums that persist
+// across windows, and the last window writes the output. A window's packed activations and one decoded panel
+// slice stay in L2 together, and the scratch is bounded by the window and the tiles -- never by K, nor by the
+// chunk padding of short K blocks (block_size [.., 1] pads each code to a chunk: a window then holds few codes).
+struct KWindow {
+  int64_t s0, s1;  // segments
+  int64_t p0, p1;  // positions of each of them (chunk multiples): all of a segment's, or a slice of one segment
+  int64_t seg_width() const { return p1 - p0; }
+  int64_t width() const { return (s1 - s0) * (p1 - p0); }
+  // codes [*first, *first + n) of segment s fall in this window
+  int64_t codes(const KSegments& seg, int64_t s, int64_t* first) const {
+    *first = seg.begin(s) + p0;
+    return std::clamp<int64_t>(seg.size(s) - p0, 0, p1 - p0);
+  }
+};
+
+// Windows of at most max_width positions (at least one chunk): runs of whole segments, or slices of equal size
+// of a longer segment.
+std::vector<KWindow> k_windows(const KSegments& seg, int64_t max_width, int64_t chunk) {
+  std::vector<KWindow> out;
+  max_width = std::max(chunk, max_width / chunk * chunk);
+  if (seg.padded <= max_width) {
+    const int64_t per = max_width / seg.padded;
+    for (int64_t s = 0; s < seg.count; s += per) out.push_back({s, std::min(seg.count, s + per), 0, seg.padded});
+    return out;
+  }
+  const int64_t slices = ceil_div(seg.padded, max_width), step = ceil_div(ceil_div(seg.padded, slices), chunk) * chunk;
+  for (int64_t s = 0; s < seg.count; s++)
+    for (int64_t p = 0; p < seg.padded; p += step) out.push_back({s, s + 1, p, std::min(seg.padded, p + step)});
+  return out;
+}
+
+// Bytes a window's packed activations (all terms, all rows of an M block) may take, and one decoded bf16 panel
+// slice: together they stay in a 2 MB L2. The slice's size measured best at M = 64 on 16 Sapphire Rapids cores
+// (128 KB, of 128 KB to 8 MB: 3.0-3.3 ms against 4.0-4.9 ms at K = 14336, N = 4096).
+constexpr int64_t kWindowBytes = 512 << 10;
+constexpr int64_t kBf16SliceBytes = 128 << 10;
+// The smallest window worth a pass over the panels, whatever M: below it the calls' fixed costs dominate.
+constexpr int64_t kMinWindow = 256;
+// The sums kept across windows (fp32 [N][M block]) take at most about this much: larger M goes in M blocks, each
+// decoding the weights again.
+constexpr int64_t kSumsBytes = 32 << 20;
+
 // The panel decoders pad only to a whole chunk; a short last segment would leave stale scratch (maybe NaN) up
 // to the segment's padded length, which the zero-padded activations still multiply (0 * NaN = NaN).
 template <typename E>
@@ -63,61 +104,140 @@ void zero_segment_tail(E* segment, int64_t ld, int64_t nrows, int64_t written, i
     std::fill(segment + r * ld + written, segment + r * ld + padded, E(0));
 }
 
-// Decode a panel of weight rows into packed positions, then one optimized fp32 GEMM (torch's, MKL here) over
-// all M rows: the decoded panel is reused M times, and no dequantized copy of the whole weight exists. Block
-// scales: a batched GEMM gives each K segment's partial sums, which the epilogue scales and adds.
-template <typename T>
-void gemm(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& op, const KSegments& seg, T* out,
-          int64_t ldo) {
-  const int64_t Kp = seg.packed_size(), N = op.N, kb = seg.count, P = seg.padded;
-  const bool block = op.layout.kind == ScaleKind::Block;
-  float* xp = scratch<float>(Slot::Activations, size_t(M * Kp));
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor X;
-  if (block) {  // [segment][row][position]: one batch per K segment
-    pack(x, M, seg, xp, P, M * P);
-    X = at::from_blob(xp, {kb, M, P}, f32);
-  } else {
-    pack(x, M, seg, xp, Kp, P);
-    X = at::from_blob(xp, {M, Kp}, f32);
+// Decode rows [r0, r0 + nr) of the weight's window w into panel [nr][w.width()] (segment by segment, zero padded).
+template <typename E, typename Decode>
+void decode_window(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr, int64_t chunk,
+                   E* panel, Decode&& decode) {
+  for (int64_t s = w.s0; s < w.s1; s++) {
+    int64_t k0;
+    const int64_t n = w.codes(seg, s, &k0);
+    E* segment = panel + (s - w.s0) * w.seg_width();
+    if (n > 0) decode(op.w + r0 * op.K, op.K, nr, k0, n, segment, w.width());
+    zero_segment_tail(segment, w.width(), nr, ceil_div(n, chunk) * chunk, w.seg_width());
   }
-  at::parallel_for(0, ceil_div(N, kGemmPanel), 1, [&](int64_t b0, int64_t b1) {
-    float* panel = scratch<float>(Slot::Panel, size_t(kGemmPanel * Kp));
-    float* acc = scratch<float>(Slot::Tile, size_t((block ? kb : 1) * M * kGemmPanel));
-    for (int64_t b = b0; b < b1; b++) {
-      const int64_t r0 = b * kGemmPanel, nr = std::min(kGemmPanel, N - r0);
-      bool nan[kGemmPanel] = {};
-      for (int64_t s = 0; s < kb; s++) {
-        kern.decode_rows(op.w + r0 * op.K, op.K, nr, seg.begin(s), seg.size(s), panel + s * P, Kp, nan);
-        zero_segment_tail(panel + s * P, Kp, nr, ceil_div(seg.size(s), kChunk) * kChunk, P);
-      }
-      if (block) {
-        at::Tensor C = at::from_blob(acc, {kb, M, nr}, f32);
-        at::bmm_out(C, X, at::from_blob(panel, {kb, P, nr}, {P, 1, Kp}, f32));
-      } else {
-        // panel @ x^T into a transposed accumulator: measured faster with MKL than x @ panel^T
-        at::Tensor C = at::from_blob(acc, {nr, M}, f32);
-        at::mm_out(C, at::from_blob(panel, {nr, Kp}, f32), X.t());
-      }
-      for (int64_t m = 0; m < M; m++)
-        for (int64_t r = 0; r < nr; r++) {
-          float sum = 0.f;
-          if (block) {
-            const float* bs = block_scale_row(op, r0 + r);
-            for (int64_t s = 0; s < kb; s++) sum += bs[s] * acc[(s * M + m) * nr + r];
-          } else {
-            sum = acc[r * M + m];
-          }
-          out[m * ldo + r0 + r] = T(finish(op, r0 + r, sum, nan[r]));
-        }
-    }
-  });
 }
 
-// The bf16 GEMM's blocking: weight rows per decoded panel (the brgemm's A: 64 x K bf16, 512 KB at K = 4096, kept
-// in L2), activation rows per brgemm call (its N) and K positions per call (A and B blocks of 64 KB). Picked by
-// the best of 12 alternating runs at M = 64, 256, 1024 (K = 4096, N = 14336) on a Sapphire Rapids; this shared
-// machine's run-to-run spread (up to 2x) hides differences much below 20%.
+// The windowed GEMM (see KWindow) over an engine that packs, decodes and multiplies: Fp32Engine (fp32 panels in
+// torch's fp32 GEMM) or Bf16Engine (bf16 panels in oneDNN's AMX brgemm). sums [N][mb] holds each output column's
+// fp32 sums for the rows of the M block; nan [N] the columns that met a NaN code (engines whose decode does not
+// produce NaN).
+template <class Engine, typename T>
+void windowed_gemm(const Engine& eng, const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo) {
+  const KSegments seg = k_segments_for(op.layout.kind == ScaleKind::Block, op.layout.bk, op.K, Engine::kChunkLen);
+  const int64_t N = op.N, R = Engine::kRows, panels = ceil_div(N, R);
+  const int64_t blocks = ceil_div(M * N * 4, kSumsBytes);
+  const int64_t Mb = std::min(M, ceil_div(ceil_div(M, blocks), Engine::kCols) * Engine::kCols);
+  float* sums = scratch<float>(Slot::Accum, size_t(N * Mb + ceil_div(N, 4)));
+  bool* nan = reinterpret_cast<bool*>(sums + N * Mb);
+  for (int64_t m0 = 0; m0 < M; m0 += Mb) {
+    const int64_t mb = std::min(Mb, M - m0);
+    const std::vector<KWindow> windows = k_windows(seg, eng.max_width(mb, seg), Engine::kChunkLen);
+    for (size_t wi = 0; wi < windows.size(); wi++) {
+      const KWindow& w = windows[wi];
+      const bool first = wi == 0, last = wi + 1 == windows.size();
+      auto* xp = scratch<typename Engine::Act>(Slot::Activations, size_t(eng.act_elems(mb, w)));
+      eng.pack(x + m0 * op.K, mb, seg, w, xp);
+      at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
+        [[maybe_unused]] typename Engine::Worker worker;  // AMX: releases the tile state after this thread's calls
+        auto* panel = scratch<typename Engine::Elem>(Slot::Panel, size_t(R * w.width()));
+        for (int64_t b = b0; b < b1; b++) {
+          const int64_t r0 = b * R, nr = std::min(R, N - r0);
+          float* s = sums + r0 * mb;
+          if (first) std::fill(nan + r0, nan + r0 + nr, false);
+          eng.decode(op, seg, w, r0, nr, panel, nan + r0);
+          eng.multiply(op, seg, w, r0, nr, panel, xp, mb, first, s);
+          if (last)
+            for (int64_t m = 0; m < mb; m++)
+              for (int64_t r = 0; r < nr; r++)
+                out[(m0 + m) * ldo + r0 + r] = T(finish(op, r0 + r, s[r * mb + m], nan[r0 + r]));
+        }
+        release_scratch_above_cap(Slot::Panel);
+        release_scratch_above_cap(Slot::Tile);
+      });
+    }
+  }
+  release_scratch_above_cap(Slot::Activations);
+  release_scratch_above_cap(Slot::Accum);
+}
+
+// fp32 panels of kRows weight rows times the packed activations in torch's fp32 GEMM (MKL here): the decoded
+// panel is reused for all rows of the M block. Block scales: a batched GEMM gives each segment's partial sums,
+// which are scaled and added.
+template <typename T>
+struct Fp32Engine {
+  using Act = float;
+  using Elem = float;
+  struct Worker {};
+  // Smaller panels make MKL choose its no-copy kernels, which measured slower.
+  static constexpr int64_t kRows = 256, kCols = 1, kChunkLen = kChunk;
+  // a decoded panel slice, and the window's activations (shared by all threads, which MKL reads best in long
+  // rows: no L2 target here)
+  static constexpr int64_t kPanelBytes = 2 << 20, kActBytes = 8 << 20;
+  const Fp8Kernels& kern;
+  bool block;
+
+  int64_t max_width(int64_t mb, const KSegments& seg) const {
+    int64_t w = std::min(kPanelBytes / (kRows * 4), std::max(kMinWindow, kActBytes / (mb * 4)));
+    // block scales: the batched GEMM's partial sums, [segments][kRows][mb], within kPanelBytes too
+    if (block) w = std::min(w, std::max<int64_t>(1, kPanelBytes / (mb * kRows * 4)) * seg.padded);
+    return w;
+  }
+  // [mb][width] without block scales (one segment); [segment][mb][segment width] with
+  int64_t act_elems(int64_t mb, const KWindow& w) const { return mb * w.width(); }
+  void pack(const T* x, int64_t mb, const KSegments& seg, const KWindow& w, float* dst) const {
+    const int64_t sw = w.seg_width();
+    at::parallel_for(0, mb, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; m++)
+        for (int64_t s = w.s0; s < w.s1; s++) {
+          int64_t k0;
+          const int64_t n = w.codes(seg, s, &k0);
+          pack_segment(x + m * seg.K + k0, n, sw, kChunkOrder, dst + (s - w.s0) * mb * sw + m * sw);
+        }
+    });
+  }
+  void decode(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr, float* panel,
+              bool* nan) const {
+    decode_window(op, seg, w, r0, nr, kChunk, panel,
+                  [&](const uint8_t* rows, int64_t K, int64_t n_rows, int64_t k0, int64_t n, float* dst, int64_t ld) {
+                    kern.decode_rows(rows, K, n_rows, k0, n, dst, ld, nan);
+                  });
+  }
+  void multiply(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr,
+                const float* panel, const float* xp, int64_t mb, bool first, float* sums) const {
+    (void)seg;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const int64_t ns = w.s1 - w.s0, sw = w.seg_width();
+    auto* A = const_cast<float*>(panel);
+    auto* X = const_cast<float*>(xp);
+    if (!block) {
+      // panel @ x^T into transposed sums [nr][mb]: measured faster with MKL than x @ panel^T
+      at::Tensor C = at::from_blob(sums, {nr, mb}, f32);
+      const at::Tensor a = at::from_blob(A, {nr, sw}, f32), xt = at::from_blob(X, {mb, sw}, f32).t();
+      if (first) at::mm_out(C, a, xt);
+      else C.addmm_(a, xt);
+      return;
+    }
+    // each segment's partial sums, transposed like the sums: part[s][r][m] = panel_s[r] . x_s[m]
+    float* part = scratch<float>(Slot::Tile, size_t(ns * nr * mb));
+    at::Tensor P = at::from_blob(part, {ns, nr, mb}, f32);
+    at::bmm_out(P, at::from_blob(A, {ns, nr, sw}, {sw, w.width(), 1}, f32),
+                at::from_blob(X, {ns, sw, mb}, {mb * sw, 1, sw}, f32));
+    for (int64_t r = 0; r < nr; r++) {
+      const float* bs = block_scale_row(op, r0 + r) + w.s0;
+      float* dst = sums + r * mb;
+      for (int64_t s = 0; s < ns; s++) {
+        const float* src = part + (s * nr + r) * mb;
+        const bool init = first && s == 0;
+        for (int64_t m = 0; m < mb; m++) dst[m] = init ? bs[s] * src[m] : dst[m] + bs[s] * src[m];
+      }
+    }
+  }
+};
+
+// The bf16 GEMM's blocking: weight rows per decoded panel (the brgemm's A), activation rows per brgemm call (its
+// N) and K positions per call (A and B blocks of 64 KB). Picked by the best of 12 alternating runs at M = 64, 256,
+// 1024 (K = 4096, N = 14336) on a Sapphire Rapids; this shared machine's run-to-run spread (up to 2x) hides
+// differences much below 20%.
 constexpr int64_t kBf16Panel = 64;
 constexpr int64_t kBf16Cols = 64;
 constexpr int64_t kBf16Depth = 512;
@@ -144,80 +264,81 @@ inline void split_bf16(T v, uint16_t* terms) {
   }
 }
 
-// x [M, K] -> the brgemm's B, term by term (term t at dst + t * M * Kp), for each block of kBf16Cols rows: the
-// block of rows m0.. (width mw) at + m0 * Kp in VNNI pairs (brgemm.h), positions in kBf16ChunkOrder per segment,
-// zero padded.
-template <typename T>
-void pack_bf16_vnni(const T* x, int64_t M, const KSegments& seg, uint16_t* dst) {
-  const int64_t Kp = seg.packed_size(), P = seg.padded;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++) {
-      const int64_t b0 = m / kBf16Cols * kBf16Cols, mw = std::min(kBf16Cols, M - b0);
-      uint16_t* d = dst + b0 * Kp;
-      for (int64_t s = 0; s < seg.count; s++) {
-        const T* src = x + m * seg.K + seg.begin(s);
-        const int64_t n = seg.size(s);
-        for (int64_t c = 0; c < P; c += kBf16Chunk)
-          for (int q = 0; q < kBf16Chunk; q++) {
-            const int64_t k = c + kBf16ChunkOrder[q], at = vnni_offset<2>(s * P + c + q, m - b0, mw);
-            uint16_t terms[kBf16Terms<T>] = {};
-            if (k < n) split_bf16(src[k], terms);
-            for (int t = 0; t < kBf16Terms<T>; t++) d[t * M * Kp + at] = terms[t];
-          }
-      }
-    }
-  });
-}
-
 // On a CPU with AMX (amx_gemm_available): decoded bf16 panels times the packed activation terms in torch's
 // oneDNN brgemm, fp32 accumulation; at M = 64, 3x (bf16, half x) and 2x (float x) faster there than fp32 panels in
 // the fp32 GEMM. The sums are the fp32 path's: decoded weights and bf16 terms are exact in bf16, their products
-// exact in fp32. (AMX, like vdpbf16ps, reads bf16 denormals -- below 1e-38 -- as zero.) Block scales multiply each
-// segment's sums.
+// exact in fp32. (AMX, like vdpbf16ps, reads bf16 denormals -- below 1e-38 -- as zero.) Decoded NaN codes are NaN
+// and flow through the sums. Block scales multiply each segment's sums.
 template <typename T>
-void gemm_bf16(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo) {
-  const KSegments seg = k_segments_for(op.layout.kind == ScaleKind::Block, op.layout.bk, op.K, kBf16Chunk);
-  const int64_t Kp = seg.packed_size(), P = seg.padded, N = op.N;
-  const bool block = op.layout.kind == ScaleKind::Block;
-  uint16_t* xp = scratch<uint16_t>(Slot::Activations, size_t(kBf16Terms<T> * M * Kp));
-  pack_bf16_vnni(x, M, seg, xp);
-  at::parallel_for(0, ceil_div(N, kBf16Panel), 1, [&](int64_t b0, int64_t b1) {
-    AmxTileScope amx;
-    auto* panel = scratch<c10::BFloat16>(Slot::Panel, size_t(kBf16Panel * Kp));
-    float* acc = scratch<float>(Slot::Tile, size_t(2 * kBf16Panel * kBf16Cols));
-    float* part = acc + kBf16Panel * kBf16Cols;  // one segment's sums (block scales)
-    for (int64_t b = b0; b < b1; b++) {
-      const int64_t r0 = b * kBf16Panel, nr = std::min(kBf16Panel, N - r0);
-      for (int64_t s = 0; s < seg.count; s++) {
-        uint16_t* segment = reinterpret_cast<uint16_t*>(panel) + s * P;
-        kern.decode_rows_bf16(op.w + r0 * op.K, op.K, nr, seg.begin(s), seg.size(s), segment, Kp);
-        zero_segment_tail(segment, Kp, nr, ceil_div(seg.size(s), kBf16Chunk) * kBf16Chunk, P);
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kBf16Cols) {
-        const int64_t mw = std::min(kBf16Cols, M - m0);
-        const auto* xb = reinterpret_cast<const c10::BFloat16*>(xp + m0 * Kp);
-        for (int64_t s = 0; s < seg.count; s++) {
-          // this segment's sums, in K steps of at most kBf16Depth positions: acc directly without block scales
-          float* c = block ? part : acc;
-          for (int t = 0; t < kBf16Terms<T>; t++)
-            for (int64_t k = 0; k < P; k += kBf16Depth)
-              at::native::cpublas::brgemm(nr, mw, std::min(kBf16Depth, P - k), Kp, mw, mw, t > 0 || k > 0,
-                                          panel + s * P + k, xb + t * M * Kp + (s * P + k) * mw, c, true);
-          if (block)
-            for (int64_t r = 0; r < nr; r++) {
-              const float bs = block_scale_row(op, r0 + r)[s];
-              float* a = acc + r * mw;
-              const float* p = part + r * mw;
-              for (int64_t m = 0; m < mw; m++) a[m] = s == 0 ? bs * p[m] : a[m] + bs * p[m];
-            }
+struct Bf16Engine {
+  using Act = uint16_t;
+  using Elem = uint16_t;
+  using Worker = AmxTileScope;
+  static constexpr int64_t kRows = kBf16Panel, kCols = kBf16Cols, kChunkLen = kBf16Chunk;
+  const Fp8Kernels& kern;
+  bool block;
+
+  int64_t max_width(int64_t mb, const KSegments&) const {
+    return std::min(kBf16SliceBytes / (kRows * 2), std::max(kMinWindow, kWindowBytes / (kBf16Terms<T> * mb * 2)));
+  }
+  int64_t act_elems(int64_t mb, const KWindow& w) const { return kBf16Terms<T> * mb * w.width(); }
+  // term t at dst + t * mb * width; for each block of kBf16Cols rows, the block of rows c0.. (width cw) at
+  // + c0 * width in VNNI pairs (brgemm.h), positions segment by segment in kBf16ChunkOrder, zero padded
+  void pack(const T* x, int64_t mb, const KSegments& seg, const KWindow& w, uint16_t* dst) const {
+    const int64_t width = w.width(), sw = w.seg_width(), chunks = sw / kBf16Chunk, per_row = (w.s1 - w.s0) * chunks;
+    // work items are (row, chunk): with few rows, all threads still share the packing
+    at::parallel_for(0, mb * per_row, 256, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; i++) {
+        const int64_t m = i / per_row, s = w.s0 + i % per_row / chunks, c = i % chunks * kBf16Chunk;
+        const int64_t c0 = m / kBf16Cols * kBf16Cols, cw = std::min(kBf16Cols, mb - c0);
+        uint16_t* d = dst + c0 * width;
+        int64_t k0;
+        const int64_t n = w.codes(seg, s, &k0);
+        const T* src = x + m * seg.K + k0;
+        for (int q = 0; q < kBf16Chunk; q++) {
+          const int64_t k = c + kBf16ChunkOrder[q], at = vnni_offset<2>((s - w.s0) * sw + c + q, m - c0, cw);
+          uint16_t terms[kBf16Terms<T>] = {};
+          if (k < n) split_bf16(src[k], terms);
+          for (int t = 0; t < kBf16Terms<T>; t++) d[t * mb * width + at] = terms[t];
         }
-        for (int64_t m = 0; m < mw; m++)
-          for (int64_t r = 0; r < nr; r++)
-            out[(m0 + m) * ldo + r0 + r] = T(finish(op, r0 + r, acc[r * mw + m], false));
+      }
+    });
+  }
+  void decode(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr, uint16_t* panel,
+              bool*) const {
+    decode_window(op, seg, w, r0, nr, kBf16Chunk, panel, kern.decode_rows_bf16);
+  }
+  void multiply(const Fp8Operand& op, const KSegments&, const KWindow& w, int64_t r0, int64_t nr,
+                const uint16_t* panel, const uint16_t* xp, int64_t mb, bool first, float* sums) const {
+    const int64_t width = w.width(), sw = w.seg_width();
+    float* part = block ? scratch<float>(Slot::Tile, size_t(kBf16Panel * kBf16Cols)) : nullptr;
+    const auto* a = reinterpret_cast<const c10::BFloat16*>(panel);
+    for (int64_t c0 = 0; c0 < mb; c0 += kBf16Cols) {
+      const int64_t cw = std::min(kBf16Cols, mb - c0);
+      const auto* xb = reinterpret_cast<const c10::BFloat16*>(xp + c0 * width);
+      for (int64_t s = w.s0; s < w.s1; s++) {
+        const int64_t p = (s - w.s0) * sw;
+        // without block scales the window's sums go into the persistent ones directly
+        float* c = block ? part : sums + c0;
+        const int64_t ldc = block ? cw : mb;
+        for (int t = 0; t < kBf16Terms<T>; t++)
+          for (int64_t k = 0; k < sw; k += kBf16Depth)
+            at::native::cpublas::brgemm(nr, cw, std::min(kBf16Depth, sw - k), width, cw, ldc,
+                                        t > 0 || k > 0 || (!block && !first), a + p + k,
+                                        xb + t * mb * width + (p + k) * cw, c, true);
+        if (block) {
+          const bool init = first && s == w.s0;
+          for (int64_t r = 0; r < nr; r++) {
+            const float bs = block_scale_row(op, r0 + r)[s];
+            float* dst = sums + r * mb + c0;
+            const float* src = part + r * cw;
+            for (int64_t m = 0; m < cw; m++) dst[m] = init ? bs * src[m] : dst[m] + bs * src[m];
+          }
+        }
       }
     }
-  });
-}
+  }
+};
 
 // Whether the GEMM regime runs on AMX (as bf16 panels and bf16 terms of x).
 bool bf16_amx_gemm(const Fp8Kernels& kern) { return kern.decode_rows_bf16 != nullptr && amx_gemm_available(); }
@@ -234,10 +355,6 @@ KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk) {
   s.count = ceil_div(K, s.len);
   s.padded = ceil_div(s.len, chunk) * chunk;
   return s;
-}
-
-KSegments k_segments(const ScaleLayout& layout, int64_t K) {
-  return k_segments_for(layout.kind == ScaleKind::Block, layout.bk, K, kChunk);
 }
 
 template <typename T>
@@ -305,13 +422,15 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
   const Fp8Kernels& kern = fp8_kernels(isa());
   const bool amx = bf16_amx_gemm(kern);
   if (M >= (amx ? kAmxGemmMinRows : kGemmMinRows)) {
-    if (amx) return gemm_bf16(kern, x, M, op, out, ldo);
-    return gemm(kern, x, M, op, k_segments(op.layout, op.K), out, ldo);
+    const bool block = op.layout.kind == ScaleKind::Block;
+    if (amx) return windowed_gemm(Bf16Engine<T>{kern, block}, x, M, op, out, ldo);
+    return windowed_gemm(Fp32Engine<T>{kern, block}, x, M, op, out, ldo);
   }
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);
   void* xp = scratch<uint8_t>(Slot::Activations, size_t(M * acts.row_bytes()));
   pack_rows(acts, x, M, xp);
   at::parallel_for(0, op.N, 16, [&](int64_t n0, int64_t n1) { gemv_rows(kern, acts, xp, M, op, n0, n1, out, ldo); });
+  release_scratch_above_cap(Slot::Activations);
 }
 
 #define LOWBIT_INSTANTIATE(T)                                                                                  \

@@ -73,13 +73,25 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const int8_t* x, const int8_t* w, int64_t K,
 
 using GemvFn = void (*)(const int8_t*, const int8_t*, int64_t, int32_t*);
 
-void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+// Runs the instantiation Tiles::get<MR, NR>() of a tile family for a run-time (mr, nr), from one table.
+template <class Tiles>
+void run_gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
   static const GemvFn table[kInt8TileRows][kInt8TileRows] = {
-#define LOWBIT_ROW(M) {&gemv_tile_t<M, 1>, &gemv_tile_t<M, 2>, &gemv_tile_t<M, 3>, &gemv_tile_t<M, 4>}
+#define LOWBIT_ROW(M) \
+  {Tiles::template get<M, 1>(), Tiles::template get<M, 2>(), Tiles::template get<M, 3>(), Tiles::template get<M, 4>()}
       LOWBIT_ROW(1), LOWBIT_ROW(2), LOWBIT_ROW(3), LOWBIT_ROW(4),
 #undef LOWBIT_ROW
   };
   table[mr - 1][nr - 1](x, w, K, acc);
+}
+
+struct Avx2Tiles {
+  template <int MR, int NR>
+  static constexpr GemvFn get() { return &gemv_tile_t<MR, NR>; }
+};
+
+void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  run_gemv_tile<Avx2Tiles>(mr, nr, x, w, K, acc);
 }
 
 // 4 x 16 register tile: per pair of k, two vectors of activation pairs and four broadcast weight pairs feed
@@ -242,8 +254,59 @@ static LOWBIT_TARGET_AVX512VNNI void gemm_micro_avx512(const void* panel_, int64
 #undef LOWBIT_STORE
 }
 
+// GEMV tiles on 512-bit byte dot products. vpdpbusd multiplies unsigned by signed bytes: each weight vector is
+// made unsigned by flipping its sign bit (w + 128) and x is the signed operand, so the sums hold 128 * sum_k x[m, k]
+// too, which the same instruction counts (against ones) and the tile subtracts, modulo 2^32 (exact: the true sum
+// fits). One load, one xor and one dot product per 64 weight bytes and x row leave the loop bound by memory;
+// each weight row is its own stream of whole 4 KB pages (K = 4096), where the hardware prefetchers stop, so the
+// next tile's rows (just after these in memory) are fetched ahead, a line per row per step.
+// acc[m][r] += the 64 products at k of x row m and weight row r (w + 128), xsum[m] += x's 64 values; bytes off
+// `mask` load as 0 (weights then flip to 128, against x's zeros: no product)
+template <int MR, int NR>
+static LOWBIT_TARGET_AVX512VNNI inline __attribute__((always_inline)) void gemv_vnni_step(
+    __m512i (&acc)[MR][NR], __m512i (&xsum)[MR], const int8_t* x, const int8_t* w, int64_t K, int64_t k, __mmask64 mask) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80)), ones = _mm512_set1_epi8(1);
+  __m512i xv[MR];
+  for (int m = 0; m < MR; m++) {
+    xv[m] = _mm512_maskz_loadu_epi8(mask, x + m * K + k);
+    xsum[m] = _mm512_dpbusd_epi32(xsum[m], ones, xv[m]);
+  }
+  for (int r = 0; r < NR; r++) {
+    const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + r * K + k), flip);
+    for (int m = 0; m < MR; m++) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv, xv[m]);
+  }
+}
+
+template <int MR, int NR>
+static LOWBIT_TARGET_AVX512VNNI void gemv_tile_vnni_t(const int8_t* x, const int8_t* w, int64_t K, int32_t* out) {
+  __m512i acc[MR][NR], xsum[MR];
+  for (int m = 0; m < MR; m++) {
+    xsum[m] = _mm512_setzero_si512();
+    for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_si512();
+  }
+  const int64_t full = K / 64 * 64;
+  for (int64_t k = 0; k < full; k += 64) {
+    for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k), _MM_HINT_T0);
+    gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, k, ~__mmask64(0));
+  }
+  if (full < K) gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, full, (__mmask64(1) << (K - full)) - 1);
+  for (int m = 0; m < MR; m++) {
+    const uint32_t offset = 128u * uint32_t(_mm512_reduce_add_epi32(xsum[m]));
+    for (int r = 0; r < NR; r++) out[m * NR + r] = int32_t(uint32_t(_mm512_reduce_add_epi32(acc[m][r])) - offset);
+  }
+}
+
+struct Avx512VnniTiles {
+  template <int MR, int NR>
+  static constexpr GemvFn get() { return &gemv_tile_vnni_t<MR, NR>; }
+};
+
+static void gemv_tile_vnni(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  run_gemv_tile<Avx512VnniTiles>(mr, nr, x, w, K, acc);
+}
+
 const Int8Kernels& int8_kernels_avx512() {
-  static const Int8Kernels k{&gemv_tile, 4, 6, 32, &gemm_micro_avx512, &quantize_row};
+  static const Int8Kernels k{&gemv_tile_vnni, 4, 6, 32, &gemm_micro_avx512, &quantize_row};
   return k;
 }
 

@@ -122,6 +122,7 @@ void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
       }
     });
   }
+  release_scratch_above_cap(Slot::Activations);
 }
 
 // AMX blocking: weight rows per work item (the brgemm's A), activation rows per call (its N), k per call. A 64-row
@@ -167,7 +168,9 @@ void gemm_amx(const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
           for (int64_t r = 0; r < nr; r++) out[(m0 + m) * N + r0 + r] = T(ep(m0 + m, r0 + r, acc[r * mw + m]));
       }
     }
+    release_scratch_above_cap(Slot::Panel);
   });
+  release_scratch_above_cap(Slot::Activations);
 }
 
 at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,

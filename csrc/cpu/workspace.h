@@ -1,5 +1,8 @@
 // Per-thread scratch memory that grows and is then reused: the kernels allocate nothing per call beyond the
-// output. at::parallel_for runs on a persistent OpenMP pool, so worker buffers live across calls.
+// output. at::parallel_for runs on a persistent OpenMP pool, so worker buffers live across calls. The kernels
+// size their requests by their tiles and K windows, never by a whole operand's padded copy; a buffer above
+// kScratchKeepBytes (an unusual shape) is given back by release_scratch_above_cap at the end of its use, so
+// that one odd call does not keep its memory for the life of the thread.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -15,7 +18,10 @@ namespace lowbit::cpu {
 
 // Separate slots so that one thread can hold several buffers at once (the calling thread packs the
 // activations into one slot and, as a worker of the same parallel_for, uses others).
-enum class Slot : int { Activations = 0, Panel = 1, Tile = 2, Count = 3 };
+enum class Slot : int { Activations = 0, Panel = 1, Tile = 2, Accum = 3, Count = 4 };
+
+// Buffers up to this size stay with their thread across calls; larger ones are released after use.
+constexpr size_t kScratchKeepBytes = size_t(16) << 20;
 
 // Test switch: every buffer handed out is filled with 0xFF bytes (NaN as float, -1 as int8), so a kernel that
 // reads scratch it did not write in this call fails loudly instead of depending on what an earlier call left
@@ -24,6 +30,18 @@ enum class Slot : int { Activations = 0, Panel = 1, Tile = 2, Count = 3 };
 inline std::atomic<bool> g_poison_scratch{false};
 
 namespace detail {
+
+// Bytes held by every thread's scratch together, and the most held at once since the last reset (a test hook).
+inline std::atomic<size_t> g_scratch_live{0}, g_scratch_high_water{0};
+
+inline void count_scratch(size_t add, size_t sub) {
+  if (sub) g_scratch_live.fetch_sub(sub, std::memory_order_relaxed);
+  if (!add) return;
+  const size_t now = g_scratch_live.fetch_add(add, std::memory_order_relaxed) + add;
+  size_t high = g_scratch_high_water.load(std::memory_order_relaxed);
+  while (now > high && !g_scratch_high_water.compare_exchange_weak(high, now, std::memory_order_relaxed)) {
+  }
+}
 
 struct ScratchBuf {
   void* data = nullptr;
@@ -35,6 +53,7 @@ struct ScratchBuf {
   ScratchBuf& operator=(const ScratchBuf&) = delete;
   ~ScratchBuf() { release(); }
   void release() {
+    if (bytes) count_scratch(0, bytes);
     if (map) munmap(map, map_len);
     else std::free(data);
     data = map = nullptr;
@@ -42,9 +61,13 @@ struct ScratchBuf {
   }
 };
 
-inline void* scratch_bytes(Slot slot, size_t want) {
+inline ScratchBuf& thread_buffer(Slot slot) {
   thread_local ScratchBuf bufs[int(Slot::Count)];
-  ScratchBuf& b = bufs[int(slot)];
+  return bufs[int(slot)];
+}
+
+inline void* scratch_bytes(Slot slot, size_t want) {
+  ScratchBuf& b = thread_buffer(slot);
   if (g_poison_scratch.load(std::memory_order_relaxed)) {
     b.release();
     const size_t page = size_t(sysconf(_SC_PAGESIZE)), body = (want + page - 1) / page * page;
@@ -52,6 +75,7 @@ inline void* scratch_bytes(Slot slot, size_t want) {
     if (m == MAP_FAILED) throw std::bad_alloc();
     mprotect(static_cast<char*>(m) + body, page, PROT_NONE);
     b.map = m, b.map_len = body + page, b.bytes = want;
+    count_scratch(want, 0);
     b.data = static_cast<char*>(m) + body - want;  // 64-byte aligned: want and the page are multiples of 64
     std::memset(b.data, 0xFF, want);
     return b.data;
@@ -61,6 +85,7 @@ inline void* scratch_bytes(Slot slot, size_t want) {
     b.data = std::aligned_alloc(64, want);
     if (!b.data) throw std::bad_alloc();
     b.bytes = want;
+    count_scratch(want, 0);
   }
   return b.data;
 }
@@ -72,6 +97,20 @@ inline void* scratch_bytes(Slot slot, size_t want) {
 template <typename T>
 T* scratch(Slot slot, size_t n) {
   return static_cast<T*>(detail::scratch_bytes(slot, std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64)));
+}
+
+// Gives back the calling thread's buffer of `slot` if it is larger than kScratchKeepBytes; call it once the
+// buffer is no longer needed (its pointer is invalid afterwards).
+inline void release_scratch_above_cap(Slot slot) {
+  detail::ScratchBuf& b = detail::thread_buffer(slot);
+  if (b.bytes > kScratchKeepBytes) b.release();
+}
+
+// Bytes of scratch held at once at most since the last call, over all threads; then restarts from what is held now.
+inline size_t scratch_high_water_and_reset() {
+  const size_t high = detail::g_scratch_high_water.load();
+  detail::g_scratch_high_water.store(detail::g_scratch_live.load());
+  return high;
 }
 
 }  // namespace lowbit::cpu

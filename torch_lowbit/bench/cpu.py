@@ -4,6 +4,10 @@ Each case runs our op and its baseline in the same process, alternating in round
 cores: a round measures both under the same load), and reports the medians, the ratio and the issue's goal.
 Weight GB/s counts the bytes of the low-bit weight read per call.
 
+The int8 M=1 rows (int8_quantize + int8_mm, both Llama-3-8B shapes) are measured the same way against the read of
+their own weight bytes; the M=64 bf16-x rows of fp8_mm against F.linear bf16 (AMX where the CPU has it).
+``--threads 1,2,all`` runs the suite at each thread count (the table's first column).
+
 Batch-1 decode reads weights that are not in any cache (a model's layers are far larger than the last-level
 cache), so the M=1 cases cycle through copies of their weight adding up to a working set beyond the last-level
 cache (``--working-set-mb``, default max(512 MB, 2 x L3)): each call reads its weight from memory, as in real
@@ -13,6 +17,7 @@ same order, so both see the same bytes in the same cache state.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 
@@ -84,20 +89,63 @@ def run(argv) -> int:
     p = argparse.ArgumentParser(prog="python -m torch_lowbit.bench --suite cpu", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller shapes and fewer rounds (a smoke run)")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds per case (default 5, quick 2)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--threads", default=None,
+                   help="comma-separated thread counts to run the suite at, 'all' = every core, e.g. 1,2,all "
+                        "(default: torch's choice)")
     p.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
     p.add_argument("--working-set-mb", type=int, default=None,
                    help="bytes the M=1 cases stream per weight (default max(512, 2 x last-level cache) MB)")
     p.add_argument("--isa", default="best", choices=["portable", "avx2", "avxvnni", "avx512", "best"],
                    help="cap the instruction set of our CPU kernels (AMX needs avx512), to see a slower CPU's paths")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    try:
+        counts = _thread_counts(args.threads)
+    except ValueError:
+        p.error(f"--threads must be comma-separated positive integers or 'all', got {args.threads!r}")
+    rows, meta = [], {}
     with forced_cpu_isa(args.isa):
-        return _run(args)
+        for n in counts:
+            torch.set_num_threads(n)
+            for row in _run(args, meta):
+                rows.append(dict(threads=n, **row))
+    print()
+    print_table(rows, [("threads", "threads", None), ("case", "case", None), ("ms", "ms", "{:.3f}"),
+                       ("gbs", "weight GB/s", "{:.1f}"), ("baseline", "baseline", None),
+                       ("base_ms", "baseline ms", "{:.3f}"), ("ratio", "ratio", "{:.2f}"), ("goal", "goal", None),
+                       ("met", "met", None)])
+    if args.json:
+        write_json(args.json, rows, suite="cpu", threads=counts, isa=cpu_isa(), amx_gemm=cpu_amx_gemm(), **meta)
+        print(f"wrote {args.json}")
+    return 0
 
 
-def _run(args) -> int:
+def _thread_counts(spec):
+    """[torch's count] for None, else the listed counts in order, 'all' being every core, without repeats."""
+    if spec is None:
+        return [torch.get_num_threads()]
+    counts = []
+    for item in spec.split(","):
+        n = (os.cpu_count() or 1) if item.strip() == "all" else int(item)
+        if n < 1:
+            raise ValueError(item)
+        if n not in counts:
+            counts.append(n)
+    return counts
+
+
+def _stream_case(rows, name, op, copies, rounds, repeat, goal):
+    """op() reads one of `copies` (a _Rotating) per call; the baseline is a plain read of the same copies."""
+    t_read, t_op = _paired(lambda: _C._cpu_stream_read(copies.next()), op, rounds, repeat)
+    nbytes = copies.copies[0].numel() * copies.copies[0].element_size()
+    read_gbs, op_gbs = nbytes / t_read / 1e9, nbytes / t_op / 1e9
+    frac = op_gbs / read_gbs
+    rows.append(dict(case=name, ms=t_op * 1e3, baseline="stream read of the weight", base_ms=t_read * 1e3,
+                     ratio=frac, goal=f">= {goal:.2f} of read GB/s", met="yes" if frac >= goal else "NO", gbs=op_gbs))
+    print(f"  read bandwidth: {read_gbs:.1f} GB/s; {name} streams {op_gbs:.1f} GB/s = {frac:.0%}", flush=True)
+    return read_gbs
+
+
+def _run(args, meta):
     quick = args.quick
     rounds = args.rounds or (2 if quick else 5)
     rep = 3 if quick else 7
@@ -121,13 +169,7 @@ def _run(args) -> int:
     fp8_m1 = lambda: ops.fp8_mm(x1, fp8_set.next(), scale, None, None)  # noqa: E731
 
     # streaming read of the same copies: the bandwidth the GEMV could reach at best
-    t_read, t_gemv = _paired(lambda: _C._cpu_stream_read(fp8_set.next()), fp8_m1, rounds, rep)
-    read_gbs, gemv_gbs = bits.numel() / t_read / 1e9, bits.numel() / t_gemv / 1e9
-    frac = gemv_gbs / read_gbs
-    rows.append(dict(case="fp8_mm M=1 weight stream", ms=t_gemv * 1e3, baseline="stream read of the weight",
-                     base_ms=t_read * 1e3, ratio=frac, goal=">= 0.85 of read GB/s", met="yes" if frac >= 0.85 else "NO",
-                     gbs=gemv_gbs))
-    print(f"  read bandwidth: {read_gbs:.1f} GB/s; fp8_mm M=1 streams {gemv_gbs:.1f} GB/s = {frac:.0%}", flush=True)
+    read_gbs = _stream_case(rows, "fp8_mm M=1 weight stream", fp8_m1, fp8_set, rounds, rep, 0.85)
 
     bf16_set = _Rotating(w_bf16, ws)
     _case(rows, "fp8_mm M=1 bf16", fp8_m1, lambda: F.linear(x1, bf16_set.next()), "F.linear bf16", 2.0, rounds, rep,
@@ -140,12 +182,33 @@ def _run(args) -> int:
           "_weight_int8pack_mm", 1.35, rounds, rep, bits.numel())
     del int8_set, fp8_set
 
+    # W8A8 decode on both Llama-3-8B shapes (the up and down projections): a read of the int8 weight at best
+    for k, n in ((K, N), (N, K)):
+        wq_m1 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        ws_m1 = torch.rand(n, generator=gen) * 0.01
+        xk = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+        int8_set = _Rotating(wq_m1, ws)
+
+        def w8a8_m1(xk=xk, int8_set=int8_set, ws_m1=ws_m1):
+            q, s = ops.int8_quantize(xk)
+            return ops.int8_mm(q, s, int8_set.next(), ws_m1, None, torch.bfloat16)
+        _stream_case(rows, f"int8_quantize+int8_mm M=1 K={k} N={n}", w8a8_m1, int8_set, rounds, rep, 0.95)
+        del int8_set, wq_m1
+
     w_f32 = torch.randn(N, K, generator=gen) * 0.02
     x64 = torch.randn(64, K, generator=gen).to(torch.bfloat16)
     x64f = x64.float()
     rep_big = 2 if quick else 3
     _case(rows, "fp8_mm M=64 bf16", lambda: ops.fp8_mm(x64, bits, scale, None, None), lambda: F.linear(x64f, w_f32),
           "F.linear fp32", 1.15, rounds, rep_big, bits.numel(), ratio_kind="time")
+    # prefill against bf16 itself (AMX where the CPU has it), on both Llama-3-8B shapes
+    for k, n in ((K, N), (N, K)):
+        b, sc = (bits, scale) if (k, n) == (K, N) else _fp8_weight(n, k, gen)
+        wb = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+        xb = torch.randn(64, k, generator=gen).to(torch.bfloat16)
+        _case(rows, f"fp8_mm M=64 bf16 K={k} N={n}", lambda xb=xb, b=b, sc=sc: ops.fp8_mm(xb, b, sc, None, None),
+              lambda xb=xb, wb=wb: F.linear(xb, wb), "F.linear bf16", 1.0, rounds, rep_big, b.numel())
+        del wb
     wscale = torch.rand(N, generator=gen)
     for M in (64, 256):
         x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
@@ -170,13 +233,5 @@ def _run(args) -> int:
     _case(rows, f"fp8_grouped_mm {G}x1 rows K={gK} N={gN}", lambda: ops.fp8_grouped_mm(xg, gbits, gscale, offsets,
           None, None), loop, "per-group F.linear bf16", 1.8, rounds, rep * 3, gbits.numel())
 
-    print()
-    print_table(rows, [("case", "case", None), ("ms", "ms", "{:.3f}"), ("gbs", "weight GB/s", "{:.1f}"),
-                       ("baseline", "baseline", None), ("base_ms", "baseline ms", "{:.3f}"),
-                       ("ratio", "ratio", "{:.2f}"), ("goal", "goal", None), ("met", "met", None)])
-    if args.json:
-        write_json(args.json, rows, suite="cpu", K=K, N=N, threads=torch.get_num_threads(), isa=cpu_isa(),
-                   amx_gemm=cpu_amx_gemm(),
-                   read_gbs=read_gbs, working_set_bytes=ws, last_level_cache_bytes=llc, quick=quick)
-        print(f"wrote {args.json}")
-    return 0
+    meta.update(K=K, N=N, read_gbs=read_gbs, working_set_bytes=ws, last_level_cache_bytes=llc, quick=quick)
+    return rows
