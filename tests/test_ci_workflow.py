@@ -30,7 +30,7 @@ def commands(script):
     out = []
     for line in script.splitlines():
         for part in line.replace("&&", "|").split("|"):
-            argv = shlex.split(part)
+            argv = shlex.split(part, comments=True)
             if argv:
                 out.append(argv)
     return out
