@@ -199,6 +199,18 @@ print("smoke ok", err)
 """
 
 
+def installed_files_state():
+    """(file, mtime) of torch_lowbit as installed in this interpreter's site-packages (the shared editable
+    install, if any; not the egg-info that building the sdist leaves in the checkout)."""
+    import importlib.metadata as md
+    import site
+    state = []
+    for dist in md.distributions(name="torch_lowbit", path=site.getsitepackages()):
+        paths = [dist.locate_file(f) for f in dist.files or []]
+        state += [(str(p), os.path.getmtime(p)) for p in paths if os.path.exists(p)]
+    return sorted(state)
+
+
 def sdist_members(tarball):
     import tarfile
     with tarfile.open(tarball) as t:
@@ -211,6 +223,7 @@ def test_sdist_round_trip(tmp_path):
     """python -m build --sdist; pip install --no-build-isolation in a fresh venv (torch from the host, emulator
     off to keep the build short); import it there and run one op on cpu. The shared install is not touched:
     the venv has its own site-packages, and pip leaves packages outside it alone."""
+    shared_before = installed_files_state()
     r = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--skip-dependency-check",
                         "--outdir", str(tmp_path), ROOT], cwd=tmp_path, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
@@ -238,3 +251,4 @@ def test_sdist_round_trip(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:]
     import torch_lowbit
     assert r.stdout.splitlines()[0] == torch_lowbit.__version__ and "smoke ok" in r.stdout
+    assert installed_files_state() == shared_before, "the round trip changed this interpreter's torch_lowbit install"
