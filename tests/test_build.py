@@ -217,7 +217,7 @@ def sdist_members(tarball):
         return {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
 
 
-@pytest.mark.skipif(not CI, reason="builds _C from an sdist in a fresh venv (~3 min on 2 cores): runs in CI "
+@pytest.mark.skipif(not CI, reason="builds _C from an sdist in a fresh venv (it compiles _C from scratch, minutes): runs in CI "
                                    "(.ci/run sets TORCH_LOWBIT_CI=1)")
 def test_sdist_round_trip(tmp_path):
     """python -m build --sdist; pip install --no-build-isolation in a fresh venv (torch from the host, emulator
