@@ -131,9 +131,9 @@ def test_kernel_that_does_not_compile_fails_the_build_with_its_message(fake_xcru
 
 def test_setup_py_metallib_1_without_toolchain_fails(tmp_path):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable), TORCH_LOWBIT_METALLIB="1")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "build_ext", "--build-lib", str(tmp_path / "lib"),
-                        "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "build_ext",
+                        "--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")],
+                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert r.returncode != 0
     assert "TORCH_LOWBIT_METALLIB=1, but Apple's Metal toolchain is not usable" in r.stdout, r.stdout[-2000:]
     assert not (tmp_path / "lib").exists()  # nothing was compiled
@@ -217,8 +217,8 @@ def sdist_members(tarball):
         return {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
 
 
-@pytest.mark.skipif(not CI, reason="builds _C from an sdist in a fresh venv (it compiles _C from scratch, minutes): runs in CI "
-                                   "(.ci/run sets TORCH_LOWBIT_CI=1)")
+@pytest.mark.skipif(not CI, reason="builds _C from an sdist in a fresh venv (a from-scratch compile, minutes): "
+                                   "runs in CI (.ci/run sets TORCH_LOWBIT_CI=1)")
 def test_sdist_round_trip(tmp_path):
     """python -m build --sdist; pip install --no-build-isolation in a fresh venv (torch from the host, emulator
     off to keep the build short); import it there and run one op on cpu. The shared install is not touched:
