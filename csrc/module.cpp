@@ -8,6 +8,7 @@
 #include "cpu/workspace.h"
 #include "metal/dry_run_launcher.h"
 #include "metal/emu_launcher.h"
+#include "metal/mps_info.h"
 #include "metal/plan_int8_mm.h"
 #include "metal/plans.h"
 
@@ -58,6 +59,21 @@ py::list dry_run_take() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_load_emulator", &lowbit::metal::load_emulator, "load torch_lowbit/_msl_emu*.so (the MSL emulator)");
   m.def("_emulator_loaded", &lowbit::metal::emulator_loaded);
+  m.def(
+      "_mps_info",
+      []() -> py::object {
+        auto provider = lowbit::metal::mps_info_provider();
+        if (provider == nullptr) return py::none();  // built without the mps launcher (not macOS)
+        const lowbit::metal::MpsInfo info = provider();
+        py::dict d;
+        d["gpu"] = info.gpu;
+        d["apple_family"] = info.caps.apple_family;
+        d["msl_version"] = info.caps.msl_version;
+        d["libraries"] = info.libraries;
+        return d;
+      },
+      "the mps launcher's GPU, its Apple family, the MSL version and how each Metal library was loaded "
+      "(loads them); None when built without the mps launcher");
   m.def("_emu_set_reverse", &lowbit::metal::set_emulator_reverse,
         "run the threads of every emulated threadgroup in reverse order (a test switch)");
   m.def(

@@ -4,7 +4,9 @@ clang parses the file (-fsyntax-only) against tests/launcher_stubs/ -- Apple's F
 libdispatch declarations that the launcher (and torch's ATen/mps headers) use, each written from Apple's
 documented signature -- and against the installed torch's own headers, ATen/mps/MPSStream.h and
 MPSDevice.h included (they ship in every torch wheel). A misspelled selector, a wrong argument type or a
-torch MPS API that moved then fails here. Objective-C reports an unknown selector only as a warning, so
+torch MPS API that moved then fails here. It compiles once per macOS SDK level the stubs model (14, 15, 26:
+tests/launcher_stubs/Availability.h): a name newer than the oldest SDK must be hidden by a compile-time SDK
+check, since `@available` only tests the OS at run time. Objective-C reports an unknown selector only as a warning, so
 warnings are errors. `-fobjc-runtime=gnustep-2.0` only tells clang which Objective-C ABI to assume (Debian's
 clang ships no Apple runtime); with -fsyntax-only nothing is generated.
 
@@ -27,17 +29,16 @@ def find_clang():
     return shutil.which("clang++") or shutil.which("clang")
 
 
-# The heavy, unchanging includes of mps_launcher.mm (torch + Apple stubs). The test precompiles them once
-# (a PCH) so that the real file and every mutant parse in ~2 s of CPU instead of ~12 s each; the headers
-# parsed are the same as without it (their include guards skip them in the .mm).
+# The heavy, SDK-independent includes of mps_launcher.mm (torch's own headers). The test precompiles them
+# once (a PCH) so that the real file and every mutant parse in ~2 s of CPU instead of ~12 s each; the headers
+# parsed are the same as without it (their include guards skip them in the .mm). The Apple stubs and torch's
+# ATen/mps headers that include them are small and differ per SDK level: parsed with each file.
 PREFIX = """#include <ATen/ATen.h>
 #include <torch/library.h>
-#include <torch/version.h>
-#include <ATen/mps/MPSDevice.h>
-#include <ATen/mps/MPSStream.h>
-#import <Foundation/Foundation.h>
-#import <Metal/Metal.h>
 """
+
+# the SDK levels of tests/launcher_stubs (LOWBIT_STUB_SDK): the oldest macOS the kernels run on, and newer ones
+SDK_LEVELS = {"macOS 14 SDK": 140000, "macOS 15 SDK": 150000, "macOS 26 SDK": 260000}
 
 
 def clang_flags():
@@ -49,9 +50,10 @@ def clang_flags():
     return flags
 
 
-def check_command(source, gen_dir, pch=None):
-    """The clang invocation of the check. gen_dir holds lowbit_metal_source.h (its content is irrelevant)."""
-    cmd = [find_clang(), "-x", "objective-c++", "-fsyntax-only"] + clang_flags()
+def check_command(source, gen_dir, sdk, pch=None):
+    """The clang invocation of the check at SDK level `sdk` (LOWBIT_STUB_SDK). gen_dir holds
+    lowbit_metal_libraries.h (its content is irrelevant)."""
+    cmd = [find_clang(), "-x", "objective-c++", "-fsyntax-only"] + clang_flags() + [f"-DLOWBIT_STUB_SDK={sdk}"]
     if pch:
         cmd += ["-include-pch", pch]
     return cmd + ["-I", os.path.join(ROOT, "csrc"), "-I", gen_dir, source]
@@ -68,48 +70,73 @@ def build_pch(d):
 
 
 def write_gen_header(d):
-    # a stand-in for build/gen/lowbit_metal_source.h, so that the check does not depend on a build
-    with open(os.path.join(d, "lowbit_metal_source.h"), "w") as f:
-        f.write('#pragma once\nstatic const char kLowbitMetalSource[] = "";\n')
+    # a stand-in for build/gen/lowbit_metal_libraries.h, so that the check does not depend on a build
+    with open(os.path.join(d, "lowbit_metal_libraries.h"), "w") as f:
+        f.write('#pragma once\n#include "metal/metal_libraries.h"\n'
+                'static const lowbit::metal::MetalLibrary kLowbitMetalLibraries[] = {{"lowbit", 301, 7, 14, ""}};\n')
 
 
-# Planted mistakes: (what, original text, replacement, a fragment of the expected diagnostic)
+# Planted mistakes: (what, SDK level, original text, replacement, a fragment of the expected diagnostic)
 MUTANTS = [
-    ("misspelled selector", "setThreadgroupMemoryLength:(dp", "setThreadGroupMemoryLength:(dp", "not found"),
-    ("torch API that does not exist", "stream->commandEncoder()", "stream->computeEncoder()", "no member named"),
-    ("wrong argument type", "setBuffer:getMTLBufferStorage(a.tensor)", "setBuffer:a.tensor.data_ptr()",
-     "error:"),
+    ("misspelled selector", "macOS 15 SDK", "setThreadgroupMemoryLength:(dp", "setThreadGroupMemoryLength:(dp",
+     "not found"),
+    ("torch API that does not exist", "macOS 15 SDK", "stream->commandEncoder()", "stream->computeEncoder()",
+     "no member named"),
+    ("wrong argument type", "macOS 15 SDK", "setBuffer:getMTLBufferStorage(a.tensor)",
+     "setBuffer:a.tensor.data_ptr()", "error:"),
+    # issue 11 defect 2: `options.mathMode` under @available alone does not build with the macOS 14 SDK
+    ("mathMode guarded by @available only", "macOS 14 SDK", "#if LOWBIT_SDK_MACOS_15\n  if (@available",
+     "#if 1\n  if (@available", "mathMode"),
+    ("MTLGPUFamilyApple10 without its SDK guard", "macOS 15 SDK", "#if LOWBIT_SDK_MACOS_26\n      {MTLGPUFamilyApple10",
+     "#if 1\n      {MTLGPUFamilyApple10", "MTLGPUFamilyApple10"),
+    ("deprecated fastMathEnabled not silenced", "macOS 15 SDK",
+     '#pragma clang diagnostic ignored "-Wdeprecated-declarations"', "", "deprecated"),
 ]
 
 
 @pytest.fixture(scope="module")
 def compiled():
     """Compile the real launcher and every mutant concurrently (each parse costs several CPU seconds)."""
+    if sys.platform == "darwin":
+        # the stubs would shadow the real SDK's headers; on macOS the build itself compiles the launcher
+        pytest.skip("on macOS the build compiles mps_launcher.mm against the real SDK")
     if find_clang() is None:
         pytest.skip("clang is not installed (apt-get install clang)")
     src = open(LAUNCHER, encoding="ascii").read()
     with tempfile.TemporaryDirectory() as d:
         write_gen_header(d)
         pch = build_pch(d)
-        jobs = {"real": subprocess.Popen(check_command(LAUNCHER, d, pch), stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True)}
-        for what, old, new, _ in MUTANTS:
+        jobs = {level: (LAUNCHER, sdk) for level, sdk in SDK_LEVELS.items()}
+        for what, level, old, new, _ in MUTANTS:
             assert src.count(old) == 1, f"mutant '{what}': {old!r} must occur once in mps_launcher.mm"
-            path = os.path.join(d, what.replace(" ", "_") + ".mm")
+            path = os.path.join(d, "".join(c if c.isalnum() else "_" for c in what) + ".mm")
             with open(path, "w") as f:
                 f.write(src.replace(old, new))
-            jobs[what] = subprocess.Popen(check_command(path, d, pch), stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True)
-        yield {k: (p.wait(), p.communicate()[0]) for k, p in jobs.items()}
+            jobs[what] = (path, SDK_LEVELS[level])
+        yield run_parallel({k: check_command(path, d, sdk, pch) for k, (path, sdk) in jobs.items()})
 
 
-def test_launcher_compiles_against_apple_stubs_and_torch_headers(compiled):
-    rc, out = compiled["real"]
-    assert rc == 0, "mps_launcher.mm fails the launcher check:\n" + out
+def run_parallel(commands, width=2):
+    """{key: (returncode, output)}; at most `width` parses at once (each holds ~0.5 GB)."""
+    results, running, todo = {}, {}, list(commands.items())
+    while todo or running:
+        while todo and len(running) < width:
+            k, cmd = todo.pop(0)
+            running[k] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        k = next(iter(running))
+        p = running.pop(k)
+        results[k] = (p.wait(), p.communicate()[0])
+    return results
 
 
-@pytest.mark.parametrize("what,old,new,diagnostic", MUTANTS, ids=[m[0] for m in MUTANTS])
-def test_launcher_check_catches(compiled, what, old, new, diagnostic):
+@pytest.mark.parametrize("level", SDK_LEVELS)
+def test_launcher_compiles_against_apple_stubs_and_torch_headers(compiled, level):
+    rc, out = compiled[level]
+    assert rc == 0, f"mps_launcher.mm fails the launcher check with the {level}:\n" + out
+
+
+@pytest.mark.parametrize("what,level,old,new,diagnostic", MUTANTS, ids=[m[0] for m in MUTANTS])
+def test_launcher_check_catches(compiled, what, level, old, new, diagnostic):
     rc, out = compiled[what]
     assert rc != 0, f"the launcher check accepted a {what} ({old} -> {new})"
     assert diagnostic in out, out
@@ -118,6 +145,9 @@ def test_launcher_check_catches(compiled, what, old, new, diagnostic):
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         write_gen_header(d)
-        cmd = check_command(LAUNCHER, d)
-        print(" ".join(cmd))
-        sys.exit(subprocess.call(cmd))
+        rc = 0
+        for level, sdk in SDK_LEVELS.items():
+            cmd = check_command(LAUNCHER, d, sdk)
+            print(level + ": " + " ".join(cmd))
+            rc |= subprocess.call(cmd)
+        sys.exit(rc)

@@ -33,5 +33,4 @@ from .quantize import (Fp8WeightOnly, Int8Dynamic, quantize_, quantize_fp8,  # n
                        quantize_int8)
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
 
-
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402,F401

@@ -9,7 +9,7 @@ from . import _C
 
 
 def available() -> bool:
-    """True when this install has the emulator (built on non-macOS unless TORCH_LOWBIT_EMULATOR=0)."""
+    """True when this install has the emulator (built on Linux and macOS unless TORCH_LOWBIT_EMULATOR=0)."""
     return bool(_C._emulator_loaded())
 
 

@@ -6,6 +6,12 @@
 // simdgroup, over the lanes waiting at the same call site = the active lanes) and barriers (all live
 // threads of the threadgroup must wait at the same barrier). Workers run different threadgroups in parallel;
 // kernel-scope `threadgroup` variables are `static thread_local`, i.e. shared by the fibers of one worker.
+#if defined(__APPLE__)
+// macOS declares the (deprecated) ucontext routines, and a ucontext_t with room for the machine context, only
+// under _XOPEN_SOURCE; that hides the BSD names (MAP_ANONYMOUS, MAP_NORESERVE) unless _DARWIN_C_SOURCE is set.
+#define _XOPEN_SOURCE 700
+#define _DARWIN_C_SOURCE 1
+#endif
 #include <signal.h>
 #include <setjmp.h>
 #include <sys/mman.h>
@@ -27,9 +33,9 @@
 #include "../metal/limits.h"
 
 // ---------------------------------------------------------------------------------------------- context switch
-// x86-64: a 14-instruction switch of the callee-saved registers (no signal-mask syscalls, ~20x faster than
-// swapcontext). Elsewhere, or with -DMSL_EMU_UCONTEXT (needed for AddressSanitizer builds): ucontext.
-#if defined(__x86_64__) && !defined(MSL_EMU_UCONTEXT)
+// x86-64 ELF: a 14-instruction switch of the callee-saved registers (no signal-mask syscalls, ~20x faster than
+// swapcontext). Elsewhere (macOS arm64 included), or with -DMSL_EMU_UCONTEXT (AddressSanitizer builds): ucontext.
+#if defined(__x86_64__) && defined(__ELF__) && !defined(MSL_EMU_UCONTEXT)
 #define MSL_FAST_SWITCH 1
 extern "C" void msl_switch(void** save_sp, void* new_sp);
 asm(R"(

@@ -8,34 +8,49 @@
 // against tests/launcher_stubs/ (the Apple declarations used here) and the installed torch's own headers.
 // Every Apple call below must therefore also be declared there, from Apple's documented signature.
 #include <torch/library.h>
-#include <torch/version.h>
 
 #include <ATen/mps/MPSDevice.h>
 #include <ATen/mps/MPSStream.h>
 
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
+#include <Availability.h>
+#include <dlfcn.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <exception>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
-#include "lowbit_metal_source.h"  // kLowbitMetalSource: every metal/*.metal, local includes inlined (setup.py)
+#include "lowbit_metal_libraries.h"  // kLowbitMetalLibraries: each library's embedded source (setup.py)
+#include "metal/mps_info.h"
 #include "metal/planned_ops.h"
+
+// ---- the SDK this file is compiled against ----
+// `@available` checks the OS at run time only; a name that an older SDK does not declare must also be hidden
+// from the compiler. __MAC_OS_X_VERSION_MAX_ALLOWED is the SDK's macOS version (Availability.h).
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+#define LOWBIT_SDK_MACOS_15 1  // MTLCompileOptions.mathMode / mathFloatingPointFunctions
+#else
+#define LOWBIT_SDK_MACOS_15 0
+#endif
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 260000
+#define LOWBIT_SDK_MACOS_26 1  // MTLGPUFamilyApple10
+#else
+#define LOWBIT_SDK_MACOS_26 0
+#endif
 
 namespace lowbit::metal {
 namespace {
 
-// ---- what moved between torch versions ----
-// dispatch_sync_with_rethrow (a TORCH_CHECK thrown inside a dispatch_sync block would otherwise unwind into
-// libdispatch and std::terminate): declared in ATen/native/mps/OperationUtils.h (at::native::mps) up to
-// torch 2.9, moved to ATen/mps/MPSStream.h (at::mps) by pytorch#167445 for 2.10. OperationUtils.h is not
-// included here (it drags in MPSGraph and fmt and changes every release), so before 2.10 we define the
-// same function ourselves.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 10)
-using at::mps::dispatch_sync_with_rethrow;
-#else
+// A TORCH_CHECK thrown inside a dispatch_sync block would unwind into libdispatch and std::terminate: catch
+// it in the block, rethrow it after. torch has the same function (at::mps::dispatch_sync_with_rethrow), but
+// declared without TORCH_API, and PyTorch has tried to hide such symbols before (pytorch#110793, #127265):
+// our own copy, for every torch version.
 void dispatch_sync_with_rethrow(dispatch_queue_t queue, void (^block)()) {
   __block std::exception_ptr error;
   dispatch_sync(queue, ^() {
@@ -47,7 +62,6 @@ void dispatch_sync_with_rethrow(dispatch_queue_t queue, void (^block)()) {
   });
   if (error) std::rethrow_exception(error);
 }
-#endif
 
 // at::native::mps::getMTLBufferStorage (OperationUtils.h, every torch 2.x): the MPS allocator's data
 // pointer of a storage *is* its id<MTLBuffer>. Same one-liner, without including OperationUtils.h.
@@ -59,8 +73,66 @@ std::string describe(NSError* error) {
   return error == nil ? std::string("unknown error") : std::string([[error localizedDescription] UTF8String]);
 }
 
-// The kernels, compiled once per process from the embedded source, and one pipeline state per kernel
-// name, created on first use. Both are guarded by one mutex: ops may be called from several threads.
+std::string msl_name(uint32_t v) {
+  return "MSL " + std::to_string(v / 100) + "." + std::to_string(v % 100);
+}
+
+// The highest N with MTLGPUFamilyAppleN that the device supports (7 = M1 ... 10 = M5), 0 below M1.
+uint32_t apple_family(id<MTLDevice> device) {
+  const std::pair<MTLGPUFamily, uint32_t> families[] = {
+#if LOWBIT_SDK_MACOS_26
+      {MTLGPUFamilyApple10, 10},
+#endif
+      {MTLGPUFamilyApple9, 9},
+      {MTLGPUFamilyApple8, 8},
+      {MTLGPUFamilyApple7, 7},
+  };
+  for (const auto& [family, n] : families) {
+    if ([device supportsFamily:family]) return n;
+  }
+  return 0;
+}
+
+bool macos_at_least(uint32_t major) {
+  NSOperatingSystemVersion v = {NSInteger(major), 0, 0};
+  return [[NSProcessInfo processInfo] isOperatingSystemAtLeastVersion:v];
+}
+
+// The directory of the loaded torch_lowbit._C, where the build installs the .metallib files.
+std::string extension_dir() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&extension_dir), &info) == 0 || info.dli_fname == nullptr) return ".";
+  const std::string path(info.dli_fname);
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+MTLCompileOptions* compile_options(const MetalLibrary& lib) {
+  MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
+  // Apple's encoding of MTLLanguageVersion: (major << 16) + minor. macos_at_least(lib.macos) was checked.
+  options.languageVersion = MTLLanguageVersion(((lib.msl_version / 100) << 16) + lib.msl_version % 100);
+  // IEEE arithmetic and the precise fp32 math functions, as PyTorch's own MetalShaderLibrary sets them (mathMode
+  // + mathFloatingPointFunctions from macOS 15, fastMathEnabled before): fp8 codes 0x7F / 0xFF must decode to
+  // NaN and propagate, fp16 outputs overflow to inf, and the emulator that tests these kernels is strict IEEE.
+  // Fast math lets the compiler assume no NaN / inf (folding 0 * x to 0) and reassociate reductions; the
+  // kernels are bandwidth- or MMA-bound, so it buys nothing measurable. setup.py's metallib: -fno-fast-math.
+#if LOWBIT_SDK_MACOS_15
+  if (@available(macOS 15.0, *)) {
+    options.mathMode = MTLMathModeSafe;
+    options.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+    return options;
+  }
+#endif
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"  // deprecated by the macOS 15 SDK, the switch before it
+  options.fastMathEnabled = NO;
+#pragma clang diagnostic pop
+  return options;
+}
+
+// The libraries of kLowbitMetalLibraries that this device may run, loaded once per process (a precompiled
+// .metallib beside the extension if the build made one, else the embedded source), and one pipeline state per
+// kernel name, created on first use. Guarded by one mutex: ops may be called from several threads.
 class KernelCache {
  public:
   static KernelCache& get() {
@@ -72,9 +144,12 @@ class KernelCache {
     std::lock_guard<std::mutex> guard(mu_);
     auto it = pipelines_.find(name);
     if (it != pipelines_.end()) return it->second;
-    id<MTLLibrary> lib = library();
-    id<MTLFunction> fn = [lib newFunctionWithName:[NSString stringWithUTF8String:name.c_str()]];
-    TORCH_CHECK(fn != nil, "torch_lowbit mps: no kernel named '", name, "' in metal/*.metal");
+    load_libraries();
+    NSString* ns_name = [NSString stringWithUTF8String:name.c_str()];
+    id<MTLFunction> fn = nil;
+    for (size_t i = 0; i < libraries_.size() && fn == nil; i++) fn = [libraries_[i] newFunctionWithName:ns_name];
+    TORCH_CHECK(fn != nil, "torch_lowbit mps: no kernel named '", name, "' in the libraries loaded (",
+                c10::Join(", ", loaded_how_), ")");
     NSError* error = nil;
     id<MTLComputePipelineState> pso = [device_ newComputePipelineStateWithFunction:fn error:&error];
     [fn release];
@@ -83,44 +158,98 @@ class KernelCache {
     return pso;
   }
 
- private:
-  KernelCache() : device_(at::mps::MPSDevice::getInstance()->device()) {}
+  DeviceCaps caps() {
+    std::lock_guard<std::mutex> guard(mu_);
+    load_libraries();
+    return caps_;
+  }
 
-  // Called with mu_ held.
-  id<MTLLibrary> library() {
-    if (library_ != nil) return library_;
-    MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    // MSL 3.1 (macOS 14): the language every kernel is written and checked in (bfloat, simdgroup_matrix);
-    // newer compilers accept it unchanged, so one language version serves every macOS.
-    if (@available(macOS 14.0, *)) {
-      options.languageVersion = MTLLanguageVersion3_1;
-    } else {
-      [options release];
-      TORCH_CHECK(false, "torch_lowbit mps: the Metal kernels need macOS 14 or newer (Metal Shading Language 3.1)");
+  MpsInfo info() {
+    std::lock_guard<std::mutex> guard(mu_);
+    MpsInfo out;
+    out.gpu = device_ == nil ? std::string("none") : std::string([[device_ name] UTF8String]);
+    try {
+      load_libraries();
+    } catch (const std::exception& e) {
+      out.libraries.push_back(std::string("failed: ") + e.what());
     }
-    // IEEE math, not fast math: fp8 codes 0x7F / 0xFF must decode to NaN and propagate, fp16 outputs
-    // overflow to inf, and the emulator that tests these kernels is strict IEEE. Fast math lets the
-    // compiler assume no NaN / inf (folding 0 * x to 0, for one) and reassociate reductions. The kernels
-    // are bandwidth- or MMA-bound, so it buys nothing measurable.
-    if (@available(macOS 15.0, *)) {
-      options.mathMode = MTLMathModeSafe;
-    } else {
-      options.fastMathEnabled = NO;
+    out.caps = caps_;
+    out.libraries.insert(out.libraries.end(), loaded_how_.begin(), loaded_how_.end());
+    return out;
+  }
+
+ private:
+  KernelCache() : device_(at::mps::MPSDevice::getInstance()->device()) {
+    caps_.apple_family = apple_family(device_);
+  }
+
+  // Called with mu_ held. All or nothing: a library that fails throws, and the next call tries again.
+  void load_libraries() {
+    if (!libraries_.empty()) return;
+    std::vector<id<MTLLibrary>> libs;
+    std::vector<std::string> how;
+    uint32_t msl = 0;
+    try {
+      for (const MetalLibrary& lib : kLowbitMetalLibraries) {
+        const bool portable = &lib == &kLowbitMetalLibraries[0];
+        std::string why_not;
+        if (caps_.apple_family < lib.apple_family) {
+          why_not = "needs MTLGPUFamilyApple" + std::to_string(lib.apple_family) + ", this GPU is Apple" +
+                    std::to_string(caps_.apple_family);
+        } else if (!macos_at_least(lib.macos)) {
+          why_not = "needs macOS " + std::to_string(lib.macos) + " (" + msl_name(lib.msl_version) + ")";
+        }
+        TORCH_CHECK(!portable || why_not.empty(), "torch_lowbit mps: the Metal kernels cannot run here: ", why_not);
+        if (!why_not.empty()) {
+          how.push_back(std::string(lib.name) + ": not loaded (" + why_not + ")");
+          continue;
+        }
+        libs.push_back(load(lib, how));
+        msl = std::max(msl, lib.msl_version);
+      }
+    } catch (...) {
+      for (id<MTLLibrary> l : libs) [l release];
+      throw;
     }
+    libraries_ = std::move(libs);
+    loaded_how_ = std::move(how);
+    caps_.msl_version = msl;
+  }
+
+  id<MTLLibrary> load(const MetalLibrary& lib, std::vector<std::string>& how) {
     NSError* error = nil;
-    library_ = [device_ newLibraryWithSource:[NSString stringWithUTF8String:kLowbitMetalSource]
-                                     options:options
-                                       error:&error];
+    const std::string path = extension_dir() + "/" + lib.name + ".metallib";
+    if (access(path.c_str(), R_OK) == 0) {
+      id<MTLLibrary> l = [device_ newLibraryWithURL:[NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]]
+                                              error:&error];
+      TORCH_CHECK(l != nil, "torch_lowbit mps: cannot load ", path, " (built by setup.py; rebuild torch_lowbit): ",
+                  describe(error));
+      how.push_back(std::string(lib.name) + ": metallib " + path);
+      return l;
+    }
+    MTLCompileOptions* options = compile_options(lib);
+    id<MTLLibrary> l = [device_ newLibraryWithSource:[NSString stringWithUTF8String:lib.source]
+                                             options:options
+                                               error:&error];
     [options release];
-    TORCH_CHECK(library_ != nil, "torch_lowbit mps: compiling metal/*.metal failed: ", describe(error));
-    return library_;
+    TORCH_CHECK(l != nil, "torch_lowbit mps: compiling the ", lib.name, " kernels (", msl_name(lib.msl_version),
+                ") failed: ", describe(error));
+    how.push_back(std::string(lib.name) + ": source (" + msl_name(lib.msl_version) + ")");
+    return l;
   }
 
   std::mutex mu_;
   id<MTLDevice> device_;
-  id<MTLLibrary> library_ = nil;
+  DeviceCaps caps_;
+  std::vector<id<MTLLibrary>> libraries_;  // in kLowbitMetalLibraries order, those this device may run
+  std::vector<std::string> loaded_how_;
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
 };
+
+MpsInfo mps_info() {
+  return KernelCache::get().info();
+}
+[[maybe_unused]] const bool kInfoProviderSet = (mps_info_provider() = &mps_info, true);
 
 MTLSize mtl_size(const Size3& s) {
   return MTLSizeMake(s.x, s.y, s.z);
@@ -130,6 +259,8 @@ MTLSize mtl_size(const Size3& s) {
 
 class MpsLauncher final : public Launcher {
  public:
+  DeviceCaps caps() const override { return KernelCache::get().caps(); }
+
   void run(const Dispatch& d) override {
     if (uint64_t(d.threadgroups.x) * d.threadgroups.y * d.threadgroups.z == 0) return;
     for (const Arg& a : d.args) {

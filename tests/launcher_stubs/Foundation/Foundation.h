@@ -5,6 +5,8 @@
 #pragma once
 #include <stddef.h>
 
+#include <Availability.h>
+
 #include <dispatch/dispatch.h>
 
 #pragma clang assume_nonnull begin  // NS_ASSUME_NONNULL_BEGIN, as in Apple's headers
@@ -41,6 +43,26 @@ __attribute__((objc_root_class))
 // @interface NSError : NSObject: @property (readonly, copy) NSString *localizedDescription;
 @interface NSError : NSObject
 @property(readonly, copy) NSString* localizedDescription;
+@end
+
+// typedef struct { NSInteger majorVersion; NSInteger minorVersion; NSInteger patchVersion; } NSOperatingSystemVersion;
+typedef struct {
+  NSInteger majorVersion;
+  NSInteger minorVersion;
+  NSInteger patchVersion;
+} NSOperatingSystemVersion;
+
+// @interface NSProcessInfo : NSObject
+//   @property (class, readonly, strong) NSProcessInfo *processInfo;
+//   - (BOOL)isOperatingSystemAtLeastVersion:(NSOperatingSystemVersion)version;
+@interface NSProcessInfo : NSObject
+@property(class, readonly, strong) NSProcessInfo* processInfo;
+- (BOOL)isOperatingSystemAtLeastVersion:(NSOperatingSystemVersion)version;
+@end
+
+// @interface NSURL : NSObject: + (NSURL *)fileURLWithPath:(NSString *)path;
+@interface NSURL : NSObject
++ (NSURL*)fileURLWithPath:(NSString*)path;
 @end
 
 // used only as a pointer type by torch's MPSStream.h

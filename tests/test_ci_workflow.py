@@ -1,0 +1,113 @@
+""".github/workflows/ci.yml, checked as far as Linux can: it parses, its Linux job is .ci/run, every command
+it runs exists here (repository paths, `python -m` modules, bench suites), the macOS jobs build the metallib
+on macos-14 and macos-15, and the on-demand hardware job runs the suite, the main job and metal-traffic."""
+import os
+import shlex
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKFLOW = os.path.join(ROOT, ".github", "workflows", "ci.yml")
+ACTIONS = {"actions/checkout", "actions/setup-python", "actions/upload-artifact"}  # what the workflow may use
+TOOLS = {"bash", "pip", "python", "python3", "xcrun", "tee"}  # executables the runner image provides
+STDLIB_MODULES = {"pip", "venv"}  # `python -m` modules of every Python; others must be here or in the test extra
+
+
+@pytest.fixture(scope="module")
+def workflow():
+    with open(WORKFLOW, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def runs(job):
+    return [s["run"] for s in job["steps"] if "run" in s]
+
+
+def commands(script):
+    """Each command of a run script, as argv lists (split at pipes and &&)."""
+    out = []
+    for line in script.splitlines():
+        for part in line.replace("&&", "|").split("|"):
+            argv = shlex.split(part, comments=True)
+            if argv:
+                out.append(argv)
+    return out
+
+
+def test_triggers(workflow):
+    on = workflow[True] if True in workflow else workflow["on"]  # YAML 1.1 reads a bare `on` key as True
+    assert {"push", "pull_request", "workflow_dispatch"} <= set(on)
+
+
+def test_linux_job_is_ci_run(workflow):
+    job = workflow["jobs"]["linux"]
+    assert job["runs-on"] == "ubuntu-latest"
+    assert runs(job) == ["bash .ci/run"]
+
+
+def test_macos_jobs_build_with_apple_toolchain(workflow):
+    job = workflow["jobs"]["macos"]
+    assert job["strategy"]["matrix"]["os"] == ["macos-14", "macos-15"]
+    assert job["runs-on"] == "${{ matrix.os }}"
+    assert job["env"]["TORCH_LOWBIT_METALLIB"] == "1"  # a missing Metal compiler or a kernel error fails the job
+    scripts = runs(job)
+    assert any(s.startswith("pip install --no-build-isolation -e") for s in scripts)
+    assert "python -m torch_lowbit.env" in scripts
+    assert any(s.startswith("python -m pytest") and s.endswith("tests") for s in scripts)
+
+
+def test_hardware_job_on_demand_on_a_self_hosted_mac(workflow):
+    job = workflow["jobs"]["mac-hardware"]
+    assert job["runs-on"] == ["self-hosted", "macOS", "ARM64"]
+    assert job["if"] == "github.event_name == 'workflow_dispatch'"
+    argvs = [c for s in runs(job) for c in commands(s)]
+    assert any(c[1:4] == ["-m", "pytest", "-q"] for c in argvs)
+    bench = [c for c in argvs if c[1:3] == ["-m", "torch_lowbit.bench"]]
+    assert any("--json" in c for c in bench) and any(c[3:5] == ["--suite", "metal-traffic"] for c in bench)
+    upload = [s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
+    assert upload and "bench-layer.json" in upload[0]["with"]["path"]
+    for other in ("linux", "macos"):
+        assert workflow["jobs"][other]["if"] == "github.event_name != 'workflow_dispatch'"
+
+
+def extra_test_modules():  # not a test: the `test` extra of pyproject.toml
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return set(tomllib.load(f)["project"]["optional-dependencies"]["test"])
+
+
+def module_exists(name):
+    if name in STDLIB_MODULES or name in extra_test_modules():
+        return True
+    path = os.path.join(ROOT, *name.split("."))
+    return os.path.exists(path + ".py") or os.path.exists(os.path.join(path, "__main__.py"))
+
+
+def test_every_command_exists_here(workflow):
+    from torch_lowbit.bench import SUITES
+    for name, job in workflow["jobs"].items():
+        for step in job["steps"]:
+            if "uses" in step:
+                assert step["uses"].split("@")[0] in ACTIONS, f"{name}: unexpected action {step['uses']}"
+                continue
+            for argv in commands(step["run"]):
+                exe = argv[0]
+                if "/" in exe:  # a venv's interpreter, e.g. .venv/bin/python
+                    assert exe.endswith("/bin/python"), f"{name}: {exe}"
+                    exe = "python"
+                assert exe in TOOLS, f"{name}: unknown executable {exe!r} in {step['run']!r}"
+                if exe == "bash":
+                    assert os.path.isfile(os.path.join(ROOT, argv[1])), f"{name}: {argv[1]} is not in the repository"
+                if exe.startswith("python") and "-m" in argv:
+                    mod = argv[argv.index("-m") + 1]
+                    assert module_exists(mod), f"{name}: python -m {mod}: no such module here"
+                    if mod == "torch_lowbit.bench" and "--suite" in argv:
+                        assert argv[argv.index("--suite") + 1] in SUITES
+                    if mod == "pytest":
+                        assert os.path.isdir(os.path.join(ROOT, argv[-1]))
+                if exe == "pip" or (exe.startswith("python") and argv[1:3] == ["-m", "pip"]):
+                    if "-e" in argv:
+                        extra = argv[argv.index("-e") + 1]
+                        assert extra == ".[test]"

@@ -1,0 +1,50 @@
+"""`python -m torch_lowbit.env`: the bug-report command runs and says what this install is."""
+import glob
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_lowbit
+from torch_lowbit import env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.dirname(os.path.abspath(torch_lowbit.__file__))
+
+
+def test_env_command_runs_and_reports_this_install():
+    r = subprocess.run([sys.executable, "-m", "torch_lowbit.env"], cwd=ROOT, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout
+    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines())
+    assert lines["torch_lowbit"].startswith(torch_lowbit.__version__ + " (")
+    assert lines["torch"] == torch.__version__
+    assert lines["Python"].startswith(platform.python_version())
+    assert lines["device"] == ("mps" if torch.backends.mps.is_available() else "cpu")
+    assert lines["cpu instruction set"] in ("portable", "avx2", "avxvnni", "avx512")
+    assert lines["cpu AMX GEMM route"] in ("on", "off")
+    built = {stem: bool(glob.glob(os.path.join(PKG, stem + ".*so"))) for stem in ("_msl_emu", "_msl_trace")}
+    assert lines["MSL emulator (_msl_emu)"] == ("built" if built["_msl_emu"] else "not built")
+    assert lines["traffic build (_msl_trace)"] == ("built" if built["_msl_trace"] else "not built")
+
+
+def test_mps_lines_name_gpu_family_and_library(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    info = {"gpu": "Apple M3 Max", "apple_family": 9, "msl_version": 301,
+            "libraries": ["lowbit: metallib /site/torch_lowbit/lowbit.metallib"]}
+    monkeypatch.setattr(env._C, "_mps_info", lambda: info, raising=False)
+    assert env._mps_lines() == ["mps GPU: Apple M3 Max (MTLGPUFamilyApple9, kernels MSL 3.1)",
+                                "metal library lowbit: metallib /site/torch_lowbit/lowbit.metallib"]
+    monkeypatch.setattr(env._C, "_mps_info", lambda: None, raising=False)
+    assert "without its Metal launcher" in env._mps_lines()[0]
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert "no Metal device is available" in env._mps_lines()[0]
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="macOS builds the mps launcher")
+def test_mps_info_is_none_without_the_mps_launcher():
+    assert torch_lowbit._C._mps_info() is None
