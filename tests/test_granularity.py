@@ -99,7 +99,7 @@ def test_block_hint_takes_the_block_only_when_the_shape_is_its_own():
     assert granularity_with_block_hint((40, 1), 40, 50, (16, 32)) == PerChannel()
     assert granularity_with_block_hint((1,), 40, 50, (16, 32)) == PerTensor()
     assert granularity_with_block_hint((2, 3, 2), 40, 50, (16, 32), experts=2) == PerBlock(16, 32)
-    with pytest.raises(ValueError, match=r"fits no layout .* or \[3, 2\] \(blocks of 16x32\)"):
+    with pytest.raises(ValueError, match=r"fits no layout .* \(per channel\) or \[3, 2\] \(blocks of 16x32\)$"):
         granularity_with_block_hint((3, 3), 40, 50, (16, 32))
 
 

@@ -147,12 +147,24 @@ def infer_granularity(scale_shape: Sequence[int], N: int, K: int, block_size: Op
         return PerTensor()
     if shape in (lead + (N,), lead + (N, 1)):
         return PerChannel()
-    hint = "; block scales need block_size=(block_n, block_k)" if len(shape) == len(lead) + 2 else ""
-    expected = ("[E] (per tensor), [E, N] (per channel) or [E, ceil(N/bn), ceil(K/bk)] with block_size"
-                if experts is not None else
-                "one element (per tensor), [N] or [N, 1] (per channel) or [ceil(N/bn), ceil(K/bk)] with block_size")
-    dims = [experts, N, K] if experts is not None else [N, K]
-    raise ValueError(f"{what} of shape {list(shape)} fits no layout of a weight {dims}: expected {expected}{hint}")
+    raise ValueError(_refusal(what, shape, N, K, experts, None))
+
+
+def _refusal(what, shape, N, K, experts, block_hint) -> str:
+    if experts is not None:
+        expected = "[E] (per tensor), [E, N] (per channel)"
+        dims = [experts, N, K]
+    else:
+        expected = "one element (per tensor), [N] or [N, 1] (per channel)"
+        dims = [N, K]
+    if block_hint is None:
+        expected += " or [..., ceil(N/bn), ceil(K/bk)] with block_size (per block)"
+        if len(shape) == len(dims):
+            expected += "; block scales need block_size=(block_n, block_k)"
+    else:
+        g = PerBlock(*block_hint)
+        expected += f" or {list(g.scale_shape(N, K, experts))} (blocks of {g.block_n}x{g.block_k})"
+    return f"{what} of shape {list(shape)} fits no layout of a weight {dims}: expected {expected}"
 
 
 def granularity_with_block_hint(scale_shape: Sequence[int], N: int, K: int, block_size: Optional[Sequence[int]],
@@ -160,14 +172,13 @@ def granularity_with_block_hint(scale_shape: Sequence[int], N: int, K: int, bloc
     """:func:`infer_granularity` where ``block_size`` is a format's block that a scale may or may not use (a
     checkpoint mixing block and per-channel layers, stacked experts with one block for both projections): per
     block if the shape is that block's, else the rule without a block size."""
-    if block_size is not None:
-        g = PerBlock(*normalize_block_size(block_size))
-        if tuple(int(d) for d in scale_shape) == g.scale_shape(N, K, experts):
-            return g
-    try:
+    if block_size is None:
         return infer_granularity(scale_shape, N, K, None, experts=experts, what=what)
-    except ValueError as e:
-        if block_size is None:
-            raise
-        want = PerBlock(*block_size).scale_shape(N, K, experts)
-        raise ValueError(f"{e}, or {list(want)} (blocks of {block_size[0]}x{block_size[1]})") from None
+    g = PerBlock(*normalize_block_size(block_size))
+    shape = tuple(int(d) for d in scale_shape)
+    if shape == g.scale_shape(N, K, experts):
+        return g
+    try:
+        return infer_granularity(shape, N, K, None, experts=experts, what=what)
+    except ValueError:
+        raise ValueError(_refusal(what, shape, N, K, experts, g.block_size)) from None

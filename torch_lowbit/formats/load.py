@@ -8,10 +8,11 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from .detect import QuantFormat, detect
+from .detect import detect
 from .moe import is_experts_module, load_experts
+from .registry import QuantFormat
 from .source import CheckpointError, Source, open_source
-from .tensors import read_quantized, weight_kind
+from .tensors import read_quantized
 
 
 @dataclass
@@ -62,12 +63,6 @@ def _is_plain_linear(m: nn.Module) -> bool:
     return type(m) is nn.Linear or (isinstance(m, nn.Linear) and not hasattr(m, "weight_scale"))
 
 
-def _describe(q) -> str:
-    if q.block_size is not None:
-        return f"block {q.block_size[0]}x{q.block_size[1]}"
-    return q.granularity
-
-
 def _swap_linear(model, name, linear, q, src, device, dtype, used, report):
     from ..nn import Fp8Linear, Int8Linear
     from .._storage import to_fp8_storage
@@ -89,7 +84,7 @@ def _swap_linear(model, name, linear, q, src, device, dtype, used, report):
         layer = Fp8Linear.from_quantized(to_fp8_storage(q.weight, dev), q.scale.to(dev), bias,
                                          block_size=q.block_size,
                                          input_scale=None if q.input_scale is None else q.input_scale.to(dev))
-        report.converted[name] = f"Fp8Linear({_describe(q)})"
+        report.converted[name] = f"Fp8Linear({q.granularity.describe()})"
     else:
         layer = Int8Linear.from_quantized(q.weight.to(dev), q.scale.to(dev), bias)
         report.converted[name] = "Int8Linear(channel)"
@@ -134,9 +129,9 @@ def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, 
 
 
 def _upcast_unscaled(key, value, src, fmt: QuantFormat, used):
-    """A quantized tensor in a module torch_lowbit does not convert: only diffusion files, whose fp8 means
-    float(w) * scale_weight, are upcast (exactly); anything else would silently lose its scale."""
-    if fmt.name != "diffusion-fp8" or value.dtype != torch.float8_e4m3fn:
+    """A quantized tensor in a module torch_lowbit does not convert: only formats whose fp8 means float(w) * scale
+    (diffusion files) are upcast (exactly); anything else would silently lose its scale."""
+    if fmt.format is None or not fmt.format.upcasts_unscaled or value.dtype != torch.float8_e4m3fn:
         raise CheckpointError(f"{key} is {value.dtype} but the model's tensor there is floating point and not part of "
                               f"an nn.Linear torch_lowbit converts")
     skey = key.rsplit(".", 1)[0] + "." + fmt.scale_key
@@ -157,15 +152,16 @@ def _assign(model, key, new):
 
 
 def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dict] = None, device=None,
-                   dtype: Optional[torch.dtype] = None, strict: bool = False) -> LoadReport:
+                   dtype: Optional[torch.dtype] = None, strict: bool = False, mmap: bool = False) -> LoadReport:
     """Load a quantized checkpoint into `model`, in place, and return a :class:`LoadReport`.
 
     path_or_state_dict: a checkpoint directory (config.json with quantization_config and/or hf_quant_config.json;
     one .safetensors file or shards with model.safetensors.index.json), a single .safetensors file, or a state
     dict (then pass ``config`` unless the format shows in the tensors). ``.bin`` / ``.pt`` files are refused:
-    nothing is ever unpickled. Tensors are read one at a time from memory-mapped files, so peak memory stays near
-    the quantized size; build the model on the meta device (``with torch.device("meta"): model = ...``) to avoid
-    allocating its dense weights at all.
+    nothing is ever unpickled, and no file outside the checkpoint directory is opened, whatever the index says
+    (a Hugging Face cache snapshot may link into its ``blobs`` folder). Tensors are read one at a time, so peak
+    memory stays near the quantized size; build the model on the meta device (``with torch.device("meta"):
+    model = ...``) to avoid allocating its dense weights at all.
 
     Each ``nn.Linear`` whose checkpoint weight is float8_e4m3fn (or int8 for compressed-tensors W8A8) and that
     the checkpoint's ignore list (``ignore`` / ``modules_to_not_convert`` / ``exclude_modules``: exact names,
@@ -174,8 +170,12 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``. device: where the loaded
     tensors go (default: where each model tensor is, cpu for meta). dtype: dtype of the high-precision
     parameters and biases (default: each model tensor's own). strict: raise if any key is unused or missing.
+    mmap: by default each tensor is copied out of the file as it is read, so the model owns its memory and does
+    not depend on the file afterwards; ``mmap=True`` keeps CPU tensors memory-mapped (no copy, pages shared with
+    the page cache), and then the file must stay unchanged while the model lives: truncating it kills the
+    process (SIGBUS), rewriting it changes the weights.
     """
-    src = open_source(path_or_state_dict)
+    src = open_source(path_or_state_dict, mmap=mmap)
     try:
         fmt = detect(src, config)
         report = LoadReport(format=fmt.name, details=dict(fmt.details))
@@ -203,7 +203,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             wkey = f"{name}.weight"
             if wkey not in src:
                 continue
-            kind = weight_kind(fmt, wkey, src.dtype(wkey))
+            kind = fmt.weight_kind(wkey, src.dtype(wkey))
             if kind is None:
                 report.high_precision[name] = ("in the ignore list" if fmt.is_ignored(name)
                                                else f"stored as {src.dtype(wkey)}")
@@ -230,5 +230,4 @@ def _add_notes(fmt: QuantFormat, report: LoadReport):
     if any(v.startswith("Int8Linear") for v in report.converted.values()):
         report.notes.append("Int8Linear quantizes activations per token at run time (static input scales, "
                             "if any, are not used)")
-    if fmt.name == "fp8" and fmt.details.get("config") == "none (inferred)":
-        report.notes.append("no config: weight_scale_inv read as blocks of 128x128")
+    report.notes.extend(fmt.notes)

@@ -63,7 +63,7 @@ class Fp8Experts(nn.Module):
         E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
         self.gate_up_granularity, self.down_granularity = g, dg
-        self.block_size = blocks.pop() if blocks else (None if block_size is None else tuple(int(b) for b in block_size))
+        self.block_size = blocks.pop() if blocks else None
         self.dtype = dtype  # dtype of the dense model this layer stands in for (activations keep their own)
         wdtype = fp8_storage_dtype(device)
         self.register_buffer("gate_up", torch.zeros(E, 2 * I, H, dtype=torch.uint8, device=device).view(wdtype))
