@@ -1,6 +1,5 @@
 """One granularity type and one inference rule: PerTensor / PerChannel / PerBlock with their string aliases, and
 infer_granularity agreeing with the ops' C++ check (check_fp8_weight) on every shape, accepted or refused."""
-import itertools
 import math
 
 import pytest

@@ -188,6 +188,18 @@ def test_truncating_the_file_after_loading_does_not_kill_the_process(tmp_path, c
     assert res.stdout.strip().endswith("same")
 
 
+def test_a_file_truncated_while_loading_is_an_error_not_garbage(tmp_path):
+    from torch_lowbit.formats.source import open_source
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3)}, str(path))
+    src = open_source(path)
+    assert torch.equal(src.get("b"), torch.ones(3))
+    os.truncate(path, os.path.getsize(path) - 2000)
+    with pytest.raises(CheckpointError, match=r"ended .* bytes early while reading tensor 'a'"):
+        src.get("a")
+    src.close()
+
+
 def _mapped_from(t, path):
     """Does tensor t's memory lie in a mapping of the file at path (/proc/self/maps)?"""
     ptr, real = t.data_ptr(), os.path.realpath(path)
