@@ -18,6 +18,7 @@ from torch_lowbit.formats import CheckpointError, detect_format, load_quantized
 SPEC = "hf-fp8-block"
 IDS = torch.tensor([[3, 17, 42, 5, 88, 1]])
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)  # the repository root: its torch_lowbit is the one under test
 
 
 def _model():
@@ -109,9 +110,9 @@ def test_hugging_face_cache_snapshot_with_symlinks_into_blobs(tmp_path, checkpoi
 # ------------------------------------------------------------------------------------------ only regular files
 def _run(code, timeout=120):
     """Run code in a fresh interpreter (a regression must fail the test, not hang or kill the test process)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), HERE, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=os.getcwd())
+                          timeout=timeout, env=env, cwd=ROOT)
 
 
 class _FifoWriter:
