@@ -17,6 +17,7 @@ from torch import nn
 from .._ops import fp8_grouped_mm
 from .._storage import as_fp8_dtype, fp8_storage_dtype, to_fp8_storage
 from ..quantize import quantize_fp8
+from ._format_buffers import FormatBuffers
 
 GRANULARITIES = ("tensor", "channel", "block")
 
@@ -66,7 +67,7 @@ def _normalize_scale(name: str, scale: torch.Tensor, E: int, N: int, K: int, blo
     raise ValueError(f"Fp8Experts: {name} has shape {list(shape)}; expected {expected}")
 
 
-class Fp8Experts(nn.Module):
+class Fp8Experts(FormatBuffers):
     """E SwiGLU experts with FP8 weights: ``gate_up [E, 2I, H]`` (gate rows, then up rows), ``down [E, H, I]``.
 
     Scales (fp32), chosen per projection: ``[E]`` per tensor, ``[E, rows]`` per channel, or
@@ -79,6 +80,8 @@ class Fp8Experts(nn.Module):
     token in fp32 and rounded once to hidden's dtype. No host synchronization and no data-dependent Python
     control flow: the layer traces under ``torch.compile(fullgraph=True)``.
     """
+    _format_buffers = ("gate_up", "down", "gate_up_scale", "down_scale")
+    _fp8_buffers = ("gate_up", "down")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, granularity: str = "channel",
                  block_size: Optional[Sequence[int]] = None, device=None, dtype: torch.dtype = torch.bfloat16):
