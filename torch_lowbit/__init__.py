@@ -3,7 +3,9 @@
 Ops: ``torch.ops.lowbit.{fp8_mm, fp8_dequantize, fp8_grouped_mm, int8_quantize, int8_mm}`` (wrapped here
 with docstrings). ``torch.ops.lowbit_emu.*`` runs the Metal kernels in the MSL emulator (tests only).
 Quantization: ``quantize_fp8``, ``quantize_int8``; layers ``torch_lowbit.nn.Fp8Linear`` / ``Int8Linear``; whole
-models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic())``; checkpoints: ``load_quantized(model, path)``.
+models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic())``; checkpoints: ``load_quantized(model, path)``;
+Hugging Face models: ``from_pretrained(path)`` (a quantized checkpoint -> a running transformers model),
+``save_quantized(model, path)`` (-> a compressed-tensors checkpoint).
 Benchmarks: ``python -m torch_lowbit.bench``.
 """
 import glob as _glob
@@ -32,6 +34,7 @@ from . import nn  # noqa: E402,F401
 from .quantize import (Fp8WeightOnly, Int8Dynamic, quantize_, quantize_fp8,  # noqa: E402,F401
                        quantize_int8)
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
+from .hf import from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
 
 
 __version__ = "0.1.0"

@@ -42,15 +42,14 @@ def _scoped(transform, key: str) -> Optional[str]:
     return None
 
 
-def _expert_renaming(converter) -> Optional[List[Tuple[re.Pattern, str]]]:
-    """(regex, replacement) per source of a converter that only stacks per-expert weights into fused experts, or
-    None for any other converter."""
+def _expert_leaves(converter) -> Optional[List[Tuple[str, str, str]]]:
+    """(head, checkpoint leaf, model projection) per source of a converter that only stacks per-expert weights into
+    fused experts -- Mixtral: (".experts.", ".w1", "gate_proj"), ... -- or None for any other converter."""
     ops = {type(op).__name__ for op in getattr(converter, "operations", [])}
     targets = list(converter.target_patterns)
     if not ops <= {"MergeModulelist", "Concatenate"} or len(targets) != 1:
         return None
-    fused = targets[0].rsplit(".", 1)[-1]
-    parts = _FUSED.get(fused)
+    parts = _FUSED.get(targets[0].rsplit(".", 1)[-1])
     sources = list(converter.source_patterns)
     if parts is None or len(sources) != len(parts):
         return None
@@ -58,9 +57,27 @@ def _expert_renaming(converter) -> Optional[List[Tuple[re.Pattern, str]]]:
     for src, part in zip(sources, parts):
         if not src.endswith(".weight") or src.count("*") != 1:
             return None
-        head, leaf = src[:-len(".weight")].split("*")  # ".experts." , ".w1"
-        out.append((re.compile(re.escape(head) + r"(\d+)" + re.escape(leaf) + r"\."), f"{head}\\1.{part}."))
+        head, leaf = src[:-len(".weight")].split("*")  # ".experts." and ".w1"
+        out.append((head, leaf, part))
     return out
+
+
+def _expert_rules(leaves, to_model: bool) -> List[Tuple[re.Pattern, Callable]]:
+    """(regex, replacement) renaming one expert's module path (any tensor under it), checkpoint -> model or back."""
+    rules = []
+    for head, leaf, part in leaves:
+        src, dst = (leaf, f".{part}") if to_model else (f".{part}", leaf)
+        regex = re.compile(re.escape(head) + r"(\d+)" + re.escape(src) + r"\.")
+        rules.append((regex, lambda m, head=head, dst=dst: f"{head}{m.group(1)}{dst}."))
+    return rules
+
+
+def _first_sub(rules, key: str) -> str:
+    for regex, repl in rules:
+        new = regex.sub(repl, key, count=1)
+        if new != key:
+            return new
+    return key
 
 
 def transformers_key_renaming(model: nn.Module) -> Optional[Callable[[str], str]]:
@@ -78,11 +95,11 @@ def transformers_key_renaming(model: nn.Module) -> Optional[Callable[[str], str]
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     experts, others = [], []
     for c in (t for t in transforms if isinstance(t, WeightConverter)):
-        rules = _expert_renaming(c)
-        if rules is None:
+        leaves = _expert_leaves(c)
+        if leaves is None:
             others.append(c)
         else:
-            experts.append((c, rules))
+            experts.append((c, _expert_rules(leaves, to_model=True)))
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
     def rename(key: str) -> str:
@@ -90,10 +107,8 @@ def transformers_key_renaming(model: nn.Module) -> Optional[Callable[[str], str]
             if _scoped(r, key) is not None:
                 key = r.rename_source_key(key)[0]
         for c, rules in experts:
-            if _scoped(c, key) is None:
-                continue
-            for regex, repl in rules:
-                new = regex.sub(repl, key, count=1)
+            if _scoped(c, key) is not None:
+                new = _first_sub(rules, key)
                 if new != key:
                     return new
         for c in others:
@@ -140,3 +155,32 @@ class RenamedSource(Source):
 
     def close(self):
         self._inner.close()
+
+
+def checkpoint_key_renaming(model: nn.Module) -> Optional[Callable[[str], str]]:
+    """model key -> checkpoint key for the tensors of quantized layers of a transformers model: the inverse of
+    the load-time renaming, as transformers' ``save_pretrained`` inverts it (the model's own conversions if
+    ``from_pretrained`` attached them, else the architecture's mapping without the legacy renamings). Per-expert
+    projections get the names the architecture's checkpoints use (Mixtral: ``gate_proj`` -> ``w1``). None when
+    `model` is not a transformers model."""
+    if _transformers_model(model) is None:
+        return None
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+    except ImportError:
+        return None
+    transforms = getattr(model, "_weight_conversions", None)
+    if transforms is None:
+        transforms = [t for t in get_model_conversion_mapping(model, add_legacy=False)
+                      if not isinstance(t, PrefixChange)]
+    renamings = [t.reverse_transform() for t in transforms[::-1] if isinstance(t, WeightRenaming)]
+    experts = [rule for c in transforms if isinstance(c, WeightConverter)
+               for rule in _expert_rules(_expert_leaves(c) or [], to_model=False)]
+
+    def rename(key: str) -> str:
+        key = _first_sub(experts, key)
+        for r in renamings:
+            key = r.rename_source_key(key)[0]
+        return key
+    return rename
