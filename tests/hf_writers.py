@@ -23,7 +23,7 @@ from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfi
                                              QuantizationStatus, apply_quantization_config)
 from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
 
-V, H, I, MOE_I, HEADS, KV_HEADS, HEAD_DIM, LAYERS, EXPERTS, TOP_K = 101, 48, 80, 40, 4, 2, 12, 2, 4, 2
+V, H, I, MOE_I, HEADS, KV_HEADS, HEAD_DIM, LAYERS, EXPERTS, TOP_K = 101, 48, 80, 112, 4, 2, 12, 2, 4, 2
 CT_BLOCK = (16, 32)  # partial blocks: 48 and 80 are not multiples of 32, 24 not of 16
 
 
@@ -109,7 +109,7 @@ def _weight_min_max(w, args):
     return p.amin((1, 3)), p.amax((1, 3))
 
 
-def write_compressed_tensors(model, arch, scheme, path):
+def write_compressed_tensors(model, arch, path, scheme):
     """Quantize `model` (in place) with compressed-tensors and save it; lm_head and routers stay dense."""
     if any(isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) for m in model.modules()):
         split_experts(model, arch)
@@ -135,3 +135,76 @@ def ct_dequantized(path):
     """compressed-tensors' own reload of the checkpoint, dequantized to fp32 by transformers."""
     cfg = transformers.CompressedTensorsConfig(dequantize=True)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=cfg).eval()
+
+
+# ----------------------------------------------------------------------------------- transformers FineGrainedFP8
+HF_FP8_BLOCK = (8, 16)  # transformers' quantize step leaves a weight whose dims the block does not divide unquantized
+
+
+def write_hf_fp8(model, arch, path, scheme="block"):
+    """transformers' FineGrainedFP8Config quantize step (its ``Fp8Quantize`` conversion op: plain torch, runs on
+    the CPU, unlike ``from_pretrained(..., quantization_config=FineGrainedFP8Config())``, which refuses a machine
+    without a GPU) on every Linear but lm_head, saved with the config it belongs to."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    if any(isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) for m in model.modules()):
+        split_experts(model, arch)
+    qc = transformers.FineGrainedFP8Config(weight_block_size=list(HF_FP8_BLOCK), modules_to_not_convert=["lm_head"])
+    quantizer = type("Quantizer", (), {"quantization_config": qc})()
+    op = Fp8Quantize(quantizer)
+    sd = {}
+    for k, v in model.state_dict().items():
+        owner = k.rsplit(".", 1)[0]
+        if k.endswith(".weight") and type(model.get_submodule(owner)) is nn.Linear and owner != "lm_head":
+            sd.update(op.convert({k: v}))
+        else:
+            sd[k] = v
+    model.config.quantization_config = qc
+    model.save_pretrained(path, state_dict=sd)
+    return path
+
+
+def hf_fp8_dequantized(path):
+    """transformers' own reload: on a machine without a GPU it dequantizes the checkpoint (to fp32 here)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def dequantized_by_hand(path):
+    """Where the writer's own reload fails -- transformers 5.24 cannot dequantize compressed-tensors MoE experts
+    with block scales (its CompressedTensorsDequantize multiplies the stacked weight by an unexpanded block scale)
+    -- the reference is the checkpoint dequantized here in float64 (``reference.expand_scale``) and loaded dense by
+    transformers, which then applies its own renaming and expert stacking."""
+    import json
+    import os
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    from reference import expand_scale
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    qc = config.pop("quantization_config")
+    block = qc.get("weight_block_size") or next(
+        (g["weights"].get("block_structure") for g in qc.get("config_groups", {}).values()), None)
+    sd = load_file(os.path.join(path, "model.safetensors"))
+    dense = {}
+    for k, v in sd.items():
+        if k.endswith(("_scale", "_scale_inv")):
+            continue
+        if v.dtype in (torch.float8_e4m3fn, torch.int8):
+            base = k[: -len("weight")]
+            scale = sd.get(base + "weight_scale", sd.get(base + "weight_scale_inv"))
+            blocked = block if scale.dim() == 2 and scale.shape[1] != 1 else None
+            v = v.double() * expand_scale(scale, *v.shape, blocked)
+        dense[k] = v.float()
+    out = tempfile.mkdtemp(prefix="dequantized-", dir=os.path.dirname(path))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(dense, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+WRITERS = {"ct": (write_compressed_tensors, ct_dequantized), "hf-fp8": (write_hf_fp8, hf_fp8_dequantized)}
+# (arch, writer, scheme) whose writer's reload does not work, and why: see dequantized_by_hand
+WRITER_RELOAD_FAILS = {("qwen3_moe", "ct", "fp8-block"), ("mixtral", "ct", "fp8-block")}

@@ -99,7 +99,8 @@ def from_pretrained(path, device=None, dtype: torch.dtype = torch.bfloat16, *, s
     device = best_device() if device is None else torch.device(device)
     cls = _model_class(tf, config)
     with parameters_on_meta():
-        model = cls._from_config(config, dtype=dtype)
+        build = cls.from_config if cls.__name__.startswith("AutoModel") else cls._from_config
+        model = build(config, dtype=dtype)
     # the checkpoint's quantization is now in torch_lowbit layers: transformers must not see a pending quantizer
     model.config.quantization_config = None
     if hasattr(model.config, "_pre_quantization_dtype"):
@@ -309,6 +310,8 @@ def _write_config(model, path, schemes, dense_linears):
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "to_dict"):
         data = cfg.to_dict()
+        if not data.get("architectures"):  # what from_pretrained builds (save_pretrained records it the same way)
+            data["architectures"] = [type(model).__name__]
     elif os.path.isfile(config_file):
         with open(config_file) as f:
             data = json.load(f)
