@@ -235,3 +235,25 @@ def test_from_pretrained_refuses_a_dense_checkpoint(tmp_path):
     W.tiny_model("llama").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no quantization_config"):
         torch_lowbit.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------------------------------------ quantizing while transformers loads
+@pytest.mark.parametrize("arch,weights", [("llama", "int8"), ("qwen3_moe", "fp8")])
+def test_transformers_from_pretrained_with_torch_lowbit_config_quantizes_while_loading(tmp_path, arch, weights):
+    dense = W.tiny_model(arch)
+    dense.save_pretrained(tmp_path)
+    config = torch_lowbit.TorchLowbitConfig(weights, "block", (16, 32))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                              quantization_config=config)
+    # the same model quantized by hand, from the same dense weights
+    want = torch_lowbit.quantize_(W.tiny_model(arch), config.quantize_config())
+    for name, m in list(want.named_modules()):
+        if hasattr(m, "gate_up_proj"):
+            want.set_submodule(name, Fp8Experts.from_float(m.gate_up_proj.detach(), m.down_proj.detach(), "block",
+                                                           (16, 32)))
+    layer = Int8Linear if weights == "int8" else Fp8Linear
+    assert isinstance(model.model.layers[0].self_attn.q_proj, layer) and type(model.lm_head) is nn.Linear
+    assert (arch == "qwen3_moe") == isinstance(getattr(model.model.layers[1].mlp, "experts", None), Fp8Experts)
+    assert torch.equal(_logits(model), _logits(want))
+    with pytest.raises(ValueError, match="weights must be one of"):
+        torch_lowbit.TorchLowbitConfig("int4")

@@ -37,4 +37,14 @@ from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F40
 from .hf import from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
 
 
+
+def __getattr__(name):
+    # transformers is optional and slow to import: TorchLowbitConfig (which registers torch_lowbit as a
+    # transformers quantization method) imports it when first asked for
+    if name == "TorchLowbitConfig":
+        from .hf_quantizer import TorchLowbitConfig
+        return TorchLowbitConfig
+    raise AttributeError(f"module 'torch_lowbit' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"
