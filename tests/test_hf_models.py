@@ -257,3 +257,15 @@ def test_transformers_from_pretrained_with_torch_lowbit_config_quantizes_while_l
     assert torch.equal(_logits(model), _logits(want))
     with pytest.raises(ValueError, match="weights must be one of"):
         torch_lowbit.TorchLowbitConfig("int4")
+
+
+def test_e2e_bench_suite_runs_and_writes_json(tmp_path, capsys, scheme="fp8-block"):
+    from torch_lowbit.bench import __main__ as bench_main
+    path = tmp_path / "e2e.json"
+    argv = ["--suite", "e2e", "--scheme", scheme, "--hidden", "136", "--intermediate", "200", "--layers", "1",
+            "--heads", "2", "--kv-heads", "1", "--vocab", "97", "--tokens", "3", "--repeat", "1", "--json", str(path)]
+    assert bench_main.main(argv) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["model"] for r in rows] == ["bf16", f"{scheme} (torch_lowbit)"]
+    assert rows[1]["memory_vs_bf16"] < 0.9 and all(r["tok_s"] > 0 for r in rows)
