@@ -92,8 +92,16 @@ def run(argv) -> int:
             if prm.dim() == 2:
                 prm.normal_(0, prm.shape[1] ** -0.5)
     dense = dense.to(device).eval()
-    dense_rss = _rss_bytes() - rss0
     prompt = torch.randint(0, args.vocab, (1, args.prompt), device=device)
+
+    def generate(model):
+        return model.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
+
+    # resident memory is measured after one generate: loaded weights may be file pages mapped in lazily, which
+    # count once the model has read them
+    with torch.inference_mode():
+        dense_tokens = generate(dense)
+    dense_rss = _rss_bytes() - rss0
 
     with tempfile.TemporaryDirectory() as tmp:
         save_quantized(quantize_(copy.deepcopy(dense), _config(args)), tmp)
@@ -103,14 +111,12 @@ def run(argv) -> int:
         t0 = time.perf_counter()
         quant, report = from_pretrained(tmp, device=device, dtype=dtype, return_report=True)
         load_s = time.perf_counter() - t0
+        with torch.inference_mode():
+            same = torch.equal(dense_tokens, generate(quant))
         quant_rss = _rss_bytes() - rss1
-
-    def generate(model):
-        return model.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
 
     rows = []
     with torch.inference_mode():
-        same = torch.equal(generate(dense), generate(quant))
         for name, model, rss in (("bf16", dense, dense_rss), (f"{args.scheme} (torch_lowbit)", quant, quant_rss)):
             t = median_time(lambda: generate(model), device=device.type, warmup=1, repeat=args.repeat)
             rows.append({"model": name, "weights_mb": _tensor_bytes(model) / 2 ** 20, "rss_mb": rss / 2 ** 20,
