@@ -269,3 +269,19 @@ def test_e2e_bench_suite_runs_and_writes_json(tmp_path, capsys, scheme="fp8-bloc
     rows = json.loads(path.read_text())["rows"]
     assert [r["model"] for r in rows] == ["bf16", f"{scheme} (torch_lowbit)"]
     assert rows[1]["memory_vs_bf16"] < 0.9 and all(r["tok_s"] > 0 for r in rows)
+
+
+def test_a_transformers_conversion_other_than_expert_stacking_is_refused(checkpoints):
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    class TransposedDownLlama(transformers.LlamaForCausalLM):  # a class name no real model has
+        pass
+    register_checkpoint_conversion_mapping("TransposedDownLlama", [WeightConverter(
+        "mlp.down_proj.weight", "mlp.down_proj.weight", operations=[Transpose(0, 1)])], overwrite=True)
+    path, _ = checkpoints("llama", "ct", "fp8-channel")
+    with torch.device("meta"):
+        model = TransposedDownLlama(W.tiny_config("llama"))
+    with pytest.raises(CheckpointError, match=r"transformers converts model\.layers\.0\.mlp\.down_proj\.weight "
+                                              r"\(Transpose\).*cannot apply"):
+        load_quantized(model, path)

@@ -30,16 +30,13 @@ def _transformers_model(model: nn.Module):
     return tf
 
 
-def _scoped(transform, key: str) -> Optional[str]:
-    """The part of `key` a transform scoped to a sub-model sees (None: out of its scope)."""
+def _in_scope(transform, key: str) -> bool:
+    """Does a transform scoped to a sub-model (transformers sets ``scope_prefix`` on those) apply to `key`?"""
     scope = getattr(transform, "scope_prefix", None)
     if not scope:
-        return key
+        return True
     base = getattr(transform, "base_model_prefix", None) or ""
-    for prefix in (f"{base}.{scope}." if base else None, f"{scope}."):
-        if prefix and key.startswith(prefix):
-            return key
-    return None
+    return key.startswith(f"{scope}.") or bool(base) and key.startswith(f"{base}.{scope}.")
 
 
 def _expert_leaves(converter) -> Optional[List[Tuple[str, str, str]]]:
@@ -103,16 +100,15 @@ def transformers_key_renaming(model: nn.Module) -> Optional[Callable[[str], str]
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
 
     def rename(key: str) -> str:
-        for r in renamings:
-            if _scoped(r, key) is not None:
-                key = r.rename_source_key(key)[0]
+        for r in renamings:  # rename_source_key minds the transform's scope itself
+            key = r.rename_source_key(key)[0]
         for c, rules in experts:
-            if _scoped(c, key) is not None:
+            if _in_scope(c, key):
                 new = _first_sub(rules, key)
                 if new != key:
                     return new
         for c in others:
-            if _scoped(c, key) is not None and c.rename_source_key(key)[1] is not None:
+            if c.rename_source_key(key)[1] is not None:
                 ops = ", ".join(type(op).__name__ for op in c.operations)
                 raise CheckpointError(f"transformers converts {key} ({ops}) when it loads a {model_type} model: "
                                       f"torch_lowbit cannot apply that conversion to a quantized checkpoint")
