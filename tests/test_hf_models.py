@@ -204,6 +204,15 @@ def test_save_quantized_is_read_back_by_compressed_tensors_and_by_us(tmp_path, n
         assert torch.equal(theirs.get_submodule(n).weight, want), n
     ours = torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32)
     assert torch.equal(_logits(ours), _logits(model))
+    # compressed-tensors' own lifecycle: its scheme on each Linear, decompressed by its compressors on first use
+    cfg = transformers.CompressedTensorsConfig(dequantize=False)
+    ct_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
+                                                                 quantization_config=cfg).eval()
+    scheme = ct_model.model.layers[0].mlp.down_proj.quantization_scheme
+    assert scheme.weights.strategy == {"fp8-tensor": "tensor", "fp8-block": "block"}.get(name, "channel")
+    assert scheme.weights.type == ("int" if name == "int8" else "float")
+    # compressed-tensors simulates int8 activations with its own rounding (absmax / 127.5)
+    assert _rel_err(_logits(ct_model), _logits(model)) <= (5e-2 if name == "int8" else 1e-6)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
