@@ -61,7 +61,7 @@ def _logits(model, ids=IDS):
 
 CASES = [("llama", "ct", s, "meta") for s in ("fp8-tensor", "fp8-channel", "fp8-block", "fp8-channel-w8a16",
                                               "int8-w8a8")]
-CASES += [("llama", "hf-fp8", "block", "parameters_on_meta"), ("llama", "ct", "fp8-channel", "real")]
+CASES += [("llama", "hf-fp8", "block", "parameters_on_meta")]
 CASES += [("qwen3_moe", "ct", s, "meta") for s in ("fp8-tensor", "fp8-channel", "fp8-block")]
 CASES += [("qwen3_moe", "hf-fp8", "block", "meta"), ("qwen3_moe", "ct", "fp8-block", "real")]
 CASES += [("mixtral", "ct", "fp8-channel", "meta"), ("mixtral", "ct", "fp8-block", "parameters_on_meta")]
@@ -181,14 +181,14 @@ def test_experts_with_another_activation_are_refused(checkpoints):
 
 
 # ----------------------------------------------------------------------------------------------- save_quantized
-SAVE_CONFIGS = {"fp8-tensor": torch_lowbit.Fp8WeightOnly("tensor"), "fp8-channel": torch_lowbit.Fp8WeightOnly(),
-                "fp8-block": torch_lowbit.Fp8WeightOnly("block", (16, 32)), "int8": torch_lowbit.Int8Dynamic()}
+SAVE_CONFIGS = {"fp8-tensor": torch_lowbit.Fp8WeightOnly("tensor"), "fp8-block": torch_lowbit.Fp8WeightOnly("block", (16, 32)),
+                "int8": torch_lowbit.Int8Dynamic()}  # fp8 per channel: the MoE round trip below
 
 
 @pytest.mark.parametrize("name", sorted(SAVE_CONFIGS))
 def test_save_quantized_is_read_back_by_compressed_tensors_and_by_us(tmp_path, name):
     model = torch_lowbit.quantize_(W.tiny_model("llama"), SAVE_CONFIGS[name])
-    shards = name == "fp8-channel"
+    shards = name == "fp8-block"
     files = torch_lowbit.save_quantized(model, tmp_path, max_shard_size=30_000 if shards else 4 * 2 ** 30)
     assert os.path.exists(tmp_path / "model.safetensors.index.json") == shards and (len(files) > 2) == shards
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
