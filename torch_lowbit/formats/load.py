@@ -3,14 +3,16 @@ torch_lowbit layers, without ever materializing a high-precision copy of a quant
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch import nn
 
 from .detect import detect
+from .hf_names import RenamedSource, transformers_key_renaming
+from .meta_buffers import move_non_persistent_buffers, recompute_meta_buffers, still_on_meta
 from .moe import is_experts_module, load_experts
-from .registry import QuantFormat
+from .registry import QUANTIZED_DTYPES, QuantFormat
 from .source import CheckpointError, Source, open_source
 from .tensors import read_quantized
 
@@ -25,6 +27,8 @@ class LoadReport:
     stored unquantized in the checkpoint).
     unused_keys: checkpoint tensors that went nowhere. missing_keys: model tensors the checkpoint did not provide
     (left as they were). details: what the checkpoint's config said (block size, quant_algo, ...).
+    renamed_keys: checkpoint key -> model key, for the keys transformers' conversion mapping renames.
+    recomputed_buffers: non-persistent buffers (in no checkpoint) that were on meta and were recomputed.
     notes: anything the caller should know (e.g. static input scales not used).
     """
     format: str
@@ -33,6 +37,8 @@ class LoadReport:
     unused_keys: List[str] = field(default_factory=list)
     missing_keys: List[str] = field(default_factory=list)
     details: Dict[str, Any] = field(default_factory=dict)
+    renamed_keys: Dict[str, str] = field(default_factory=dict)
+    recomputed_buffers: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
     def __str__(self):
@@ -41,6 +47,10 @@ class LoadReport:
         for title, keys in (("unused keys", self.unused_keys), ("missing keys", self.missing_keys)):
             shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
             lines.append(f"{title}: {shown or 'none'}")
+        if self.renamed_keys:
+            lines.append(f"renamed keys: {len(self.renamed_keys)} (transformers' conversion mapping)")
+        if self.recomputed_buffers:
+            lines.append(f"recomputed buffers: {', '.join(self.recomputed_buffers)}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -152,7 +162,8 @@ def _assign(model, key, new):
 
 
 def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dict] = None, device=None,
-                   dtype: Optional[torch.dtype] = None, strict: bool = False, mmap: bool = False) -> LoadReport:
+                   dtype: Optional[torch.dtype] = None, strict: bool = False, mmap: bool = False,
+                   rename_keys: Union[bool, Callable[[str], str]] = True) -> LoadReport:
     """Load a quantized checkpoint into `model`, in place, and return a :class:`LoadReport`.
 
     path_or_state_dict: a checkpoint directory (config.json with quantization_config and/or hf_quant_config.json;
@@ -174,9 +185,20 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     not depend on the file afterwards; ``mmap=True`` keeps CPU tensors memory-mapped (no copy, pages shared with
     the page cache), and then the file must stay unchanged while the model lives: truncating it kills the
     process (SIGBUS), rewriting it changes the weights.
+
+    Always errors, whatever `strict`: a quantized tensor of the checkpoint that no module took (the model has no
+    such module, or names it differently), and a model tensor still on the meta device after loading (it could not
+    run). Non-persistent buffers of a meta-built transformers model (rotary ``inv_freq``) are recomputed by the
+    model's own initializer; other models: build them under ``torch_lowbit.parameters_on_meta()``, which keeps
+    buffers real. rename_keys: for a transformers model, map checkpoint keys to the model's names with
+    transformers' own conversion mapping (Mixtral's ``block_sparse_moe.experts.{e}.w1`` ->
+    ``mlp.experts`` gate rows, ...); False: keys as they are; a callable: your own ``key -> model key``.
     """
     src = open_source(path_or_state_dict, mmap=mmap)
+    rename = transformers_key_renaming(model) if rename_keys is True else (rename_keys or None)
     try:
+        if rename is not None:
+            src = RenamedSource(src, rename)
         fmt = detect(src, config)
         report = LoadReport(format=fmt.name, details=dict(fmt.details))
         used = set()
@@ -215,7 +237,12 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             done.add(name)
 
         _load_rest(model, src, fmt, done, device, dtype, used, report)
-        report.unused_keys = sorted(k for k in src.keys() if k not in used)
+        original = src.original if isinstance(src, RenamedSource) else (lambda k: k)
+        unused = sorted(k for k in src.keys() if k not in used)
+        _refuse_unused_quantized(src, fmt, unused, original)
+        report.unused_keys = [original(k) for k in unused]
+        report.renamed_keys = dict(src.renamed) if isinstance(src, RenamedSource) else {}
+        _finish_buffers(model, device, report)
         _add_notes(fmt, report)
         if strict and (report.unused_keys or report.missing_keys):
             raise CheckpointError(f"strict load: {len(report.unused_keys)} unused keys "
@@ -224,6 +251,36 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
         return report
     finally:
         src.close()
+
+
+def _refuse_unused_quantized(src: Source, fmt: QuantFormat, unused: List[str], original):
+    """A quantized weight (or its scale) that went nowhere means a module of the checkpoint was not filled."""
+    bad = [k for k in unused if (k.endswith(".weight") and src.dtype(k) in QUANTIZED_DTYPES)
+           or k.endswith(f".{fmt.scale_key}")]
+    if not bad:
+        return
+    modules = sorted({k.rsplit(".", 1)[0] for k in bad})
+    shown = ", ".join(original(m + ".weight").rsplit(".", 1)[0] for m in modules[:4])
+    more = f" ({len(modules)} in all)" if len(modules) > 4 else ""
+    raise CheckpointError(f"the checkpoint holds quantized weights for modules the model does not have, or does "
+                          f"not have under these names: {shown}{more} (checkpoint names; in the model: "
+                          f"{modules[0]!r} is missing or is not an nn.Linear / experts module). Build the model class "
+                          f"the checkpoint was written for, or pass rename_keys= to map the names")
+
+
+def _finish_buffers(model: nn.Module, device, report: LoadReport):
+    real = next((t.device for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta), None)
+    target = torch.device(device) if device is not None else (real or torch.device("cpu"))
+    report.recomputed_buffers = recompute_meta_buffers(model, target)
+    if device is not None:
+        move_non_persistent_buffers(model, target)
+    meta = still_on_meta(model)
+    if meta:
+        shown = ", ".join(meta[:8]) + (f", ... ({len(meta)} in all)" if len(meta) > 8 else "")
+        raise CheckpointError(f"after loading, these model tensors are still on the meta device (the checkpoint does "
+                              f"not hold them and nothing could recompute them): {shown}. Build the model under "
+                              f"torch_lowbit.parameters_on_meta() (buffers real, parameters on meta), or load a "
+                              f"checkpoint that holds them")
 
 
 def _add_notes(fmt: QuantFormat, report: LoadReport):

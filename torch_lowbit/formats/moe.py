@@ -41,11 +41,31 @@ def experts_dims(m: nn.Module) -> Tuple[int, int, int]:
     return E, H, I2 // 2
 
 
+# Where SiLU is recognized: both signs, the region around 0, and large |x| where x * sigmoid(x) saturates
+_SILU_PROBE = (-20.0, -6.5, -3.0, -1.25, -0.5, -0.125, 0.0, 0.0625, 0.4, 1.0, 2.5, 4.75, 9.0, 30.0)
+
+
+def computes_silu(act) -> bool:
+    """Does `act` compute x * sigmoid(x)? Judged by its values on probe inputs, not by its class: transformers 5
+    uses its own ``SiLUActivation`` module (``ACT2FN["silu"]``), others use nn.SiLU or F.silu."""
+    x = torch.tensor(_SILU_PROBE, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:  # an activation that cannot run on a CPU float tensor is not one we can vouch for
+        return False
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not y.is_floating_point():
+        return False
+    want = x.double() * torch.sigmoid(x.double())
+    return bool(torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6))
+
+
 def _check_activation(name: str, m: nn.Module):
     act = getattr(m, "act_fn", None)
-    if act is None or isinstance(act, nn.SiLU) or act is torch.nn.functional.silu:
+    if act is None or computes_silu(act):
         return
-    raise CheckpointError(f"experts module {name} uses activation {act!r}; Fp8Experts implements SwiGLU with SiLU")
+    raise CheckpointError(f"experts module {name} uses activation {act!r}, which does not compute x * sigmoid(x); "
+                          f"Fp8Experts implements SwiGLU with SiLU")
 
 
 def _stack_scales(key: str, parts: List[QuantizedWeight]) -> Tuple[torch.Tensor, Granularity]:

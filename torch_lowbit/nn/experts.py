@@ -17,6 +17,7 @@ from .._ops import fp8_grouped_mm
 from .._storage import as_fp8_dtype, fp8_storage_dtype, to_fp8_storage
 from ..granularity import Granularity, GranularityLike, PerBlock, as_granularity, granularity_with_block_hint
 from ..quantize import quantize_fp8
+from ._format_buffers import FormatBuffers
 
 def _quantize_stacked(w: torch.Tensor, granularity: Granularity) -> Tuple[torch.Tensor, torch.Tensor]:
     """quantize_fp8 of each expert of ``w [E, N, K]``, stacked: scales ``[E]``, ``[E, N]`` or ``[E, nb, kb]``."""
@@ -36,7 +37,7 @@ def _normalize_scale(name: str, scale: torch.Tensor, E: int, N: int, K: int,
     return scale.detach().to(torch.float32).reshape(g.scale_shape(N, K, experts=E)).contiguous(), g
 
 
-class Fp8Experts(nn.Module):
+class Fp8Experts(FormatBuffers):
     """E SwiGLU experts with FP8 weights: ``gate_up [E, 2I, H]`` (gate rows, then up rows), ``down [E, H, I]``.
 
     Scales (fp32), chosen per projection: ``[E]`` per tensor, ``[E, rows]`` per channel, or
@@ -49,6 +50,8 @@ class Fp8Experts(nn.Module):
     token in fp32 and rounded once to hidden's dtype. No host synchronization and no data-dependent Python
     control flow: the layer traces under ``torch.compile(fullgraph=True)``.
     """
+    _format_buffers = ("gate_up", "down", "gate_up_scale", "down_scale")
+    _fp8_buffers = ("gate_up", "down")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
                  granularity: GranularityLike = "channel", block_size: Optional[Sequence[int]] = None,

@@ -24,6 +24,7 @@ class Fp8Linear(QuantizedLinear):
     compressed-tensors checkpoints, kept for round trips, unused by this weight-only layer).
     """
     _format_buffers = ("weight", "weight_scale", "input_scale")
+    _fp8_buffers = ("weight",)
     _scale_buffers = ("weight_scale", "input_scale")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -96,19 +97,6 @@ class Fp8Linear(QuantizedLinear):
         return s
 
     # ---- fp8 <-> uint8 bits at the edges
-    def _move_format_buffer(self, name, t, fn):
-        if name != "weight":
-            return super()._move_format_buffer(name, t, fn)
-        bits = t.view(torch.uint8)  # uint8 is never converted by module dtype casts, and moves to any device
-        moved = fn(bits)
-        if moved.dtype != torch.uint8:
-            moved = bits.to(moved.device)
-        return as_stored_fp8(moved)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = as_fp8_dtype(destination[prefix + "weight"])
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._adopt_optional_buffer("input_scale", state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
