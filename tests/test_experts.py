@@ -163,7 +163,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(RuntimeError, match="topk_ids must be < num_experts"):
         layer(torch.randn(2, 16), torch.tensor([[0, 4], [1, 2]]), torch.ones(2, 2))
     fp8 = torch.zeros(4, 16, 16, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"down_scale has shape \[4, 7\]"):
+    with pytest.raises(ValueError, match=r"down_scale of shape \[4, 7\] fits no layout"):
         Fp8Experts.from_quantized(fp8, torch.ones(4), torch.zeros(4, 16, 8, dtype=torch.float8_e4m3fn),
                                   torch.ones(4, 7))
     with pytest.raises(ValueError, match=r"down must be \[E, H, I\]"):
@@ -253,3 +253,19 @@ def test_loader_missing_expert_names_the_tensor():
     del sd["model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"]
     with pytest.raises(CheckpointError, match=r"experts\.2\.down_proj\.weight_scale_inv is missing"):
         load_quantized(model, sd, config=config_for("hf-fp8-block"))
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16),
+                                     lambda m: m.to("cpu", torch.float16), lambda m: m.double()])
+def test_module_dtype_conversion_keeps_fp8_codes_and_fp32_scales(convert):
+    layer, gu, down = _layer(3, 24, 10, "block", (8, 16))
+    codes = (layer.gate_up.clone(), layer.down.clone(), layer.gate_up_scale.clone(), layer.down_scale.clone())
+    convert(layer)
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    for t, before in zip((layer.gate_up, layer.down, layer.gate_up_scale, layer.down_scale), codes):
+        assert t.dtype == before.dtype and torch.equal(bits(t), bits(before))
+    ids, w = _routing(6, 2, 3, seed=4)
+    x = torch.randn(6, 24)
+    _check(layer(x, ids, w), ref_experts(x, ids, w, gu, down), torch.float32)
+    assert layer.state_dict()["gate_up"].dtype == torch.float8_e4m3fn

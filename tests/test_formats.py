@@ -10,6 +10,7 @@ from torch import nn
 
 import torch_lowbit.nn as tlnn
 from checkpoints import FORMAT_OF, SPECS, config_for, make_checkpoint, write_dir
+from reference import fp8_bits_to_f64
 from tiny_models import TinyLM, linear_names
 from torch_lowbit.formats import CheckpointError, detect_format, load_quantized
 from torch_lowbit.formats.detect import matches
@@ -161,6 +162,104 @@ def test_tied_embeddings_stay_tied():
     assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_meta
 
 
+# ------------------------------------------------------------------------------------------ the registry
+F8, F32, BF16, I8, I64 = torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.int8, torch.int64
+# What each example stores for model.layers.0.mlp.down_proj (a [48, 80] weight), from the formats' published
+# layouts (see the format modules' docstrings), written here by hand: the examples' writers must agree with it.
+STORED = {
+    "modelopt-tensor": {"weight": (F8, (48, 80)), "weight_scale": (F32, ()), "input_scale": (F32, ())},
+    "modelopt-channel": {"weight": (F8, (48, 80)), "weight_scale": (F32, (48,))},
+    "ct-fp8-tensor": {"weight": (F8, (48, 80)), "weight_scale": (BF16, (1,))},
+    "ct-fp8-channel": {"weight": (F8, (48, 80)), "weight_scale": (BF16, (48, 1))},
+    "ct-fp8-block": {"weight": (F8, (48, 96)), "weight_scale": (BF16, (3, 3)), "weight_shape_original": (I64, (2,))},
+    "ct-int8": {"weight": (I8, (48, 80)), "weight_scale": (BF16, (48, 1))},
+    "ct-naive": {"weight": (F8, (48, 80)), "weight_scale": (F32, (48, 1))},
+    "hf-fp8-block": {"weight": (F8, (48, 80)), "weight_scale_inv": (F32, (3, 3))},
+    "hf-fp8-tensor": {"weight": (F8, (48, 80)), "weight_scale_inv": (F32, (1,))},
+    "fbgemm": {"weight": (F8, (48, 80)), "weight_scale": (F32, (48, 1)), "input_scale_ub": (F32, ())},
+    "diffusion-raw": {"weight": (F8, (48, 80))},
+    "comfy": {"weight": (F8, (48, 80)), "scale_weight": (F32, (1,)), "scale_input": (F32, ())},
+}
+CONFIG_OF = {  # (file, the field that identifies the format)
+    "modelopt-tensor": ("hf_quant_config.json", ("quantization", "quant_algo"), "FP8"),
+    "modelopt-channel": ("config.json", ("quantization_config", "quant_method"), "modelopt"),
+    "ct-naive": ("config.json", ("quantization_config", "format"), "naive-quantized"),
+    "ct-int8": ("config.json", ("quantization_config", "format"), "int-quantized"),
+    "ct-fp8-block": ("config.json", ("quantization_config", "config_groups", "group_0", "weights", "block_structure"),
+                     [16, 32]),
+    "hf-fp8-block": ("config.json", ("quantization_config", "weight_block_size"), [16, 32]),
+    "hf-fp8-tensor": ("config.json", ("quantization_config", "weight_block_size"), None),
+    "fbgemm": ("config.json", ("quantization_config", "quant_method"), "fbgemm_fp8"),
+}
+
+
+def test_every_example_is_pinned_by_the_table():
+    assert set(SPECS) == set(STORED)
+
+
+@pytest.mark.parametrize("spec", sorted(STORED))
+def test_examples_store_the_published_layout(tmp_path, spec):
+    sd, ref = make_checkpoint(_source_model(), spec)
+    prefix = "model.layers.0.mlp.down_proj."
+    got = {k[len(prefix):]: (v.dtype, tuple(v.shape)) for k, v in sd.items() if k.startswith(prefix)}
+    assert got == STORED[spec]
+    # every built-in format's stored scale is a multiplier (HF's weight_scale_inv too): codes * scale = the weight
+    codes = sd[prefix + "weight"][:48, :80]
+    values = codes.double() if codes.dtype == I8 else fp8_bits_to_f64(codes.view(torch.uint8))
+    skey = next((prefix + k for k in ("weight_scale", "weight_scale_inv", "scale_weight") if prefix + k in sd), None)
+    if skey is not None:
+        s = sd[skey].double()
+        full = s[torch.arange(48) // 16][:, torch.arange(80) // 32] if s.dim() == 2 and s.shape[1] > 1 else \
+            s.reshape(-1, 1).expand(48, 80)
+        values = values * full
+    assert torch.equal(values, ref.model.layers[0].mlp.down_proj.weight.detach())
+    write_dir(tmp_path, sd, spec)
+    if spec in CONFIG_OF:
+        fname, path, want = CONFIG_OF[spec]
+        v = json.loads((tmp_path / fname).read_text())
+        for k in path:
+            v = v[k]
+        assert v == want
+    if spec == "comfy":
+        assert sd["scaled_fp8"].dtype == F8 and sd["scaled_fp8"].numel() == 0
+
+
+def test_a_new_format_is_one_class_and_one_registration(tmp_path, monkeypatch):
+    """A format with inverse scales (the stored tensor divides), claimed by its own quant_method: registered, it is
+    detected, its example written by the generic helpers, and it loads like the built-in ones."""
+    from torch_lowbit.formats import registry
+    from torch_lowbit.formats.registry import CheckpointFormat, Example
+    from torch_lowbit.granularity import PerChannel
+
+    class InverseScales(CheckpointFormat):
+        name = "toy-inverse"
+        quant_methods = ("toy_inverse",)
+        scale_key = "weight_inv_scale"
+        scale_is_inverse = True
+
+        def parse(self, qc, side, where):
+            return self.make(ignore=registry.name_list(qc, "skip", where.qc))
+
+        def examples(self):
+            return {"toy-inverse": Example(PerChannel(), "N")}
+
+        def example_config(self, example, keep):
+            return {"quant_method": "toy_inverse", "skip": list(keep)}, None
+
+    monkeypatch.setattr(registry, "_REGISTRY", list(registry._REGISTRY))
+    registry.register_format(InverseScales())
+    sd, ref = make_checkpoint(_source_model(), "toy-inverse")
+    s = sd["model.layers.0.mlp.up_proj.weight_inv_scale"]
+    assert s.min() > 1 / 0.061  # stored as 1 / multiplier (multipliers are 0.03 .. 0.06)
+    write_dir(tmp_path, sd, "toy-inverse")
+    model = _model()
+    report = load_quantized(model, tmp_path, dtype=torch.float32)
+    assert report.format == "toy-inverse" and set(report.converted) == QUANTIZED and report.unused_keys == []
+    _assert_logits_close(model, ref, 2e-5)
+    with pytest.raises(ValueError, match="clashes with the registered 'toy-inverse'"):
+        registry.register_format(InverseScales())
+
+
 # ------------------------------------------------------------------------------------------ detection
 @pytest.mark.parametrize("spec", sorted(SPECS))
 def test_detect_format_from_state_dict_and_config(spec):
@@ -243,7 +342,8 @@ def test_high_precision_shape_mismatch_names_the_tensor():
 def test_scale_shape_mismatch_names_the_tensor():
     sd, _ = make_checkpoint(_source_model(), "hf-fp8-block")
     sd["model.layers.0.mlp.up_proj.weight_scale_inv"] = torch.ones(3, 3)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_scale_inv has shape \[3, 3\]"):
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_scale_inv of shape \[3, 3\] "
+                                              r"fits no layout .* or \[5, 2\] \(blocks of 16x32\)"):
         load_quantized(_model(), sd, config=config_for("hf-fp8-block"))
 
 

@@ -115,10 +115,10 @@ def test_fp8_from_quantized_shares_the_weight_and_infers_granularity():
 @pytest.mark.parametrize("args,kwargs,match", [
     ((torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)), {}, r"weight must be \[N, K\] float8_e4m3fn or uint8"),
     ((torch.zeros(2, 4, 8, dtype=torch.uint8), torch.ones(4)), {}, r"weight must be \[N, K\]"),
-    ((torch.zeros(4, 8, dtype=torch.uint8), torch.ones(3)), {}, r"weight_scale must have one element .* got \(3,\)"),
+    ((torch.zeros(4, 8, dtype=torch.uint8), torch.ones(3)), {}, r"weight_scale of shape \[3\] fits no layout .* one element \(per tensor\), \[N\]"),
     ((torch.zeros(4, 8, dtype=torch.uint8), torch.ones(2, 2)), {}, "block scales need block_size"),
     ((torch.zeros(4, 8, dtype=torch.uint8), torch.ones(2, 2)), {"block_size": (2, 2)},
-     r"weight_scale must have shape \(2, 4\)"),
+     r"weight_scale: with block_size \[2, 2\] the scale must have shape \[2, 4\]"),
     ((torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, dtype=torch.int32)), {}, "weight_scale must be a floating"),
     ((torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4), torch.ones(5)), {}, r"bias must be \[N\] = \[4\]"),
     ((torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, device="meta")), {}, "weight_scale is on meta but weight"),
@@ -402,6 +402,63 @@ def test_quantize_bad_config():
     with pytest.raises(ValueError, match="Fp8WeightOnly.block_size must be two positive"):
         torch_lowbit.Fp8WeightOnly("block", (128,))
     assert torch_lowbit.Fp8WeightOnly("block", [64, 32]).block_size == (64, 32)
+
+
+def test_torchao_names_are_aliases():
+    from torch_lowbit.quantize import Float8WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig
+    assert Float8WeightOnlyConfig() == torch_lowbit.Fp8WeightOnly("channel")
+    assert Float8WeightOnlyConfig(weight_dtype=torch.float8_e4m3fn, set_inductor_config=False, version=2) == \
+        torch_lowbit.Fp8WeightOnly()
+    assert Int8DynamicActivationInt8WeightConfig() == torch_lowbit.Int8Dynamic()
+    assert Int8DynamicActivationInt8WeightConfig(act_mapping_type="SYMMETRIC", weight_only_decode=False) == \
+        torch_lowbit.Int8Dynamic()
+    model = Tiny()
+    torch_lowbit.quantize_(model, Float8WeightOnlyConfig())
+    assert isinstance(model.layers[0].mlp[0], Fp8Linear) and model.layers[0].mlp[0].granularity == "channel"
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda c: c.Float8WeightOnlyConfig(weight_dtype=torch.float8_e5m2), "weight_dtype=torch.float8_e5m2 is not supp"),
+    (lambda c: c.Int8DynamicActivationInt8WeightConfig(act_mapping_type="ASYMMETRIC"), "act_mapping_type='ASYMMETRIC'"),
+    (lambda c: c.Int8DynamicActivationInt8WeightConfig(weight_only_decode=True), "weight_only_decode=True"),
+    (lambda c: c.Int8DynamicActivationInt8WeightConfig(layout="SemiSparseLayout"), "layout='SemiSparseLayout'"),
+    (lambda c: c.Int8DynamicActivationInt8WeightConfig(granularity="tensor"), "granularity='tensor'"),
+])
+def test_torchao_options_that_would_change_the_arithmetic_are_refused(make, match):
+    import torch_lowbit.quantize as c
+    with pytest.raises(ValueError, match=match):
+        make(c)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        c.Float8WeightOnlyConfig(mm_config=None)
+
+
+def test_a_new_config_is_one_dataclass_and_one_registered_handler(monkeypatch):
+    import dataclasses
+    from torch_lowbit import quantize as q
+    monkeypatch.setattr(q, "_HANDLERS", dict(q._HANDLERS))
+
+    @dataclasses.dataclass(frozen=True)
+    class HalfPrecision:
+        dtype: torch.dtype = torch.float16
+
+    @q.register_quantize_module_handler(HalfPrecision)
+    def _half(linear, config):
+        return linear.to(config.dtype)
+    model = Tiny()
+    torch_lowbit.quantize_(model, HalfPrecision())
+    assert model.layers[0].mlp[0].weight.dtype == torch.float16 and model.lm_head.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="already registered"):
+        q.register_quantize_module_handler(torch_lowbit.Fp8WeightOnly)(_half)
+
+
+def test_quantize_imports_no_layer():
+    # the handlers live with the layers: quantize.py must not import torch_lowbit.nn (the old import cycle)
+    import ast
+    import inspect
+    from torch_lowbit import quantize as q
+    tree = ast.parse(inspect.getsource(q))
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not any(m == "nn" or m.startswith("nn.") for m in imported), imported
 
 
 def test_quantize_keeps_odd_shapes():

@@ -137,22 +137,19 @@ def small_fp8_bits(shape, g):
     return sign | exp | man
 
 
-def make_scale(layout, N, K, g, block=None, base=0.03):
-    """(scale as a checkpoint stores it in this layout, its [N, K] float64 expansion)."""
-    if layout == "tensor0d":
-        s = torch.rand((), generator=g) * base + base
-        return s, s.double().expand(N, K)
-    if layout == "tensor1":
-        s = torch.rand(1, generator=g) * base + base
-        return s, s.double().expand(N, K)
-    if layout in ("channel", "channel2d"):
-        s = torch.rand(N, generator=g) * base + base
-        return (s if layout == "channel" else s[:, None]), s.double()[:, None].expand(N, K)
-    if layout == "block":
+def make_scale(kind, N, K, g, block=None, base=0.03):
+    """A random canonical fp32 scale: per tensor [1], per channel [N], per block [ceil(N/bn), ceil(K/bk)]."""
+    shape = {"tensor": (1,), "channel": (N,)}.get(kind) or (math.ceil(N / block[0]), math.ceil(K / block[1]))
+    return torch.rand(shape, generator=g) * base + base
+
+
+def expand_scale(scale, kind, N, K, block=None):
+    """The [N, K] float64 multiplier of each weight element, from the layouts' definitions (not torch_lowbit's)."""
+    s = scale.double()
+    if kind == "block":
         bn, bk = block
-        s = torch.rand(math.ceil(N / bn), math.ceil(K / bk), generator=g) * base + base
-        return s, s.double()[torch.arange(N) // bn][:, torch.arange(K) // bk]
-    raise ValueError(layout)
+        return s[torch.arange(N) // bn][:, torch.arange(K) // bk]
+    return s.reshape(-1, 1).expand(N, K)
 
 
 def fp8_dense(bits, scale_full):

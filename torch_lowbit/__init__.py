@@ -3,7 +3,10 @@
 Ops: ``torch.ops.lowbit.{fp8_mm, fp8_dequantize, fp8_grouped_mm, int8_quantize, int8_mm}`` (wrapped here
 with docstrings). ``torch.ops.lowbit_emu.*`` runs the Metal kernels in the MSL emulator (tests only).
 Quantization: ``quantize_fp8``, ``quantize_int8``; layers ``torch_lowbit.nn.Fp8Linear`` / ``Int8Linear``; whole
-models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic())``; checkpoints: ``load_quantized(model, path)``.
+models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic())`` (torchao's config names work too); scale
+granularities ``PerTensor``, ``PerChannel``, ``PerBlock``; checkpoints: ``load_quantized(model, path)``;
+Hugging Face models: ``from_pretrained(path)`` (a quantized checkpoint -> a running transformers model),
+``save_quantized(model, path)`` (-> a compressed-tensors checkpoint).
 Benchmarks: ``python -m torch_lowbit.bench``.
 """
 import glob as _glob
@@ -29,8 +32,21 @@ _load_emulator()
 
 from . import emulator  # noqa: E402,F401
 from . import nn  # noqa: E402,F401
-from .quantize import (Fp8WeightOnly, Int8Dynamic, quantize_, quantize_fp8,  # noqa: E402,F401
-                       quantize_int8)
+from .granularity import PerBlock, PerChannel, PerTensor  # noqa: E402,F401
+from .quantize import (Float8WeightOnlyConfig, Fp8WeightOnly, Int8Dynamic,  # noqa: E402,F401
+                       Int8DynamicActivationInt8WeightConfig, quantize_, quantize_fp8, quantize_int8,
+                       register_quantize_module_handler)
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
+from .hf import from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
+
+
+
+def __getattr__(name):
+    # transformers is optional and slow to import: TorchLowbitConfig (which registers torch_lowbit as a
+    # transformers quantization method) imports it when first asked for
+    if name == "TorchLowbitConfig":
+        from .hf_quantizer import TorchLowbitConfig
+        return TorchLowbitConfig
+    raise AttributeError(f"module 'torch_lowbit' has no attribute {name!r}")
 
 from ._version import __version__  # noqa: E402,F401

@@ -7,34 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 import torch
 import torch.nn as nn
 
 from ._storage import FP8, fp8_storage_dtype
+from .granularity import (GranularityLike, PerBlock, PerChannel, PerTensor, as_granularity,  # noqa: F401
+                          normalize_block_size)
 
 FP8_MAX = 448.0   # largest finite float8_e4m3fn
 INT8_MAX = 127.0  # symmetric: -128 is never produced
-GRANULARITIES = ("tensor", "channel", "block")
-
-
-def normalize_block_size(block_size, name="block_size") -> Tuple[int, int]:
-    """(block_n, block_k) as a tuple of two positive ints, or a ValueError naming the argument."""
-    try:
-        bn, bk = (int(b) for b in block_size)
-        ok = bn > 0 and bk > 0 and all(int(b) == b for b in block_size)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be two positive ints (block_n, block_k), got {block_size!r}")
-    return bn, bk
-
-
-def check_granularity(granularity, name="granularity") -> str:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"{name} must be one of {GRANULARITIES}, got {granularity!r}")
-    return granularity
 
 
 def _check_weight(w, fn):
@@ -75,14 +58,16 @@ def _to_fp8(q32: torch.Tensor) -> torch.Tensor:
     return q32.cpu().to(FP8).view(torch.uint8).to(q32.device)
 
 
-def quantize_fp8(w: torch.Tensor, granularity: str = "tensor", block_size=(128, 128)):
+def quantize_fp8(w: torch.Tensor, granularity: GranularityLike = "tensor", block_size=None):
     """Quantize a weight ``w [N, K]`` to float8_e4m3fn codes and float32 scales with ``scale = amax / 448``.
 
-    granularity:
-      - ``"tensor"``: one scale, shape ``[1]`` (the compressed-tensors layout; ModelOpt's 0-d scales work as well);
-      - ``"channel"``: one per output row, shape ``[N]``;
-      - ``"block"``: one per ``block_size = (block_n, block_k)`` tile, shape ``[ceil(N/block_n), ceil(K/block_k)]``;
-        edge blocks may be partial. ``block_size`` is ignored for the other granularities.
+    granularity (a :mod:`torch_lowbit.granularity` class or its string alias):
+      - ``PerTensor()`` / ``"tensor"``: one scale, shape ``[1]`` (the compressed-tensors layout; ModelOpt's 0-d
+        scales work as well);
+      - ``PerChannel()`` / ``"channel"``: one per output row, shape ``[N]``;
+      - ``PerBlock(block_n, block_k)`` / ``"block"`` with ``block_size = (block_n, block_k)`` (default 128 x 128):
+        one per tile, shape ``[ceil(N/block_n), ceil(K/block_k)]``; edge blocks may be partial. ``block_size`` is
+        ignored for the other granularities.
 
     Values are divided by their scale in float32 and cast with saturation (to +-448) and round-to-nearest-even.
     An all-zero tensor / row / block gets scale 0 and codes 0 (never NaN). Returns ``(w_fp8, scale)``; ``w_fp8`` is
@@ -90,18 +75,18 @@ def quantize_fp8(w: torch.Tensor, granularity: str = "tensor", block_size=(128, 
     """
     fn = "quantize_fp8"
     _check_weight(w, fn)
-    check_granularity(granularity)
+    g = as_granularity(granularity, block_size)
     w32 = w.detach().to(torch.float32)
     N, K = w32.shape
-    if granularity == "tensor":
+    if isinstance(g, PerTensor):
         amax = w32.abs().amax() if w32.numel() else w32.new_zeros(())
         scale = (amax / FP8_MAX).reshape(1)
         q = w32 / _safe(scale)
-    elif granularity == "channel":
+    elif isinstance(g, PerChannel):
         scale = _amax_rows(w32) / FP8_MAX
         q = w32 / _safe(scale)[:, None]
     else:
-        bn, bk = normalize_block_size(block_size)
+        bn, bk = g.block_size
         nb, kb = math.ceil(N / bn), math.ceil(K / bk)
         # pad to whole blocks with zeros, which change no block's amax, and view as [nb, bn, kb, bk]
         padded = nn.functional.pad(w32, (0, kb * bk - K, 0, nb * bn - N)).view(nb, bn, kb, bk)
@@ -129,32 +114,98 @@ def quantize_int8(w: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------- quantize_
+# Configs are plain data; the module that implements a config registers its handler with
+# @register_quantize_module_handler(Config) (torch_lowbit.nn does for the configs below), so this file imports no
+# layer and a new config is one dataclass plus one handler.
 @dataclasses.dataclass(frozen=True)
 class Fp8WeightOnly:
-    """W8A16: fp8 weights (``Fp8Linear``), activations stay in their dtype. ``block_size`` is used only with
-    ``granularity="block"``."""
-    granularity: str = "channel"
-    block_size: Tuple[int, int] = (128, 128)
+    """W8A16: fp8 weights (``Fp8Linear``), activations stay in their dtype. ``granularity``: ``PerChannel()``
+    (default), ``PerTensor()``, ``PerBlock(bn, bk)`` or a string alias; ``block_size`` is the block of the alias
+    ``"block"`` (default 128 x 128). After construction ``granularity`` is a Granularity and ``block_size`` its
+    block (None unless per block)."""
+    granularity: GranularityLike = "channel"
+    block_size: Optional[Tuple[int, int]] = None
 
     def __post_init__(self):
-        check_granularity(self.granularity, "Fp8WeightOnly.granularity")
-        object.__setattr__(self, "block_size", normalize_block_size(self.block_size, "Fp8WeightOnly.block_size"))
-
-    def quantize_linear(self, linear: nn.Linear) -> nn.Module:
-        from .nn import Fp8Linear
-        return Fp8Linear.from_float(linear, granularity=self.granularity, block_size=self.block_size)
+        bs = None if self.block_size is None else normalize_block_size(self.block_size, "Fp8WeightOnly.block_size")
+        g = as_granularity(self.granularity, bs, "Fp8WeightOnly.granularity")
+        object.__setattr__(self, "granularity", g)
+        object.__setattr__(self, "block_size", g.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
 class Int8Dynamic:
     """W8A8: int8 per-channel weights, activations quantized per row at run time (``Int8Linear``)."""
 
-    def quantize_linear(self, linear: nn.Linear) -> nn.Module:
-        from .nn import Int8Linear
-        return Int8Linear.from_float(linear)
+
+_HANDLERS: Dict[type, Callable[[nn.Module, Any], nn.Module]] = {}
 
 
-CONFIGS = (Fp8WeightOnly, Int8Dynamic)
+def register_quantize_module_handler(config_cls: Type):
+    """Decorator: ``handler(module, config) -> new module`` is what ``quantize_(model, config_cls(...))`` does to
+    each nn.Linear its filter accepts. One handler per config class (a subclass uses its parent's unless it
+    registers its own)."""
+    if not isinstance(config_cls, type):
+        raise TypeError(f"register_quantize_module_handler: config_cls must be a class, got {config_cls!r}")
+
+    def decorator(handler):
+        if config_cls in _HANDLERS and _HANDLERS[config_cls] is not handler:
+            raise ValueError(f"a quantize_ handler for {config_cls.__qualname__} is already registered "
+                             f"({_HANDLERS[config_cls].__qualname__})")
+        _HANDLERS[config_cls] = handler
+        return handler
+    return decorator
+
+
+def _handler_for(config):
+    for cls in type(config).__mro__:
+        if cls in _HANDLERS:
+            return _HANDLERS[cls]
+    names = " or ".join(f"{c.__module__.split('.')[0]}.{c.__qualname__}(...)" for c in _HANDLERS)
+    raise TypeError(f"quantize_: config must be {names} (or the torchao names Float8WeightOnlyConfig(), "
+                    f"Int8DynamicActivationInt8WeightConfig()), got {config!r}")
+
+
+# ---- torchao's names, for code written against torchao: the keyword arguments that mean the same here are taken,
+# those that would change the arithmetic are refused rather than ignored
+def _option_name(v) -> str:
+    """An enum member or a class instance by its name (torchao need not be installed to pass its objects)."""
+    if v is None or isinstance(v, str):
+        return str(v)
+    return getattr(v, "name", None) or type(v).__name__
+
+
+def _refuse(config: str, arg: str, value, supported: str):
+    raise ValueError(f"{config}: {arg}={value!r} is not supported by torch_lowbit ({supported})")
+
+
+def Float8WeightOnlyConfig(weight_dtype: torch.dtype = torch.float8_e4m3fn, set_inductor_config: bool = True,
+                           version: int = 2) -> Fp8WeightOnly:
+    """torchao's name for :class:`Fp8WeightOnly` (per-channel e4m3 weights). ``set_inductor_config`` and
+    ``version`` select torchao internals and change nothing here; ``weight_dtype`` must be float8_e4m3fn."""
+    if weight_dtype != torch.float8_e4m3fn:
+        _refuse("Float8WeightOnlyConfig", "weight_dtype", weight_dtype, "float8_e4m3fn weights only")
+    return Fp8WeightOnly(granularity=PerChannel())
+
+
+def Int8DynamicActivationInt8WeightConfig(layout=None, act_mapping_type=None, weight_only_decode: bool = False,
+                                          granularity=None, set_inductor_config: bool = True,
+                                          version: int = 2) -> Int8Dynamic:
+    """torchao's name for :class:`Int8Dynamic`: symmetric per-token int8 activations, per-channel int8 weights.
+    ``layout`` may be None or ``PlainLayout()``, ``act_mapping_type`` None or SYMMETRIC, ``granularity`` None,
+    per row / channel; ``weight_only_decode=True`` is refused (activations are always quantized)."""
+    name = "Int8DynamicActivationInt8WeightConfig"
+    if layout is not None and _option_name(layout) != "PlainLayout":
+        _refuse(name, "layout", layout, "PlainLayout() only")
+    if act_mapping_type is not None and _option_name(act_mapping_type).upper() != "SYMMETRIC":
+        _refuse(name, "act_mapping_type", act_mapping_type, "symmetric activations only")
+    if weight_only_decode:
+        _refuse(name, "weight_only_decode", weight_only_decode, "activations are quantized for every batch size")
+    if granularity is not None and _option_name(granularity) not in ("PerRow", "PerChannel", "channel"):
+        _refuse(name, "granularity", granularity, "per-row activations and per-channel weights only")
+    return Int8Dynamic()
+
+
 SKIPPED_BY_DEFAULT = ("lm_head",)
 
 
@@ -172,14 +223,14 @@ def default_filter(module: nn.Module, fqn: str) -> bool:
 def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
     """Replace the ``nn.Linear`` layers of ``model`` in place by quantized layers, torchao style.
 
-    config: ``Fp8WeightOnly(granularity="channel", block_size=(128, 128))`` -> ``Fp8Linear``, or ``Int8Dynamic()``
-    -> ``Int8Linear``. ``filter_fn(module, fqn) -> bool`` is asked about each nn.Linear (``fqn`` is its dotted name
-    in ``model``) and replaces the default filter, which skips layers named ``lm_head``. A Linear shared by several
-    parents is quantized once and stays shared. Returns ``model`` (or the new layer if ``model`` is itself a Linear).
+    config: ``Fp8WeightOnly(granularity="channel")`` -> ``Fp8Linear``, ``Int8Dynamic()`` -> ``Int8Linear`` (torchao's
+    ``Float8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig`` are aliases), or any config class with a
+    handler registered by ``register_quantize_module_handler``. ``filter_fn(module, fqn) -> bool`` is asked about
+    each nn.Linear (``fqn`` is its dotted name in ``model``) and replaces the default filter, which skips layers
+    named ``lm_head``. A Linear shared by several parents is quantized once and stays shared. Returns ``model`` (or
+    the new layer if ``model`` is itself a Linear).
     """
-    if not isinstance(config, CONFIGS):
-        raise TypeError(f"quantize_: config must be torch_lowbit.Fp8WeightOnly(...) or torch_lowbit.Int8Dynamic(), "
-                        f"got {config!r}")
+    handler = _handler_for(config)
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_: model must be an nn.Module, got {type(model).__name__}")
     if filter_fn is None:
@@ -187,13 +238,13 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
     elif not callable(filter_fn):
         raise TypeError(f"quantize_: filter_fn must be callable as filter_fn(module, fqn), got {filter_fn!r}")
     if _swappable(model):
-        return config.quantize_linear(model) if filter_fn(model, "") else model
+        return handler(model, config) if filter_fn(model, "") else model
     done = {}  # id(linear) -> its replacement, so shared (tied) layers stay shared
     for fqn, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if id(child) in done:
                 setattr(parent, name, done[id(child)])
             elif _swappable(child) and filter_fn(child, f"{fqn}.{name}" if fqn else name):
-                done[id(child)] = config.quantize_linear(child)
+                done[id(child)] = handler(child, config)
                 setattr(parent, name, done[id(child)])
     return model

@@ -3,15 +3,18 @@ torch_lowbit layers, without ever materializing a high-precision copy of a quant
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch import nn
 
-from .detect import QuantFormat, detect
+from .detect import detect
+from .hf_names import RenamedSource, transformers_key_renaming
+from .meta_buffers import move_non_persistent_buffers, recompute_meta_buffers, still_on_meta
 from .moe import is_experts_module, load_experts
+from .registry import QUANTIZED_DTYPES, QuantFormat
 from .source import CheckpointError, Source, open_source
-from .tensors import read_quantized, weight_kind
+from .tensors import read_quantized
 
 
 @dataclass
@@ -24,6 +27,8 @@ class LoadReport:
     stored unquantized in the checkpoint).
     unused_keys: checkpoint tensors that went nowhere. missing_keys: model tensors the checkpoint did not provide
     (left as they were). details: what the checkpoint's config said (block size, quant_algo, ...).
+    renamed_keys: checkpoint key -> model key, for the keys transformers' conversion mapping renames.
+    recomputed_buffers: non-persistent buffers (in no checkpoint) that were on meta and were recomputed.
     notes: anything the caller should know (e.g. static input scales not used).
     """
     format: str
@@ -32,6 +37,8 @@ class LoadReport:
     unused_keys: List[str] = field(default_factory=list)
     missing_keys: List[str] = field(default_factory=list)
     details: Dict[str, Any] = field(default_factory=dict)
+    renamed_keys: Dict[str, str] = field(default_factory=dict)
+    recomputed_buffers: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
     def __str__(self):
@@ -40,6 +47,10 @@ class LoadReport:
         for title, keys in (("unused keys", self.unused_keys), ("missing keys", self.missing_keys)):
             shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
             lines.append(f"{title}: {shown or 'none'}")
+        if self.renamed_keys:
+            lines.append(f"renamed keys: {len(self.renamed_keys)} (transformers' conversion mapping)")
+        if self.recomputed_buffers:
+            lines.append(f"recomputed buffers: {', '.join(self.recomputed_buffers)}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -60,12 +71,6 @@ def _inside(name: str, done) -> bool:
 
 def _is_plain_linear(m: nn.Module) -> bool:
     return type(m) is nn.Linear or (isinstance(m, nn.Linear) and not hasattr(m, "weight_scale"))
-
-
-def _describe(q) -> str:
-    if q.block_size is not None:
-        return f"block {q.block_size[0]}x{q.block_size[1]}"
-    return q.granularity
 
 
 def _swap_linear(model, name, linear, q, src, device, dtype, used, report):
@@ -89,7 +94,7 @@ def _swap_linear(model, name, linear, q, src, device, dtype, used, report):
         layer = Fp8Linear.from_quantized(to_fp8_storage(q.weight, dev), q.scale.to(dev), bias,
                                          block_size=q.block_size,
                                          input_scale=None if q.input_scale is None else q.input_scale.to(dev))
-        report.converted[name] = f"Fp8Linear({_describe(q)})"
+        report.converted[name] = f"Fp8Linear({q.granularity.describe()})"
     else:
         layer = Int8Linear.from_quantized(q.weight.to(dev), q.scale.to(dev), bias)
         report.converted[name] = "Int8Linear(channel)"
@@ -134,9 +139,9 @@ def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, 
 
 
 def _upcast_unscaled(key, value, src, fmt: QuantFormat, used):
-    """A quantized tensor in a module torch_lowbit does not convert: only diffusion files, whose fp8 means
-    float(w) * scale_weight, are upcast (exactly); anything else would silently lose its scale."""
-    if fmt.name != "diffusion-fp8" or value.dtype != torch.float8_e4m3fn:
+    """A quantized tensor in a module torch_lowbit does not convert: only formats whose fp8 means float(w) * scale
+    (diffusion files) are upcast (exactly); anything else would silently lose its scale."""
+    if fmt.format is None or not fmt.format.upcasts_unscaled or value.dtype != torch.float8_e4m3fn:
         raise CheckpointError(f"{key} is {value.dtype} but the model's tensor there is floating point and not part of "
                               f"an nn.Linear torch_lowbit converts")
     skey = key.rsplit(".", 1)[0] + "." + fmt.scale_key
@@ -157,15 +162,17 @@ def _assign(model, key, new):
 
 
 def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dict] = None, device=None,
-                   dtype: Optional[torch.dtype] = None, strict: bool = False) -> LoadReport:
+                   dtype: Optional[torch.dtype] = None, strict: bool = False, mmap: bool = False,
+                   rename_keys: Union[bool, Callable[[str], str]] = True) -> LoadReport:
     """Load a quantized checkpoint into `model`, in place, and return a :class:`LoadReport`.
 
     path_or_state_dict: a checkpoint directory (config.json with quantization_config and/or hf_quant_config.json;
     one .safetensors file or shards with model.safetensors.index.json), a single .safetensors file, or a state
     dict (then pass ``config`` unless the format shows in the tensors). ``.bin`` / ``.pt`` files are refused:
-    nothing is ever unpickled. Tensors are read one at a time from memory-mapped files, so peak memory stays near
-    the quantized size; build the model on the meta device (``with torch.device("meta"): model = ...``) to avoid
-    allocating its dense weights at all.
+    nothing is ever unpickled, and no file outside the checkpoint directory is opened, whatever the index says
+    (a Hugging Face cache snapshot may link into its ``blobs`` folder). Tensors are read one at a time, so peak
+    memory stays near the quantized size; build the model on the meta device (``with torch.device("meta"):
+    model = ...``) to avoid allocating its dense weights at all.
 
     Each ``nn.Linear`` whose checkpoint weight is float8_e4m3fn (or int8 for compressed-tensors W8A8) and that
     the checkpoint's ignore list (``ignore`` / ``modules_to_not_convert`` / ``exclude_modules``: exact names,
@@ -174,9 +181,24 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``. device: where the loaded
     tensors go (default: where each model tensor is, cpu for meta). dtype: dtype of the high-precision
     parameters and biases (default: each model tensor's own). strict: raise if any key is unused or missing.
+    mmap: by default each tensor is copied out of the file as it is read, so the model owns its memory and does
+    not depend on the file afterwards; ``mmap=True`` keeps CPU tensors memory-mapped (no copy, pages shared with
+    the page cache), and then the file must stay unchanged while the model lives: truncating it kills the
+    process (SIGBUS), rewriting it changes the weights.
+
+    Always errors, whatever `strict`: a quantized tensor of the checkpoint that no module took (the model has no
+    such module, or names it differently), and a model tensor still on the meta device after loading (it could not
+    run). Non-persistent buffers of a meta-built transformers model (rotary ``inv_freq``) are recomputed by the
+    model's own initializer; other models: build them under ``torch_lowbit.parameters_on_meta()``, which keeps
+    buffers real. rename_keys: for a transformers model, map checkpoint keys to the model's names with
+    transformers' own conversion mapping (Mixtral's ``block_sparse_moe.experts.{e}.w1`` ->
+    ``mlp.experts`` gate rows, ...); False: keys as they are; a callable: your own ``key -> model key``.
     """
-    src = open_source(path_or_state_dict)
+    src = open_source(path_or_state_dict, mmap=mmap)
+    rename = transformers_key_renaming(model) if rename_keys is True else (rename_keys or None)
     try:
+        if rename is not None:
+            src = RenamedSource(src, rename)
         fmt = detect(src, config)
         report = LoadReport(format=fmt.name, details=dict(fmt.details))
         used = set()
@@ -203,7 +225,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             wkey = f"{name}.weight"
             if wkey not in src:
                 continue
-            kind = weight_kind(fmt, wkey, src.dtype(wkey))
+            kind = fmt.weight_kind(wkey, src.dtype(wkey))
             if kind is None:
                 report.high_precision[name] = ("in the ignore list" if fmt.is_ignored(name)
                                                else f"stored as {src.dtype(wkey)}")
@@ -215,7 +237,12 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             done.add(name)
 
         _load_rest(model, src, fmt, done, device, dtype, used, report)
-        report.unused_keys = sorted(k for k in src.keys() if k not in used)
+        original = src.original if isinstance(src, RenamedSource) else (lambda k: k)
+        unused = sorted(k for k in src.keys() if k not in used)
+        _refuse_unused_quantized(src, fmt, unused, original)
+        report.unused_keys = [original(k) for k in unused]
+        report.renamed_keys = dict(src.renamed) if isinstance(src, RenamedSource) else {}
+        _finish_buffers(model, device, report)
         _add_notes(fmt, report)
         if strict and (report.unused_keys or report.missing_keys):
             raise CheckpointError(f"strict load: {len(report.unused_keys)} unused keys "
@@ -226,9 +253,38 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
         src.close()
 
 
+def _refuse_unused_quantized(src: Source, fmt: QuantFormat, unused: List[str], original):
+    """A quantized weight (or its scale) that went nowhere means a module of the checkpoint was not filled."""
+    bad = [k for k in unused if (k.endswith(".weight") and src.dtype(k) in QUANTIZED_DTYPES)
+           or k.endswith(f".{fmt.scale_key}")]
+    if not bad:
+        return
+    modules = sorted({k.rsplit(".", 1)[0] for k in bad})
+    shown = ", ".join(original(m + ".weight").rsplit(".", 1)[0] for m in modules[:4])
+    more = f" ({len(modules)} in all)" if len(modules) > 4 else ""
+    raise CheckpointError(f"the checkpoint holds quantized weights for modules the model does not have, or does "
+                          f"not have under these names: {shown}{more} (checkpoint names; in the model: "
+                          f"{modules[0]!r} is missing or is not an nn.Linear / experts module). Build the model class "
+                          f"the checkpoint was written for, or pass rename_keys= to map the names")
+
+
+def _finish_buffers(model: nn.Module, device, report: LoadReport):
+    real = next((t.device for t in list(model.parameters()) + list(model.buffers()) if not t.is_meta), None)
+    target = torch.device(device) if device is not None else (real or torch.device("cpu"))
+    report.recomputed_buffers = recompute_meta_buffers(model, target)
+    if device is not None:
+        move_non_persistent_buffers(model, target)
+    meta = still_on_meta(model)
+    if meta:
+        shown = ", ".join(meta[:8]) + (f", ... ({len(meta)} in all)" if len(meta) > 8 else "")
+        raise CheckpointError(f"after loading, these model tensors are still on the meta device (the checkpoint does "
+                              f"not hold them and nothing could recompute them): {shown}. Build the model under "
+                              f"torch_lowbit.parameters_on_meta() (buffers real, parameters on meta), or load a "
+                              f"checkpoint that holds them")
+
+
 def _add_notes(fmt: QuantFormat, report: LoadReport):
     if any(v.startswith("Int8Linear") for v in report.converted.values()):
         report.notes.append("Int8Linear quantizes activations per token at run time (static input scales, "
                             "if any, are not used)")
-    if fmt.name == "fp8" and fmt.details.get("config") == "none (inferred)":
-        report.notes.append("no config: weight_scale_inv read as blocks of 128x128")
+    report.notes.extend(fmt.notes)

@@ -18,10 +18,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..granularity import Granularity, PerBlock, PerChannel, PerTensor
 from ..nn.experts import Fp8Experts
-from .detect import QuantFormat
+from .registry import QuantFormat
 from .source import CheckpointError, Source
-from .tensors import read_quantized, weight_kind
+from .tensors import QuantizedWeight, read_quantized
 
 PROJS = ("gate", "up", "down")
 
@@ -40,39 +41,60 @@ def experts_dims(m: nn.Module) -> Tuple[int, int, int]:
     return E, H, I2 // 2
 
 
+# Where SiLU is recognized: both signs, the region around 0, and large |x| where x * sigmoid(x) saturates
+_SILU_PROBE = (-20.0, -6.5, -3.0, -1.25, -0.5, -0.125, 0.0, 0.0625, 0.4, 1.0, 2.5, 4.75, 9.0, 30.0)
+
+
+def computes_silu(act) -> bool:
+    """Does `act` compute x * sigmoid(x)? Judged by its values on probe inputs, not by its class: transformers 5
+    uses its own ``SiLUActivation`` module (``ACT2FN["silu"]``), others use nn.SiLU or F.silu."""
+    x = torch.tensor(_SILU_PROBE, dtype=torch.float32)
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:  # an activation that cannot run on a CPU float tensor is not one we can vouch for
+        return False
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not y.is_floating_point():
+        return False
+    want = x.double() * torch.sigmoid(x.double())
+    return bool(torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6))
+
+
 def _check_activation(name: str, m: nn.Module):
     act = getattr(m, "act_fn", None)
-    if act is None or isinstance(act, nn.SiLU) or act is torch.nn.functional.silu:
+    if act is None or computes_silu(act):
         return
-    raise CheckpointError(f"experts module {name} uses activation {act!r}; Fp8Experts implements SwiGLU with SiLU")
+    raise CheckpointError(f"experts module {name} uses activation {act!r}, which does not compute x * sigmoid(x); "
+                          f"Fp8Experts implements SwiGLU with SiLU")
 
 
-def _stack_scales(key: str, parts: List[Tuple[torch.Tensor, Optional[tuple]]], rows: List[int],
-                  block_size) -> torch.Tensor:
-    """One expert's scale for row-stacked weights (gate then up, or down alone): block scales concatenated,
-    equal per-tensor scales kept as one, anything else expanded to per channel."""
-    blocks = [b is not None for _, b in parts]
-    if any(blocks):
-        if not all(blocks):
+def _stack_scales(key: str, parts: List[QuantizedWeight]) -> Tuple[torch.Tensor, Granularity]:
+    """One expert's scale for row-stacked weights (gate then up, or down alone) and its granularity: block scales
+    concatenated, equal per-tensor scales kept as one, anything else expanded to per channel."""
+    grans = [q.granularity for q in parts]
+    if any(isinstance(g, PerBlock) for g in grans):
+        if not all(isinstance(g, PerBlock) for g in grans):
             raise CheckpointError(f"{key}: block scales cannot be mixed with per-tensor / per-channel scales")
-        bn = block_size[0]
+        bn = grans[0].block_n
+        rows = [q.weight.shape[0] for q in parts]
         if len(parts) > 1 and any(r % bn for r in rows[:-1]):
             raise CheckpointError(f"{key}: gate and up have {rows[0]} rows, not a multiple of the block height {bn}: "
                                   f"their block scales cannot be stacked into one gate_up weight")
-        return torch.cat([s for s, _ in parts], dim=0)
-    if all(s.numel() == 1 for s, _ in parts) and all(torch.equal(parts[0][0], s) for s, _ in parts):
-        return parts[0][0].reshape(())
-    return torch.cat([s.reshape(-1).expand(r) for (s, _), r in zip(parts, rows)])
+        return torch.cat([q.scale for q in parts], dim=0), grans[0]
+    if all(isinstance(g, PerTensor) for g in grans) and all(torch.equal(parts[0].scale, q.scale) for q in parts):
+        return parts[0].scale.reshape(()), PerTensor()
+    return torch.cat([q.scale.reshape(-1).expand(q.weight.shape[0]) for q in parts]), PerChannel()
 
 
-def _uniform(key: str, scales: List[torch.Tensor]) -> torch.Tensor:
+def _uniform(key: str, scales: List[Tuple[torch.Tensor, Granularity]]) -> torch.Tensor:
     """Stack the experts' scales, widening per-tensor ones to per channel when the experts disagree."""
-    if len({s.dim() for s in scales}) > 1:
-        if any(s.dim() == 2 for s in scales):
+    grans = {g.kind for _, g in scales}
+    if len(grans) > 1:
+        if "block" in grans:
             raise CheckpointError(f"{key}: some experts have block scales and others do not")
-        n = max(s.numel() for s in scales)
-        scales = [s.reshape(-1).expand(n) for s in scales]
-    return torch.stack(scales).contiguous()
+        n = max(s.numel() for s, _ in scales)
+        return torch.stack([s.reshape(-1).expand(n) for s, _ in scales]).contiguous()
+    return torch.stack([s for s, _ in scales]).contiguous()
 
 
 def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, device, dtype,
@@ -89,7 +111,7 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
         raise CheckpointError(f"experts module {name} has {E} experts but {missing[0]} is missing from the checkpoint "
                               f"({len(missing)} expert weights missing)")
     _check_activation(name, module)
-    kinds = {k: weight_kind(fmt, k, src.dtype(k)) for k in wkeys.values()}
+    kinds = {k: fmt.weight_kind(k, src.dtype(k)) for k in wkeys.values()}
     if set(kinds.values()) == {None}:
         return _load_dense(src, name, module, wkeys, device, dtype)
     unquantized = [k for k, v in kinds.items() if v is None]
@@ -113,19 +135,15 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
         gate_up[e, :I].copy_(q["gate"].weight)
         gate_up[e, I:].copy_(q["up"].weight)
         down[e].copy_(q["down"].weight)
-        gu_scales.append(_stack_scales(f"{name}.{e}.gate/up_proj scales", [(q["gate"].scale, q["gate"].block_size),
-                                       (q["up"].scale, q["up"].block_size)], [I, I], fmt.block_size))
-        d_scales.append(_stack_scales(f"{name}.{e}.down_proj scale", [(q["down"].scale, q["down"].block_size)],
-                                      [H], fmt.block_size))
+        gu_scales.append(_stack_scales(f"{name}.{e}.gate/up_proj scales", [q["gate"], q["up"]]))
+        d_scales.append(_stack_scales(f"{name}.{e}.down_proj scale", [q["down"]]))
         used += [k for p in PROJS for k in q[p].keys]
     gu_scale = _uniform(f"{name} gate/up scales", gu_scales)
     d_scale = _uniform(f"{name} down scales", d_scales)
-    block = fmt.block_size if (gu_scale.dim() == 3 or d_scale.dim() == 3) else None
-    layer = Fp8Experts.from_quantized(gate_up, gu_scale, down, d_scale, block_size=block,
+    layer = Fp8Experts.from_quantized(gate_up, gu_scale, down, d_scale, block_size=fmt.block_size,
                                       dtype=dtype or torch.bfloat16)
     layer = layer.to(device) if device is not None else layer
-    gran = {1: "tensor", 2: "channel", 3: "block"}
-    desc = f"Fp8Experts(E={E}, gate_up {gran[gu_scale.dim()]}, down {gran[d_scale.dim()]})"
+    desc = f"Fp8Experts(E={E}, gate_up {layer.gate_up_granularity.kind}, down {layer.down_granularity.kind})"
     return layer, used, desc, True
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import stat
+import struct
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
@@ -32,19 +34,78 @@ def _refuse_pickle(path: str):
         f"safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors')")
 
 
-def _read_json(path: str) -> Optional[dict]:
-    if not os.path.isfile(path):
+def _regular_file(path: str, what: str) -> bool:
+    """True for a regular file, False when nothing is there; an error for anything else (a FIFO would block the
+    reader forever, a device or directory is never a checkpoint file)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise CheckpointError(f"{what} {path!r} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a device or socket")
+        raise CheckpointError(f"{what} {path!r} is {kind}, not a regular file: refusing to open it")
+    return True
+
+
+def _read_json(path: str, what: str) -> Optional[dict]:
+    """The JSON object in ``path`` (None if there is no such file), or an error naming the file."""
+    if not _regular_file(path, what):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got a JSON {type(data).__name__}")
+    return data
+
+
+class _Confinement:
+    """The folders a checkpoint directory may read from: the directory itself (resolved) and, for a Hugging Face
+    cache snapshot (``models--org--name/snapshots/<rev>/`` whose files link into ``../../blobs/``), that blobs
+    folder. Anything an index or a symlink points at elsewhere is refused."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.root = os.path.realpath(directory)
+        self.roots = [self.root]
+        parent = os.path.dirname(self.root)
+        if os.path.basename(parent) == "snapshots":
+            blobs = os.path.join(os.path.dirname(parent), "blobs")
+            if os.path.isdir(blobs):
+                self.roots.append(os.path.realpath(blobs))
+
+    def resolve(self, name: str, what: str) -> str:
+        """The path of ``name`` (relative to the directory) after checking that it stays inside."""
+        if not isinstance(name, str) or name == "" or os.path.isabs(name) or "\0" in name:
+            raise CheckpointError(f"{what} {name!r} must be a file name relative to the checkpoint directory "
+                                  f"{self.directory}")
+        path = os.path.join(self.directory, name)
+        real = os.path.realpath(path)
+        if not any(os.path.commonpath([real, r]) == r for r in self.roots):
+            raise CheckpointError(f"{what} {name!r} resolves to {real}, outside the checkpoint directory "
+                                  f"{self.root}: refusing to open it")
+        return path
 
 
 class Source:
     """Read-only view of the tensors of a checkpoint: names, dtypes and shapes without loading, then tensors one
     at a time on CPU."""
-    config: Optional[dict] = None           # config.json (a directory only)
-    modelopt_config: Optional[dict] = None  # hf_quant_config.json (a directory only)
     description: str = "checkpoint"
+
+    def read_config(self, name: str) -> Optional[dict]:
+        """A JSON file beside the tensors (config.json, a format's side config), None if absent or not a
+        directory."""
+        return None
+
+    def config_path(self, name: str) -> Optional[str]:
+        return None
 
     def keys(self) -> List[str]:
         raise NotImplementedError
@@ -89,17 +150,39 @@ class StateDictSource(Source):
         return self._sd[key]
 
 
-class SafetensorsSource(Source):
-    """One or many .safetensors files, opened with safe_open (memory-mapped); tensors are read on demand."""
+def _data_offsets(path: str) -> Dict[str, Tuple[int, int]]:
+    """Absolute byte range of each tensor of a .safetensors file (an 8-byte little-endian header length, a JSON
+    header with ``data_offsets`` relative to the end of the header, then the data). safe_open has validated the
+    header already; sizes are checked against dtype and shape when a tensor is read."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: (8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
+            for k, v in header.items() if k != "__metadata__"}
 
-    def __init__(self, files: Iterable[str], weight_map: Optional[Dict[str, str]] = None, description=""):
+
+class SafetensorsSource(Source):
+    """One or many .safetensors files, opened with safe_open for their names, dtypes and shapes; tensors are read
+    on demand. By default each tensor is read (pread) into memory of its own, so what is loaded does not depend on
+    the file afterwards; with ``mmap=True`` tensors are views of safe_open's mapping (no copy, but truncating the
+    file kills the process with SIGBUS and rewriting it changes the weights)."""
+
+    def __init__(self, files: Iterable[str], weight_map: Optional[Dict[str, str]] = None, description="",
+                 mmap: bool = False, confinement: Optional[_Confinement] = None):
         from safetensors import safe_open
 
         self.description = description
+        self._mmap = mmap
+        self._confinement = confinement
+        self._configs: Dict[str, Optional[dict]] = {}
         self._handles = {}
         self._where: Dict[str, str] = {}
         for f in files:
-            h = safe_open(f, framework="pt", device="cpu")
+            _regular_file(f, "checkpoint file")
+            try:
+                h = safe_open(f, framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types for a malformed header
+                raise CheckpointError(f"{f} is not a valid .safetensors file: {e}") from None
             self._handles[f] = h
             for k in h.keys():
                 self._where.setdefault(k, f)
@@ -111,6 +194,7 @@ class SafetensorsSource(Source):
                                           f"{os.path.basename(f)!r}, but that shard does not contain it")
                 self._where[k] = f
         self._meta: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
+        self._offsets: Dict[str, Dict[str, Tuple[int, int]]] = {}
 
     def keys(self):
         return list(self._where.keys())
@@ -134,57 +218,93 @@ class SafetensorsSource(Source):
         return self._info(key)[1]
 
     def get(self, key):
-        return self._handles[self._where[key]].get_tensor(key)
+        path = self._where[key]
+        if self._mmap:
+            return self._handles[path].get_tensor(key)
+        dtype, shape = self._info(key)
+        if path not in self._offsets:
+            self._offsets[path] = _data_offsets(path)
+        start, end = self._offsets[path][key]
+        t = torch.empty(shape, dtype=dtype)
+        buf = t.reshape(-1).view(torch.uint8)
+        if end - start != buf.numel():
+            raise CheckpointError(f"{path}: tensor {key!r} ({dtype}, {list(shape)}) spans {end - start} bytes, "
+                                  f"expected {buf.numel()}")
+        # one read into memory of our own: faster than faulting the mapping in and copying it, and owned
+        with open(path, "rb") as f:
+            f.seek(start)
+            got = f.readinto(memoryview(buf.numpy()))
+        if got != buf.numel():
+            raise CheckpointError(f"{path} ended {buf.numel() - got} bytes early while reading tensor {key!r}: the "
+                                  f"file changed or is truncated")
+        return t
+
+    def read_config(self, name):
+        if self._confinement is None:
+            return None
+        if name not in self._configs:
+            path = self._confinement.resolve(name, "config file")
+            self._configs[name] = _read_json(path, "config file")
+        return self._configs[name]
+
+    def config_path(self, name):
+        return None if self._confinement is None else os.path.join(self._confinement.directory, name)
 
     def close(self):
         self._handles.clear()
 
 
-def _directory_source(path: str) -> SafetensorsSource:
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map")
+def _directory_source(path: str, mmap: bool) -> SafetensorsSource:
+    where = _Confinement(path)
+    index = where.resolve(INDEX_FILE, "index")
+    if _regular_file(index, "index"):
+        data = _read_json(index, "index")
+        weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no 'weight_map' object")
+            raise CheckpointError(f"{index}: 'weight_map' must be an object mapping tensor names to shard files, got "
+                                  f"{type(weight_map).__name__}")
         shards = {}
         for k, f in weight_map.items():
+            if not isinstance(f, str):
+                raise CheckpointError(f"{index}: weight_map[{k!r}] must be a shard file name, got "
+                                      f"{type(f).__name__} {f!r}")
             shards.setdefault(f, []).append(k)
+        resolved = {}
         for f, ks in sorted(shards.items()):
-            if not os.path.isfile(os.path.join(path, f)):
-                raise CheckpointError(f"shard {f!r} listed in {INDEX_FILE} is missing from {path} (it should hold "
-                                      f"{len(ks)} tensors, e.g. {sorted(ks)[0]!r})")
             if f.endswith(PICKLE_SUFFIXES):
                 _refuse_pickle(os.path.join(path, f))
-        files = [os.path.join(path, f) for f in sorted(shards)]
-        full_map = {k: os.path.join(path, f) for k, f in weight_map.items()}
-        src = SafetensorsSource(files, full_map, description=path)
-    else:
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            pickles = sorted(f for f in os.listdir(path) if f.endswith(PICKLE_SUFFIXES))
-            if pickles:
-                _refuse_pickle(os.path.join(path, pickles[0]))
-            raise CheckpointError(f"no .safetensors files in {path}")
-        src = SafetensorsSource(files, description=path)
-    src.config = _read_json(os.path.join(path, "config.json"))
-    src.modelopt_config = _read_json(os.path.join(path, "hf_quant_config.json"))
-    return src
+            resolved[f] = where.resolve(f, f"shard listed in {INDEX_FILE} for {sorted(ks)[0]!r}:")
+            if not _regular_file(resolved[f], "shard"):
+                raise CheckpointError(f"shard {f!r} listed in {INDEX_FILE} is missing from {path} (it should hold "
+                                      f"{len(ks)} tensors, e.g. {sorted(ks)[0]!r})")
+        files = [resolved[f] for f in sorted(shards)]
+        full_map = {k: resolved[f] for k, f in weight_map.items()}
+        return SafetensorsSource(files, full_map, description=path, mmap=mmap, confinement=where)
+    files = [where.resolve(os.path.basename(f), "checkpoint file")
+             for f in sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))]
+    if not files:
+        pickles = sorted(f for f in os.listdir(path) if f.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            _refuse_pickle(os.path.join(path, pickles[0]))
+        raise CheckpointError(f"no .safetensors files in {path}")
+    return SafetensorsSource(files, description=path, mmap=mmap, confinement=where)
 
 
-def open_source(path_or_state_dict) -> Source:
-    """A Source for a directory (config.json / hf_quant_config.json / index / shards), a single .safetensors
-    file, or a state dict (a mapping of names to tensors)."""
+def open_source(path_or_state_dict, mmap: bool = False) -> Source:
+    """A Source for a directory (config.json / side configs / index / shards), a single .safetensors file, or a
+    state dict (a mapping of names to tensors, used as it is). ``mmap``: keep file tensors memory-mapped instead
+    of copying each one as it is read."""
     if isinstance(path_or_state_dict, Mapping):
         return StateDictSource(path_or_state_dict)
     path = os.fspath(path_or_state_dict)
     if os.path.isdir(path):
-        return _directory_source(path)
+        return _directory_source(path, mmap)
     if path.endswith(PICKLE_SUFFIXES):
         _refuse_pickle(path)
-    if not os.path.isfile(path):
+    if not _regular_file(path, "checkpoint"):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     if os.path.basename(path) == INDEX_FILE:
-        return _directory_source(os.path.dirname(path) or ".")
+        return _directory_source(os.path.dirname(path) or ".", mmap)
     if not path.endswith(".safetensors"):
         raise CheckpointError(f"{path!r} is not a .safetensors file or a checkpoint directory")
-    return SafetensorsSource([path], description=path)
+    return SafetensorsSource([path], description=path, mmap=mmap)

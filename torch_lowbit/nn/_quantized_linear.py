@@ -1,41 +1,25 @@
-"""What Fp8Linear and Int8Linear share: dtype-stable quantized buffers under ``.to()`` / ``.half()``, and
-loading checkpoint scales whose shape differs only by size-1 dims (``[N, 1]`` vs ``[N]``, 0-d vs ``[1]``)."""
+"""What Fp8Linear and Int8Linear share: dtype-stable quantized buffers under ``.to()`` / ``.half()`` (see
+``_format_buffers``), and loading checkpoint scales whose shape differs only by size-1 dims (``[N, 1]`` vs
+``[N]``, 0-d vs ``[1]``)."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from ._format_buffers import FormatBuffers
 
 
 def _squeezed(shape):
     return [d for d in shape if d != 1]
 
 
-class QuantizedLinear(nn.Module):
-    # Buffers whose dtype is part of the format: a module-wide dtype conversion (model.half(), .to(bf16)) must
-    # move them but never convert them (an fp8 weight is a floating tensor to nn.Module and would be converted).
+class QuantizedLinear(FormatBuffers):
     _format_buffers = ("weight", "weight_scale")
     # Scales: float32 in the module; loaded from fp32 / bf16 / fp16 checkpoints and reshaped by size-1 dims.
     _scale_buffers = ("weight_scale",)
 
     in_features: int
     out_features: int
-
-    def _move_format_buffer(self, name: str, t: torch.Tensor, fn) -> torch.Tensor:
-        moved = fn(t)
-        return moved if moved.dtype == t.dtype else t.to(moved.device)
-
-    def _apply(self, fn, recurse=True):
-        kept = {n: self._buffers[n] for n in self._format_buffers if self._buffers.get(n) is not None}
-        for n in kept:
-            self._buffers[n] = None  # hidden from nn.Module._apply, keeping the buffers' order
-        try:
-            super()._apply(fn, recurse)
-            moved = {n: self._move_format_buffer(n, t, fn) for n, t in kept.items()}
-        except BaseException:
-            self._buffers.update(kept)
-            raise
-        self._buffers.update(moved)
-        return self
 
     def _adopt_optional_buffer(self, name, state_dict, prefix):
         """Give a buffer that is None here the checkpoint's tensor (e.g. an input_scale), so it loads."""

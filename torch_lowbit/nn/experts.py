@@ -7,7 +7,6 @@ first, then the up rows.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -16,57 +15,29 @@ from torch import nn
 
 from .._ops import fp8_grouped_mm
 from .._storage import as_fp8_dtype, fp8_storage_dtype, to_fp8_storage
+from ..granularity import Granularity, GranularityLike, PerBlock, as_granularity, granularity_with_block_hint
 from ..quantize import quantize_fp8
+from ._format_buffers import FormatBuffers
 
-GRANULARITIES = ("tensor", "channel", "block")
-
-
-def scale_shape(E: int, N: int, K: int, granularity: str, block_size=None) -> Tuple[int, ...]:
-    """Shape of the fp32 scale of a stacked [E, N, K] fp8 weight for each granularity."""
-    if granularity == "tensor":
-        return (E,)
-    if granularity == "channel":
-        return (E, N)
-    if granularity == "block":
-        bn, bk = block_size
-        return (E, math.ceil(N / bn), math.ceil(K / bk))
-    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-
-
-def _quantize_stacked(w: torch.Tensor, granularity: str, block_size) -> Tuple[torch.Tensor, torch.Tensor]:
+def _quantize_stacked(w: torch.Tensor, granularity: Granularity) -> Tuple[torch.Tensor, torch.Tensor]:
     """quantize_fp8 of each expert of ``w [E, N, K]``, stacked: scales ``[E]``, ``[E, N]`` or ``[E, nb, kb]``."""
-    parts = [quantize_fp8(w[e], granularity, block_size or (128, 128)) for e in range(w.shape[0])]
+    E, N, K = w.shape
+    parts = [quantize_fp8(w[e], granularity) for e in range(E)]
     q = torch.stack([as_fp8_dtype(p[0]) for p in parts]) if parts else torch.empty(w.shape, dtype=torch.float8_e4m3fn)
-    scales = [p[1].reshape(()) if granularity == "tensor" else p[1] for p in parts]
-    s = torch.stack(scales) if parts else torch.ones(scale_shape(0, w.shape[1], w.shape[2], granularity, block_size))
+    shape = granularity.scale_shape(N, K, experts=E)
+    s = torch.stack([p[1] for p in parts]).reshape(shape) if parts else torch.ones(shape)
     return q, s
 
 
-def _granularity_of(scale: torch.Tensor) -> str:
-    return {1: "tensor", 2: "channel", 3: "block"}[scale.dim()]
+def _normalize_scale(name: str, scale: torch.Tensor, E: int, N: int, K: int,
+                     block_size) -> Tuple[torch.Tensor, Granularity]:
+    """(fp32 scale in its canonical shape [E] / [E, N] / [E, nb, kb], its granularity); ``block_size`` applies to
+    the scales that have its block shape (gate_up and down may differ)."""
+    g = granularity_with_block_hint(scale.shape, N, K, block_size, experts=E, what=f"Fp8Experts: {name}")
+    return scale.detach().to(torch.float32).reshape(g.scale_shape(N, K, experts=E)).contiguous(), g
 
 
-def _normalize_scale(name: str, scale: torch.Tensor, E: int, N: int, K: int, block_size) -> torch.Tensor:
-    """[E] / [E, 1] / [E, 1, 1] -> [E]; [E, N] / [E, N, 1] -> [E, N]; [E, nb, kb] (with block_size) kept; fp32."""
-    s = scale.detach().to(torch.float32)
-    shape = tuple(s.shape)
-    if block_size is not None:
-        want = scale_shape(E, N, K, "block", block_size)
-        if shape == want:
-            return s.contiguous()
-    if shape in ((E,), (E, 1), (E, 1, 1)):
-        return s.reshape(E).contiguous()
-    if shape in ((E, N), (E, N, 1)):
-        return s.reshape(E, N).contiguous()
-    expected = f"[{E}] (per tensor), [{E}, {N}] (per channel)"
-    if block_size is not None:
-        expected += f" or {list(scale_shape(E, N, K, 'block', block_size))} (blocks of {tuple(block_size)})"
-    else:
-        expected += " or [E, ceil(N/bn), ceil(K/bk)] with block_size"
-    raise ValueError(f"Fp8Experts: {name} has shape {list(shape)}; expected {expected}")
-
-
-class Fp8Experts(nn.Module):
+class Fp8Experts(FormatBuffers):
     """E SwiGLU experts with FP8 weights: ``gate_up [E, 2I, H]`` (gate rows, then up rows), ``down [E, H, I]``.
 
     Scales (fp32), chosen per projection: ``[E]`` per tensor, ``[E, rows]`` per channel, or
@@ -79,24 +50,29 @@ class Fp8Experts(nn.Module):
     token in fp32 and rounded once to hidden's dtype. No host synchronization and no data-dependent Python
     control flow: the layer traces under ``torch.compile(fullgraph=True)``.
     """
+    _format_buffers = ("gate_up", "down", "gate_up_scale", "down_scale")
+    _fp8_buffers = ("gate_up", "down")
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, granularity: str = "channel",
-                 block_size: Optional[Sequence[int]] = None, device=None, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 granularity: GranularityLike = "channel", block_size: Optional[Sequence[int]] = None,
+                 down_granularity: Optional[GranularityLike] = None, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"Fp8Experts: granularity must be one of {GRANULARITIES}, got {granularity!r}")
-        if granularity == "block" and block_size is None:
-            block_size = (128, 128)
+        g = as_granularity(granularity, block_size, "Fp8Experts: granularity")
+        dg = g if down_granularity is None else as_granularity(down_granularity, block_size,
+                                                               "Fp8Experts: down_granularity")
+        blocks = {x.block_size for x in (g, dg) if isinstance(x, PerBlock)}
+        if len(blocks) > 1:
+            raise ValueError(f"Fp8Experts: gate_up and down must share one block size, got {sorted(blocks)}")
         E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
-        self.block_size = None if block_size is None else tuple(int(b) for b in block_size)
+        self.gate_up_granularity, self.down_granularity = g, dg
+        self.block_size = blocks.pop() if blocks else None
         self.dtype = dtype  # dtype of the dense model this layer stands in for (activations keep their own)
         wdtype = fp8_storage_dtype(device)
         self.register_buffer("gate_up", torch.zeros(E, 2 * I, H, dtype=torch.uint8, device=device).view(wdtype))
         self.register_buffer("down", torch.zeros(E, H, I, dtype=torch.uint8, device=device).view(wdtype))
-        bs = self.block_size if granularity == "block" else None
-        self.register_buffer("gate_up_scale", torch.ones(scale_shape(E, 2 * I, H, granularity, bs), device=device))
-        self.register_buffer("down_scale", torch.ones(scale_shape(E, H, I, granularity, bs), device=device))
+        self.register_buffer("gate_up_scale", torch.ones(g.scale_shape(2 * I, H, experts=E), device=device))
+        self.register_buffer("down_scale", torch.ones(dg.scale_shape(H, I, experts=E), device=device))
 
     # ------------------------------------------------------------------------------------------ builders
     @classmethod
@@ -115,10 +91,9 @@ class Fp8Experts(nn.Module):
         if tuple(down.shape) != (E, H, I):
             raise ValueError(f"Fp8Experts: down must be [E, H, I] = {[E, H, I]} to match gate_up {list(gate_up.shape)}, "
                              f"got {list(down.shape)}")
-        bs = None if block_size is None else tuple(int(b) for b in block_size)
-        gus = _normalize_scale("gate_up_scale", gate_up_scale, E, 2 * I, H, bs)
-        ds = _normalize_scale("down_scale", down_scale, E, H, I, bs)
-        m = cls(E, H, I, granularity=_granularity_of(gus), block_size=bs, device="meta", dtype=dtype)
+        gus, g = _normalize_scale("gate_up_scale", gate_up_scale, E, 2 * I, H, block_size)
+        ds, dg = _normalize_scale("down_scale", down_scale, E, H, I, block_size)
+        m = cls(E, H, I, granularity=g, down_granularity=dg, device="meta", dtype=dtype)
         device = gate_up.device
         m.gate_up = to_fp8_storage(gate_up, device)
         m.down = to_fp8_storage(down, device)
@@ -127,22 +102,19 @@ class Fp8Experts(nn.Module):
         return m
 
     @classmethod
-    def from_float(cls, gate_up: torch.Tensor, down: torch.Tensor, granularity: str = "channel",
-                   block_size: Optional[Sequence[int]] = (128, 128)) -> "Fp8Experts":
+    def from_float(cls, gate_up: torch.Tensor, down: torch.Tensor, granularity: GranularityLike = "channel",
+                   block_size: Optional[Sequence[int]] = None) -> "Fp8Experts":
         """Quantize dense stacked weights ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` (absmax, symmetric)."""
         if gate_up.dim() != 3 or down.dim() != 3:
             raise ValueError(f"Fp8Experts.from_float: gate_up and down must be 3-D, got {tuple(gate_up.shape)} "
                              f"and {tuple(down.shape)}")
-        bs = tuple(block_size) if granularity == "block" else None
-        q_gu, s_gu = _quantize_stacked(gate_up, granularity, bs)
-        q_d, s_d = _quantize_stacked(down, granularity, bs)
+        g = as_granularity(granularity, block_size, "Fp8Experts.from_float: granularity")
+        q_gu, s_gu = _quantize_stacked(gate_up, g)
+        q_d, s_d = _quantize_stacked(down, g)
         dtype = gate_up.dtype if gate_up.is_floating_point() else torch.bfloat16
-        return cls.from_quantized(q_gu, s_gu, q_d, s_d, block_size=bs, dtype=dtype)
+        return cls.from_quantized(q_gu, s_gu, q_d, s_d, block_size=g.block_size, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ forward
-    def _block_for(self, scale: torch.Tensor):
-        return self.block_size if scale.dim() == 3 else None
-
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         out_shape = hidden.shape
@@ -161,10 +133,10 @@ class Fp8Experts(nn.Module):
         tokens = order // k
 
         gu = fp8_grouped_mm(x[tokens], self.gate_up, self.gate_up_scale, offsets, expert_ids,
-                            self._block_for(self.gate_up_scale))
+                            self.gate_up_granularity.block_size)
         gate, up = gu.float().split(I, dim=-1)
         act = (F.silu(gate) * up).to(x.dtype)
-        y = fp8_grouped_mm(act, self.down, self.down_scale, offsets, expert_ids, self._block_for(self.down_scale))
+        y = fp8_grouped_mm(act, self.down, self.down_scale, offsets, expert_ids, self.down_granularity.block_size)
 
         w = topk_weights.reshape(-1)[order].float()
         w = torch.where(sorted_ids < E, w, torch.zeros_like(w))  # a skipped slot's weight may be anything
@@ -175,7 +147,7 @@ class Fp8Experts(nn.Module):
         return out.to(hidden.dtype).reshape(out_shape)
 
     def extra_repr(self) -> str:
-        gran = f"gate_up {_granularity_of(self.gate_up_scale)}, down {_granularity_of(self.down_scale)}"
+        gran = f"gate_up {self.gate_up_granularity.kind}, down {self.down_granularity.kind}"
         bs = f", block_size={self.block_size}" if self.block_size is not None else ""
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, {gran}{bs}")

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from .. import _ops
-from ..quantize import quantize_int8
+from ..quantize import Int8Dynamic, quantize_int8, register_quantize_module_handler
 from ._quantized_linear import QuantizedLinear
 
 
@@ -77,3 +77,8 @@ class Int8Linear(QuantizedLinear):
     def _load_weight_entry(self, state_dict, key, error_msgs):
         if key in state_dict and state_dict[key].dtype != torch.int8:
             self._reject_weight(state_dict, key, error_msgs, "int8")
+
+
+@register_quantize_module_handler(Int8Dynamic)
+def _quantize_int8_dynamic(linear: nn.Linear, config: Int8Dynamic) -> Int8Linear:
+    return Int8Linear.from_float(linear)

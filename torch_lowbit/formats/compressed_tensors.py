@@ -1,0 +1,99 @@
+"""compressed-tensors (llmcompressor): ``weight`` + ``weight_scale`` in the model's dtype (often bf16): per tensor
+``[1]``, per channel ``[N, 1]``, per block ``[ceil(N/bh), ceil(K/bw)]`` with the weight padded to whole blocks and
+its true shape in ``weight_shape_original``. ``format`` float-quantized (FP8), int-quantized (INT8 W8A8, per-token
+dynamic activations) or naive-quantized; ``ignore`` holds names and ``re:`` regexes."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..granularity import PerBlock, PerChannel, PerTensor
+from .registry import CheckpointError, CheckpointFormat, Example, block_field, config_field, name_list
+
+SUPPORTED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "dense")
+STRATEGIES = ("tensor", "channel", "block")
+EXAMPLE_BLOCK = PerBlock(16, 32)  # partial blocks on the tests' dims (48, 80, 97: multiples of neither)
+
+
+class CompressedTensors(CheckpointFormat):
+    name = "compressed-tensors"
+    quant_methods = ("compressed-tensors", "compressed_tensors")
+    original_shape_key = "weight_shape_original"
+    weight_kinds = ("fp8", "int8")
+
+    def parse(self, qc, side, where):
+        at = where.qc
+        fmt = config_field(qc, "format", str, at, "dense")
+        groups = config_field(qc, "config_groups", dict, at, {})
+        formats = {fmt}
+        for gname, g in groups.items():
+            config_field(groups, gname, dict, f"{at}.config_groups", {})
+            formats.add(config_field(g or {}, "format", str, f"{at}.config_groups.{gname}", fmt))
+        bad = formats - set(SUPPORTED_FORMATS)
+        if bad:
+            raise CheckpointError(f"{at}: compressed-tensors format {sorted(bad)[0]!r} is not supported: torch_lowbit "
+                                  f"loads 'float-quantized' (FP8), 'int-quantized' (INT8) and 'naive-quantized'")
+        block, kinds = None, []
+        for gname, g in groups.items():
+            gwhere = f"{at}.config_groups.{gname}"
+            w = config_field(g or {}, "weights", dict, gwhere, {})
+            if not w:
+                continue
+            wwhere = f"{gwhere}.weights"
+            bits, typ = config_field(w, "num_bits", int, wwhere, 8), config_field(w, "type", str, wwhere, "float")
+            if bits != 8 or typ not in ("float", "int"):
+                raise CheckpointError(f"{wwhere}: {bits}-bit {typ} weights are not supported (8-bit float or int only)")
+            strategy = config_field(w, "strategy", str, wwhere, "tensor")
+            if strategy not in STRATEGIES:
+                raise CheckpointError(f"{wwhere}.strategy {strategy!r} is not supported {STRATEGIES}")
+            if config_field(w, "symmetric", bool, wwhere, True) is False:
+                raise CheckpointError(f"{wwhere}: asymmetric weights (zero points) are not supported")
+            if strategy == "block":
+                b = block_field(w, "block_structure", wwhere)
+                if b is None:
+                    raise CheckpointError(f"{wwhere}.block_structure is missing for strategy 'block'")
+                if block is not None and b != block:
+                    raise CheckpointError(f"{wwhere}.block_structure {list(b)} differs from another group's "
+                                          f"{list(block)}")
+                block = b
+            acts = config_field(g or {}, "input_activations", dict, gwhere, {})
+            kinds.append({"group": gname, "type": typ, "strategy": strategy, "activations": acts.get("strategy")})
+        return self.make(block_size=block, ignore=name_list(qc, "ignore", at),
+                         extra_keys=("input_scale", "input_zero_point", "weight_zero_point", self.original_shape_key,
+                                     "weight_g_idx"),
+                         details={"format": fmt, "groups": kinds})
+
+    def examples(self):
+        bf16 = torch.bfloat16
+        return {"ct-fp8-tensor": Example(PerTensor(), "1", bf16),
+                "ct-fp8-channel": Example(PerChannel(), "N1", bf16),
+                "ct-fp8-block": Example(EXAMPLE_BLOCK, "blocks", bf16),
+                "ct-int8": Example(PerChannel(), "N1", bf16, kind="int8"),
+                "ct-naive": Example(PerChannel(), "N1", torch.float32, options=(("format", "naive-quantized"),))}
+
+    def example_config(self, example, keep):
+        typ = "int" if example.kind == "int8" else "float"
+        g = example.granularity
+        weights = {"num_bits": 8, "type": typ, "strategy": g.kind, "symmetric": True, "dynamic": False,
+                   "block_structure": list(g.block_size) if g.block_size else None}
+        acts = {"num_bits": 8, "type": typ, "strategy": "token", "symmetric": True, "dynamic": True}
+        return {"quant_method": "compressed-tensors", "format": example.option("format", f"{typ}-quantized"),
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+                "ignore": [f"re:.*{re.escape(k)}$" for k in keep], "quantization_status": "compressed"}, None
+
+    def example_tensors(self, prefix, codes, scale, example):
+        out = super().example_tensors(prefix, codes, scale, example)
+        bs = example.granularity.block_size if example.granularity is not None else None
+        if bs is not None:  # compressed-tensors pads block-quantized weights to whole blocks
+            N, K = codes.shape
+            Np, Kp = -(-N // bs[0]) * bs[0], -(-K // bs[1]) * bs[1]
+            if (Np, Kp) != (N, K):
+                padded = torch.zeros(Np, Kp, dtype=torch.uint8)
+                padded[:N, :K] = codes.view(torch.uint8)
+                out[f"{prefix}.weight"] = padded.view(codes.dtype)
+                out[f"{prefix}.{self.original_shape_key}"] = torch.tensor([N, K])
+        return out
+
+
+FORMAT = CompressedTensors()

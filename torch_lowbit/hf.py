@@ -1,0 +1,325 @@
+"""Hugging Face models in one call: ``from_pretrained`` (a quantized checkpoint -> a transformers model that runs on
+the best device) and ``save_quantized`` (a model after ``quantize_`` -> a compressed-tensors checkpoint).
+
+transformers is optional: only these functions need it, and say so when it is missing.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .formats.load import LoadReport, load_quantized
+
+_INSTALL_HINT = "pip install 'torch_lowbit[hf]' (or: pip install transformers)"
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"torch_lowbit.from_pretrained / save_quantized need transformers: {_INSTALL_HINT}") from e
+    return transformers
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Build modules with their parameters on the meta device and their buffers real.
+
+    Parameters cost nothing until a checkpoint fills them, while buffers that no checkpoint holds (rotary
+    ``inv_freq``, computed in ``__init__``) keep the values the module computed. Each parameter is created as the
+    module creates it, then replaced by a meta tensor as it is registered, so at most one parameter is ever
+    allocated (and ``torch.empty`` pages are not touched). Patches ``nn.Module.register_parameter`` while active:
+    not for use from several threads at once.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        original(module, name, param)
+        p = module._parameters.get(name)
+        if p is not None and not p.is_meta:
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def best_device() -> torch.device:
+    """mps where an Apple GPU is available, else the CPU."""
+    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+
+
+def _model_class(tf, config):
+    """The transformers class config.json names (``architectures[0]``), else the causal-LM auto class."""
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(tf, name, None)
+        if cls is not None:
+            return cls
+    return tf.AutoModelForCausalLM
+
+
+def _local_dir(path) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"from_pretrained: path {path!r} must be a checkpoint directory (config.json + safetensors)")
+    try:  # a Hub repo id: fetch only what loading reads (never pickles)
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"from_pretrained: {path!r} is not a directory") from None
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+
+
+def from_pretrained(path, device=None, dtype: torch.dtype = torch.bfloat16, *, strict: bool = False,
+                    return_report: bool = False):
+    """A quantized Hugging Face checkpoint as a ready transformers model.
+
+    Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
+    real (``parameters_on_meta``: no dense weight is ever allocated), loads the checkpoint with
+    :func:`torch_lowbit.load_quantized` (transformers' own key renaming for the architecture; quantized layers
+    become Fp8Linear / Int8Linear / Fp8Experts), and moves it to `device` (default: mps if available, else cpu).
+    dtype: of the high-precision weights (embeddings, norms, lm_head) and of the activations. Returns the model in
+    eval mode, on which ``model.generate(...)`` runs; with ``return_report=True``, ``(model, LoadReport)``.
+    """
+    tf = _transformers()
+    local = _local_dir(path)
+    config = tf.AutoConfig.from_pretrained(local)
+    if getattr(config, "quantization_config", None) is None and not os.path.isfile(
+            os.path.join(local, "hf_quant_config.json")):
+        raise ValueError(f"from_pretrained: {local} has no quantization_config in config.json: it is not a quantized "
+                         f"checkpoint (load it with transformers, then torch_lowbit.quantize_)")
+    device = best_device() if device is None else torch.device(device)
+    cls = _model_class(tf, config)
+    with parameters_on_meta():
+        build = cls.from_config if cls.__name__.startswith("AutoModel") else cls._from_config
+        model = build(config, dtype=dtype)
+    # the checkpoint's quantization is now in torch_lowbit layers: transformers must not see a pending quantizer
+    model.config.quantization_config = None
+    if hasattr(model.config, "_pre_quantization_dtype"):
+        del model.config._pre_quantization_dtype
+    report = load_quantized(model, local, device=device, dtype=dtype, strict=strict)
+    model.to(device)
+    _load_generation_config(tf, model, local)
+    model.eval()
+    return (model, report) if return_report else model
+
+
+def _load_generation_config(tf, model, local):
+    if os.path.isfile(os.path.join(local, "generation_config.json")) and getattr(model, "can_generate", lambda: 0)():
+        model.generation_config = tf.GenerationConfig.from_pretrained(local)
+
+
+# ------------------------------------------------------------------------------------------------- saving
+def _scheme_fp8(gran: str, block) -> dict:
+    w = {"num_bits": 8, "type": "float", "strategy": gran, "symmetric": True, "dynamic": False,
+         "group_size": None, "block_structure": list(block) if block is not None else None}
+    # W8A16: activations stay in their dtype (compressed-tensors' format for a weight-only scheme)
+    return {"weights": w, "input_activations": None, "output_activations": None, "format": "naive-quantized"}
+
+
+def _scheme_int8() -> dict:
+    w = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False,
+         "group_size": None, "block_structure": None}
+    a = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True, "group_size": None,
+         "block_structure": None}
+    return {"weights": w, "input_activations": a, "output_activations": None, "format": "int-quantized"}
+
+
+def _ct_scale(scale: torch.Tensor, N: int, gran: str) -> torch.Tensor:
+    """compressed-tensors' scale layouts: (1,) per tensor, (N, 1) per channel, (nb, kb) per block; fp32."""
+    s = scale.detach().to(torch.float32).cpu()
+    if gran == "tensor":
+        return s.reshape(1)
+    if gran == "channel":
+        return s.reshape(N, 1)
+    return s.contiguous()
+
+
+def _linear_tensors(name, layer) -> Tuple[Dict[str, torch.Tensor], tuple]:
+    from .nn import Fp8Linear
+    from ._storage import as_fp8_dtype
+
+    if isinstance(layer, Fp8Linear):
+        gran, block = layer.granularity.kind, layer.block_size
+        out = {f"{name}.weight": as_fp8_dtype(layer.weight).cpu(),
+               f"{name}.weight_scale": _ct_scale(layer.weight_scale, layer.out_features, gran)}
+        key = ("fp8", gran, block)
+    else:
+        out = {f"{name}.weight": layer.weight.detach().cpu(),
+               f"{name}.weight_scale": _ct_scale(layer.weight_scale.expand(layer.out_features), layer.out_features,
+                                                 "channel")}
+        key = ("int8", "channel", None)
+    if layer.bias is not None:
+        out[f"{name}.bias"] = layer.bias.detach().cpu()
+    return out, key
+
+
+def _expert_scale(scale: torch.Tensor, e: int, rows: slice, block) -> Tuple[torch.Tensor, str]:
+    """Expert e's scale for weight rows `rows` of a stacked projection, in compressed-tensors' layout."""
+    s = scale[e].detach().to(torch.float32).cpu()
+    n = rows.stop - rows.start
+    if s.dim() == 0:
+        return s.reshape(1), "tensor"
+    if s.dim() == 1:
+        return s[rows].reshape(n, 1).contiguous(), "channel"
+    bn = block[0]
+    if rows.start % bn:
+        raise ValueError(f"save_quantized: a block of {bn} rows straddles the gate/up boundary at row {rows.start}: "
+                         f"these experts' block scales cannot be written as separate gate and up weights")
+    return s[rows.start // bn: -(-rows.stop // bn)].contiguous(), "block"
+
+
+def _experts_tensors(name, layer) -> Tuple[Dict[str, torch.Tensor], Dict[str, tuple]]:
+    """One Linear per projection and expert (model names), as checkpoints store MoE experts."""
+    from ._storage import as_fp8_dtype
+
+    E, H, I = layer.num_experts, layer.hidden_size, layer.intermediate_size
+    gu, dn = as_fp8_dtype(layer.gate_up).cpu(), as_fp8_dtype(layer.down).cpu()
+    tensors, schemes = {}, {}
+    for e in range(E):
+        for proj, w, scale, rows in (("gate_proj", gu, layer.gate_up_scale, slice(0, I)),
+                                     ("up_proj", gu, layer.gate_up_scale, slice(I, 2 * I)),
+                                     ("down_proj", dn, layer.down_scale, slice(0, H))):
+            module = f"{name}.{e}.{proj}"
+            s, gran = _expert_scale(scale, e, rows, layer.block_size)
+            tensors[f"{module}.weight"] = w[e, rows].contiguous()
+            tensors[f"{module}.weight_scale"] = s
+            schemes[module] = ("fp8", gran, layer.block_size if gran == "block" else None)
+    return tensors, schemes
+
+
+def _dense_state_dict(model, skip) -> Dict[str, torch.Tensor]:
+    """The model's other tensors, each storage once (tied weights: the first name, as transformers saves them)."""
+    out, seen = {}, set()
+    for key, t in model.state_dict().items():
+        if t is None or any(key.startswith(p + ".") for p in skip):
+            continue
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if not t.is_meta else None
+        if ident is not None and ident in seen:
+            continue
+        seen.add(ident)
+        out[key] = t.detach().cpu()
+    return out
+
+
+def save_quantized(model: nn.Module, path, *, max_shard_size: int = 4 * 2 ** 30) -> List[str]:
+    """Write a model holding torch_lowbit layers (after ``quantize_`` or ``load_quantized``) as a compressed-tensors
+    checkpoint: config.json with ``quantization_config`` (one config group per scheme: FP8 per tensor / channel /
+    block as W8A16, INT8 W8A8 with dynamic per-token activations), safetensors shards of at most
+    `max_shard_size` bytes, and ``model.safetensors.index.json`` when there are several. MoE experts
+    (Fp8Experts) are written one Linear per projection and expert. A transformers model's tensors get the names
+    its architecture's checkpoints use (transformers' conversion mapping, inverted, as ``save_pretrained`` does).
+    compressed-tensors, transformers and :func:`torch_lowbit.load_quantized` read it back. Returns the files
+    written."""
+    from safetensors.torch import save_file
+
+    from .formats.hf_names import checkpoint_key_renaming
+    from .nn import Fp8Experts, Fp8Linear, Int8Linear
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    quantized: Dict[str, torch.Tensor] = {}
+    schemes: Dict[str, tuple] = {}  # module (model names) -> (kind, granularity, block)
+    dense_linears: List[str] = []
+    done: List[str] = []
+    for name, mod in model.named_modules():
+        if any(name.startswith(p + ".") for p in done):
+            continue
+        if isinstance(mod, (Fp8Linear, Int8Linear)):
+            t, key = _linear_tensors(name, mod)
+            quantized.update(t)
+            schemes[name] = key
+            done.append(name)
+        elif isinstance(mod, Fp8Experts):
+            t, s = _experts_tensors(name, mod)
+            quantized.update(t)
+            schemes.update(s)
+            done.append(name)
+        elif type(mod) is nn.Linear:
+            dense_linears.append(name)
+    if not schemes:
+        raise ValueError("save_quantized: the model holds no torch_lowbit layer (Fp8Linear, Int8Linear, Fp8Experts); "
+                         "quantize it first with torch_lowbit.quantize_(model, ...)")
+    dense = _dense_state_dict(model, done)
+    rename = checkpoint_key_renaming(model)
+    if rename is not None:
+        from transformers.core_model_loading import revert_weight_conversion
+        dense = revert_weight_conversion(model, dense)
+        quantized = {rename(k): v for k, v in quantized.items()}
+    tensors = {k: v.contiguous() for k, v in {**dense, **quantized}.items()}
+    files = _write_shards(save_file, tensors, path, max_shard_size)
+    _write_config(model, path, schemes, dense_linears)
+    return files
+
+
+def _write_shards(save_file, tensors, path, max_shard_size) -> List[str]:
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(tensors):
+        n = tensors[k].numel() * tensors[k].element_size()
+        if shards[-1] and size + n > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][k] = tensors[k]
+        size += n
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        f = os.path.join(path, "model.safetensors")
+        save_file(shards[0], f, metadata=meta)
+        return [f]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname), metadata=meta)
+        files.append(os.path.join(path, fname))
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    return files + [index]
+
+
+def _quantization_config(schemes: Dict[str, tuple], dense_linears: List[str]) -> dict:
+    by_scheme: Dict[tuple, List[str]] = {}
+    for module, key in schemes.items():
+        by_scheme.setdefault(key, []).append(module)
+    groups = {}
+    for i, (key, modules) in enumerate(sorted(by_scheme.items(), key=lambda kv: str(kv[0]))):
+        g = _scheme_int8() if key[0] == "int8" else _scheme_fp8(key[1], key[2])
+        # one scheme: every Linear but the ignored ones, as compressed-tensors writes it; several: by name
+        g["targets"] = ["Linear"] if len(by_scheme) == 1 else sorted(modules)
+        groups[f"group_{i}"] = g
+    formats = {g["format"] for g in groups.values()}
+    return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "config_groups": groups, "ignore": sorted(dense_linears), "quantization_status": "compressed",
+            "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {},
+            "transform_config": {}, "producer": "torch_lowbit"}
+
+
+def _write_config(model, path, schemes, dense_linears):
+    config_file = os.path.join(path, "config.json")
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_dict"):
+        data = cfg.to_dict()
+        if not data.get("architectures"):  # what from_pretrained builds (save_pretrained records it the same way)
+            data["architectures"] = [type(model).__name__]
+    elif os.path.isfile(config_file):
+        with open(config_file) as f:
+            data = json.load(f)
+    else:
+        data = {}
+    data["quantization_config"] = _quantization_config(schemes, dense_linears)
+    with open(config_file, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True, default=str)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        gen.save_pretrained(path)

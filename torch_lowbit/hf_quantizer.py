@@ -1,0 +1,90 @@
+"""``TorchLowbitConfig``: quantize a dense model into torch_lowbit layers while transformers loads it, through
+transformers' public extension point (``register_quantization_config`` / ``register_quantizer``)::
+
+    model = AutoModelForCausalLM.from_pretrained(dense_path, dtype=torch.bfloat16,
+                                                 quantization_config=torch_lowbit.TorchLowbitConfig("fp8"))
+
+transformers loads the dense checkpoint as usual, then the quantizer runs ``quantize_`` on it (and turns fused MoE
+experts into ``Fp8Experts`` for fp8): peak memory is the dense model's, for a moment. (Quantizing each tensor as it
+is read would need transformers' internal conversion-op API; this uses only the stable hooks.) Such a model is
+saved with ``torch_lowbit.save_quantized`` (a compressed-tensors checkpoint), not ``save_pretrained``.
+
+Importing this module imports transformers and registers the method ``torch_lowbit`` once.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .granularity import as_granularity, normalize_block_size
+from .quantize import Fp8WeightOnly, Int8Dynamic, quantize_
+
+QUANT_METHOD = "torch_lowbit"
+WEIGHTS = ("fp8", "int8")
+
+
+@register_quantization_config(QUANT_METHOD)
+class TorchLowbitConfig(QuantizationConfigMixin):
+    """weights: ``"fp8"`` (W8A16, Fp8Linear; fused MoE experts become Fp8Experts) or ``"int8"`` (W8A8 dynamic,
+    Int8Linear). granularity / block_size: of the fp8 scales (see ``Fp8WeightOnly``). modules_to_not_convert:
+    module names (or dotted name parts) kept in high precision; default ``["lm_head"]``."""
+
+    def __init__(self, weights: str = "fp8", granularity: str = "channel", block_size: Sequence[int] = (128, 128),
+                 modules_to_not_convert: Optional[List[str]] = None, **kwargs):
+        if weights not in WEIGHTS:
+            raise ValueError(f"TorchLowbitConfig: weights must be one of {WEIGHTS}, got {weights!r}")
+        # kept as the alias string: transformers writes this config to config.json
+        granularity = as_granularity(granularity, block_size, "TorchLowbitConfig.granularity").kind
+        self.quant_method = QUANT_METHOD
+        self.weights = weights
+        self.granularity = granularity
+        self.block_size = list(normalize_block_size(block_size, "TorchLowbitConfig.block_size"))
+        self.modules_to_not_convert = ["lm_head"] if modules_to_not_convert is None else list(modules_to_not_convert)
+
+    def quantize_config(self):
+        if self.weights == "int8":
+            return Int8Dynamic()
+        return Fp8WeightOnly(self.granularity, tuple(self.block_size))
+
+
+@register_quantizer(QUANT_METHOD)
+class TorchLowbitHfQuantizer(HfQuantizer):
+    requires_calibration = False
+
+    def update_dtype(self, dtype):
+        return torch.bfloat16 if dtype is None else dtype
+
+    def _skipped(self, fqn: str) -> bool:
+        from .formats.detect import matches  # the loader's ignore-list rule
+
+        return any(matches(fqn, p) for p in self.quantization_config.modules_to_not_convert)
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        config = self.quantization_config
+        quantize_(model, config.quantize_config(), filter_fn=lambda m, fqn: not self._skipped(fqn))
+        if config.weights == "fp8":
+            _quantize_experts(model, config, self._skipped)
+        return model
+
+    def is_serializable(self):
+        return False  # torch_lowbit.save_quantized writes the model as a compressed-tensors checkpoint
+
+    @property
+    def is_trainable(self):
+        return False
+
+
+def _quantize_experts(model, config: TorchLowbitConfig, skipped):
+    from .formats.moe import _check_activation, is_experts_module
+    from .nn import Fp8Experts
+
+    for name, mod in list(model.named_modules()):
+        if not name or isinstance(mod, Fp8Experts) or not is_experts_module(mod) or skipped(name):
+            continue
+        _check_activation(name, mod)
+        layer = Fp8Experts.from_float(mod.gate_up_proj.detach(), mod.down_proj.detach(), config.granularity,
+                                      tuple(config.block_size))
+        model.set_submodule(name, layer)
