@@ -38,7 +38,7 @@ from .quantize import (Float8WeightOnlyConfig, Fp8WeightOnly, Int8Dynamic,  # no
                        register_quantize_module_handler)
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
 from .hf import from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
-
+from ._version import __version__  # noqa: E402,F401
 
 
 def __getattr__(name):
@@ -48,5 +48,3 @@ def __getattr__(name):
         from .hf_quantizer import TorchLowbitConfig
         return TorchLowbitConfig
     raise AttributeError(f"module 'torch_lowbit' has no attribute {name!r}")
-
-from ._version import __version__  # noqa: E402,F401
