@@ -106,7 +106,7 @@ Fp8MmArgs check_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::
     check_device(op, "bias", b, x, "x");
     TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
     TORCH_CHECK(b.dim() == 1 && b.size(0) == a.w.N, op, ": bias must be [N] = [", a.w.N, "], got ", b.sizes());
-    a.bias = b.to(at::kFloat).contiguous();
+    a.bias = b.contiguous();  // in its own dtype: Metal kernels read it as it is
   }
   a.x = flatten_rows(x, &a.M);
   a.out_shape = with_last(x, a.w.N);
@@ -222,12 +222,16 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
     check_device(op, "bias", b, xq, "xq");
     TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
     TORCH_CHECK(b.dim() == 1 && b.size(0) == a.N, op, ": bias must be [N] = [", a.N, "], got ", b.sizes());
-    a.bias = b.to(at::kFloat).contiguous();
+    a.bias = b.contiguous();  // in its own dtype: Metal kernels read it as it is
   }
   a.out_dtype = out_dtype.value_or(at::kBFloat16);
   TORCH_CHECK(is_float_dtype(a.out_dtype), op, ": out_dtype must be bfloat16, float16 or float32, got ", a.out_dtype);
   a.out_shape = with_last(xq, a.N);
   return a;
+}
+
+at::Tensor bias_as_float(const std::optional<at::Tensor>& bias) {
+  return bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
 }
 
 }  // namespace lowbit

@@ -28,7 +28,7 @@ struct Fp8Weight {
 struct Fp8MmArgs {
   at::Tensor x;                    // [M, K], contiguous, x's own dtype (bf16 / fp16 / fp32)
   Fp8Weight w;
-  std::optional<at::Tensor> bias;  // float32 [N], contiguous
+  std::optional<at::Tensor> bias;  // [N], contiguous, its own dtype (bf16 / fp16 / fp32)
   int64_t M = 0;
   std::vector<int64_t> out_shape;  // x.shape[:-1] + [N]
 };
@@ -52,7 +52,7 @@ struct Int8MmArgs {
   at::Tensor x_scale;              // float32 [M] contiguous
   at::Tensor wq;                   // int8 [N, K] contiguous
   at::Tensor w_scale;              // float32 [N] (per channel) or [1] (per tensor), contiguous
-  std::optional<at::Tensor> bias;  // float32 [N]
+  std::optional<at::Tensor> bias;  // [N], contiguous, its own dtype (bf16 / fp16 / fp32)
   int64_t M = 0, N = 0, K = 0;
   at::ScalarType out_dtype = at::kBFloat16;
   std::vector<int64_t> out_shape;
@@ -82,6 +82,9 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
 // Worst case |xq . wq| = K * 2^14 (every value -128): past this K an int32 accumulator could overflow, so
 // int8_mm refuses it on every backend rather than wrapping.
 constexpr int64_t kInt8MaxK = ((int64_t(1) << 31) - 1) / (int64_t(1) << 14);
+
+// A checked bias widened to fp32 for kernels that take it so (the CPU's); undefined when there is none.
+at::Tensor bias_as_float(const std::optional<at::Tensor>& bias);
 
 // ceil(a / b) for b > 0
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -77,12 +77,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_emu_set_reverse", &lowbit::metal::set_emulator_reverse,
         "run the threads of every emulated threadgroup in reverse order (a test switch)");
   m.def(
+      "_emu_set_device_caps",
+      [](uint32_t apple_family, uint32_t msl_version) {
+        lowbit::metal::set_emulator_device_caps(apple_family, msl_version);
+      },
+      "the device capabilities (Apple GPU family, MSL version x 100) the emulator reports to the plans (a test switch)");
+  m.def(
+      "_emu_device_caps",
+      [] {
+        const lowbit::metal::DeviceCaps c = lowbit::metal::emulator_device_caps();
+        return std::make_tuple(c.apple_family, c.msl_version);
+      },
+      "(apple_family, msl_version) the emulator reports now");
+  m.def(
       "_metal_int8_mm_kernel",
       [](int64_t M, int64_t N, int64_t K) {
-        return std::string(lowbit::metal::int8_mm_kernel_name(lowbit::metal::choose_int8_mm_kernel(M, N, K)));
+        return std::string(
+            lowbit::metal::int8_mm_kernel_base(M, N, K, lowbit::metal::emulator_device_caps()));
       },
-      "the int8_mm Metal kernel variant the plan picks for an [M, K] x [N, K]^T product (for tests)");
-  m.def("_metal_fp8_mm_kernel", &lowbit::metal::fp8_mm_kernel_name, "the Metal kernel fp8_mm runs for (M, x dtype)");
+      "the host_name base of the int8_mm kernel the plan runs for an [M, K] x [N, K]^T product on the emulator's "
+      "device (for tests)");
+  m.def(
+      "_metal_fp8_mm_kernel",
+      [](int64_t M, at::ScalarType dtype) {
+        return lowbit::metal::fp8_mm_kernel_name(M, dtype, lowbit::metal::emulator_device_caps());
+      },
+      "the Metal kernel fp8_mm runs for (M, x dtype) on the emulator's device");
   m.def("_metal_fp8_grouped_mm_kernel", &lowbit::metal::fp8_grouped_mm_kernel_name,
         "the Metal kernel fp8_grouped_mm runs for (T rows, G groups, x dtype)");
   m.def("_dry_run_take", &dry_run_take, "the dispatches torch.ops.lowbit_dryrun recorded since the last call");

@@ -19,16 +19,17 @@ kernel void fp8_dequantize(
     return;
   }
   const ulong row = ulong(n) * p.K;
+  device const float* srow = scale_row(p.scale, scale, n);
   if (p.vec4 != 0) {  // K % 4 == 0: the 4 elements are in range
     const float4 v = fp8x4_to_float4(*(device const uchar4*)(w + row + k0));
     for (uint j = 0; j < 4; j++) {  // block scales may change inside the 4 (bk % 4 != 0)
-      out[row + k0 + j] = T(v[j] * weight_scale(p.scale, scale, n, k0 + j));
+      out[row + k0 + j] = T(v[j] * row_scale(p.scale, srow, k0 + j));
     }
     return;
   }
   const uint k_end = min(k0 + 4, p.K);
   for (uint k = k0; k < k_end; k++) {
-    out[row + k] = T(fp8_e4m3_to_float(w[row + k]) * weight_scale(p.scale, scale, n, k));
+    out[row + k] = T(fp8_e4m3_to_float(w[row + k]) * row_scale(p.scale, srow, k));
   }
 }
 

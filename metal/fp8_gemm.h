@@ -16,6 +16,7 @@
 // Per-tensor and per-channel scales are one "block" spanning K and multiply once in the epilogue.
 #pragma once
 #include <metal_stdlib>
+#include "bias.h"
 #include "fp8.h"
 #include "scale.h"
 using namespace metal;
@@ -76,7 +77,7 @@ inline void gemm_stage_w(threadgroup half* ws, device const uchar* w, uint n0, u
 // vec_loads: kFp8VecLoads. Every thread of the threadgroup must call this (it has barriers).
 template <typename T>
 inline void fp8_gemm_tile(device const T* x, uint rows, device const uchar* w, device const float* scale,
-                          constant ScaleParams& sp, device const float* bias, bool has_bias, device T* out, uint n0,
+                          constant ScaleParams& sp, BiasRef bias, device T* out, uint n0,
                           uint N, uint K, bool vec_loads, threadgroup T* xs, threadgroup half* ws, uint tid, uint sg,
                           uint lane) {
   const uint sm = (sg / 2) * 16, sn = (sg % 2) * 16;  // this simdgroup's quarter of the tile
@@ -145,10 +146,7 @@ inline void fp8_gemm_tile(device const T* x, uint rows, device const uchar* w, d
           if (!block) {
             v *= weight_scale(sp, scale, n, 0);
           }
-          if (has_bias) {
-            v += bias[n];
-          }
-          out[ulong(r) * N + n] = T(v);
+          out[ulong(r) * N + n] = T(add_bias(bias, v, n));
         }
       }
     }

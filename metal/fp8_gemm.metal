@@ -10,7 +10,7 @@ kernel void fp8_gemm(
     device const T* x [[buffer(0)]],
     device const uchar* w [[buffer(1)]],
     device const float* scale [[buffer(2)]],
-    device const float* bias [[buffer(3)]],
+    device const uchar* bias [[buffer(3)]],
     device T* out [[buffer(4)]],
     constant Fp8MmParams& p [[buffer(5)]],
     uint2 tgid [[threadgroup_position_in_grid]],
@@ -21,9 +21,8 @@ kernel void fp8_gemm(
   threadgroup half ws[kFp8GemmTile * kGemmWStride];
   const uint m0 = tgid.y * kFp8GemmTile;
   const uint n0 = tgid.x * kFp8GemmTile;
-  fp8_gemm_tile<T>(x + ulong(m0) * p.K, min(kFp8GemmTile, p.M - m0), w, scale, p.scale, bias,
-                   (p.flags & kFp8HasBias) != 0, out + ulong(m0) * p.N, n0, p.N, p.K, (p.flags & kFp8VecLoads) != 0,
-                   xs, ws, tid, sg, lane);
+  fp8_gemm_tile<T>(x + ulong(m0) * p.K, min(kFp8GemmTile, p.M - m0), w, scale, p.scale, fp8_mm_bias(p, bias),
+                   out + ulong(m0) * p.N, n0, p.N, p.K, (p.flags & kFp8VecLoads) != 0, xs, ws, tid, sg, lane);
 }
 
 template [[host_name("fp8_gemm_float")]] [[kernel]] decltype(fp8_gemm<float>) fp8_gemm<float>;

@@ -1,36 +1,59 @@
-// fp8_mm for few activation rows: the register-resident GEMV body of fp8_gemv.h.
-//   fp8_gemv_*       M == 1: MR = 1 row, kFp8GemvColsM1 = 4 output columns per simdgroup
-//   fp8_gemv_rows_*  small M: kFp8GemvRows = 8 rows per pass (grid y), kFp8GemvColsRows = 2 columns per
-//                    simdgroup; each weight chunk is decoded once and used for all rows of the pass
-// Threadgroup: kFp8GemvSimdgroups = 2 simdgroups (64 threads); grid x = ceil(N / (2 * R)).
+// fp8_mm for few activation rows: the GEMV bodies of fp8_gemv.h.
+//   fp8_gemv_*       M == 1: kFp8GemvSimdgroups simdgroups of kFp8GemvColsM1 output columns each, activations
+//                    straight from device memory; grid x = ceil(N / (kFp8GemvSimdgroups * kFp8GemvColsM1)).
+//   fp8_gemv_rows_*  small M: kFp8GemvRows = 8 rows per pass (grid y), kFp8GemvRowsSimdgroups simdgroups of
+//                    kFp8GemvColsRows columns each; each step of the pass's activation rows is staged once per
+//                    threadgroup and each weight chunk is decoded once and used for all rows of the pass.
+// A bias is read in its own dtype (Fp8MmParams::bias_dtype).
 #include <metal_stdlib>
 #include "fp8_gemv.h"
 using namespace metal;
 
-template <typename T, uint MR, uint R>
+template <typename T>
 kernel void fp8_gemv(
     device const T* x [[buffer(0)]],
     device const uchar* w [[buffer(1)]],
     device const float* scale [[buffer(2)]],
-    device const float* bias [[buffer(3)]],
+    device const uchar* bias [[buffer(3)]],
     device T* out [[buffer(4)]],
     constant Fp8MmParams& p [[buffer(5)]],
     uint2 tgid [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  const uint n0 = (tgid.x * kFp8GemvSimdgroups + sg) * R;
-  const uint m0 = tgid.y * MR;
+  const uint n0 = (tgid.x * kFp8GemvSimdgroups + sg) * kFp8GemvColsM1;
+  const uint m0 = tgid.y;
   if (n0 >= p.N || m0 >= p.M) {
     return;  // the whole simdgroup; the kernel has no barrier
   }
-  fp8_gemv_rows<T, MR, R>(x + ulong(m0) * p.K, min(MR, p.M - m0), w, scale, p.scale, bias,
-                          (p.flags & kFp8HasBias) != 0, out + ulong(m0) * p.N, n0, p.N, p.K,
-                          (p.flags & kFp8VecLoads) != 0, lane);
+  gemv_body<T, 1, kFp8GemvColsM1>(x + ulong(m0) * p.K, 1, w, scale, p.scale, fp8_mm_bias(p, bias),
+                                  out + ulong(m0) * p.N, n0, p.N, p.K, (p.flags & kFp8VecLoads) != 0, lane);
 }
 
-template [[host_name("fp8_gemv_float")]] [[kernel]] decltype(fp8_gemv<float, 1, kFp8GemvColsM1>) fp8_gemv<float, 1, kFp8GemvColsM1>;
-template [[host_name("fp8_gemv_half")]] [[kernel]] decltype(fp8_gemv<half, 1, kFp8GemvColsM1>) fp8_gemv<half, 1, kFp8GemvColsM1>;
-template [[host_name("fp8_gemv_bfloat")]] [[kernel]] decltype(fp8_gemv<bfloat, 1, kFp8GemvColsM1>) fp8_gemv<bfloat, 1, kFp8GemvColsM1>;
-template [[host_name("fp8_gemv_rows_float")]] [[kernel]] decltype(fp8_gemv<float, kFp8GemvRows, kFp8GemvColsRows>) fp8_gemv<float, kFp8GemvRows, kFp8GemvColsRows>;
-template [[host_name("fp8_gemv_rows_half")]] [[kernel]] decltype(fp8_gemv<half, kFp8GemvRows, kFp8GemvColsRows>) fp8_gemv<half, kFp8GemvRows, kFp8GemvColsRows>;
-template [[host_name("fp8_gemv_rows_bfloat")]] [[kernel]] decltype(fp8_gemv<bfloat, kFp8GemvRows, kFp8GemvColsRows>) fp8_gemv<bfloat, kFp8GemvRows, kFp8GemvColsRows>;
+template <typename T>
+kernel void fp8_gemv_multirow(
+    device const T* x [[buffer(0)]],
+    device const uchar* w [[buffer(1)]],
+    device const float* scale [[buffer(2)]],
+    device const uchar* bias [[buffer(3)]],
+    device T* out [[buffer(4)]],
+    constant Fp8MmParams& p [[buffer(5)]],
+    uint2 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup vec<T, 4> xs[kFp8GemvRows * kGemvStagedVecs];
+  const uint n0 = (tgid.x * kFp8GemvRowsSimdgroups + sg) * kFp8GemvColsRows;
+  const uint m0 = tgid.y * kFp8GemvRows;
+  // no early return for simdgroups past N: they take part in staging (and read no weights)
+  gemv_body_staged<T, kFp8GemvRows, kFp8GemvColsRows>(x + ulong(m0) * p.K, min(kFp8GemvRows, p.M - m0), xs, w, scale,
+                                                      p.scale, fp8_mm_bias(p, bias), out + ulong(m0) * p.N, n0, p.N,
+                                                      p.K, (p.flags & kFp8VecLoads) != 0, tid,
+                                                      kFp8GemvRowsSimdgroups * 32, lane);
+}
+
+template [[host_name("fp8_gemv_float")]] [[kernel]] decltype(fp8_gemv<float>) fp8_gemv<float>;
+template [[host_name("fp8_gemv_half")]] [[kernel]] decltype(fp8_gemv<half>) fp8_gemv<half>;
+template [[host_name("fp8_gemv_bfloat")]] [[kernel]] decltype(fp8_gemv<bfloat>) fp8_gemv<bfloat>;
+template [[host_name("fp8_gemv_rows_float")]] [[kernel]] decltype(fp8_gemv_multirow<float>) fp8_gemv_multirow<float>;
+template [[host_name("fp8_gemv_rows_half")]] [[kernel]] decltype(fp8_gemv_multirow<half>) fp8_gemv_multirow<half>;
+template [[host_name("fp8_gemv_rows_bfloat")]] [[kernel]] decltype(fp8_gemv_multirow<bfloat>) fp8_gemv_multirow<bfloat>;

@@ -93,9 +93,8 @@ kernel void fp8_grouped_gemv(
   device const float* se = scale + ulong(s.expert) * p.scale_stride;
   const bool vec_loads = (p.flags & kFp8VecLoads) != 0;
   for (uint r = s.begin; r < s.end; r += kFp8GemvRows) {
-    fp8_gemv_rows<T, kFp8GemvRows, kFp8GemvColsRows>(x + ulong(r) * p.K, min(kFp8GemvRows, s.end - r), we, se,
-                                                     p.scale, se, false, out + ulong(r) * p.N, n0, p.N, p.K,
-                                                     vec_loads, lane);
+    gemv_body<T, kFp8GemvRows, kFp8GemvColsRows>(x + ulong(r) * p.K, min(kFp8GemvRows, s.end - r), we, se, p.scale,
+                                                 no_bias(), out + ulong(r) * p.N, n0, p.N, p.K, vec_loads, lane);
   }
 }
 
@@ -164,7 +163,7 @@ kernel void fp8_grouped_gemm(
   }
   device const uchar* we = w + ulong(id) * p.N * p.K;
   device const float* se = scale + ulong(id) * p.scale_stride;
-  fp8_gemm_tile<T>(x + ulong(m0) * p.K, rows, we, se, p.scale, se, false, out + ulong(m0) * p.N, n0, p.N, p.K,
+  fp8_gemm_tile<T>(x + ulong(m0) * p.K, rows, we, se, p.scale, no_bias(), out + ulong(m0) * p.N, n0, p.N, p.K,
                    (p.flags & kFp8VecLoads) != 0, xs, ws, tid, sg, lane);
 }
 

@@ -2,6 +2,7 @@
 // widening to half for the simdgroup-matrix GEMM, and the fp32 dequant epilogue.
 #pragma once
 #include <metal_stdlib>
+#include "bias.h"
 #include "params.h"
 using namespace metal;
 
@@ -52,12 +53,13 @@ inline void store_i8x16_as_half(threadgroup half* dst, int4 v) {
 
 // out[m, n] = acc * x_scale[m] * w_scale[n] (+ bias[n]), formed in fp32 in this order (like the CPU kernel)
 // and rounded once to T.
+// The bias is read in its own dtype (p.bias_dtype).
 template <typename T>
-inline T int8_dequant(float acc, float xs, device const float* w_scale, device const float* bias,
+inline T int8_dequant(float acc, float xs, device const float* w_scale, device const uchar* bias,
                       constant Int8MmParams& p, uint n) {
   float v = acc * xs * w_scale[p.w_per_channel ? n : 0];
   if (p.has_bias != 0) {
-    v += bias[n];
+    v += load_bias(bias, p.bias_dtype, n);
   }
   return T(v);
 }

@@ -19,11 +19,12 @@
 #include "int8.h"
 using namespace metal;
 
-constant constexpr uint kGemmBM = 32;
-constant constexpr uint kGemmBN = 64;
-constant constexpr uint kGemmBK = 32;
+// tile sizes: params.h (shared with the plan's grid)
+constant constexpr uint kGemmBM = kInt8GemmBM;
+constant constexpr uint kGemmBN = kInt8GemmBN;
+constant constexpr uint kGemmBK = kInt8GemmBK;
 constant constexpr uint kGemmLd = kGemmBK + 8;  // padded tile row stride, in halves
-constant constexpr uint kGemmThreads = 128;
+constant constexpr uint kGemmThreads = kInt8GemmThreads;
 constant constexpr uint kGemmExactK = 1024;  // K per fp32 chunk: every partial sum <= 2^24, exact
 
 template <typename T, bool Aligned>
@@ -32,7 +33,7 @@ kernel void int8_gemm(
     device const float* x_scale [[buffer(1)]],
     device const uchar* wq [[buffer(2)]],
     device const float* w_scale [[buffer(3)]],
-    device const float* bias [[buffer(4)]],
+    device const uchar* bias [[buffer(4)]],
     device T* out [[buffer(5)]],
     constant Int8MmParams& p [[buffer(6)]],
     uint2 tg [[threadgroup_position_in_grid]],

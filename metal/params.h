@@ -19,9 +19,11 @@ LOWBIT_PARAMS_NAMESPACE_BEGIN
 // channel (scale[n]), 2 per [bn, bk] block (scale[(n / bn) * kb + k / bk]).
 struct ScaleParams {
   uint kind;
-  uint bn, bk;  // block size (kind 2)
-  uint kb;      // blocks along K = ceil(K / bk) (kind 2)
+  uint bn, bk;     // block size (kind 2)
+  uint kb;         // blocks along K = ceil(K / bk) (kind 2)
+  uint bk_shift;   // log2(bk) when bk is a power of two (k / bk == k >> bk_shift), else kScaleBkNoShift
 };
+LOWBIT_CONSTANT uint kScaleBkNoShift = 0xFFFFFFFFu;
 
 struct Fp8DequantizeParams {
   uint N, K;
@@ -31,12 +33,24 @@ struct Fp8DequantizeParams {
 
 // ---- fp8 ----
 // Kernel geometry: the .metal instantiations and the plans' grids both use these.
-LOWBIT_CONSTANT uint kFp8GemvSimdgroups = 2;  // simdgroups per threadgroup of every GEMV-style kernel
-LOWBIT_CONSTANT uint kFp8GemvColsM1 = 4;      // M == 1 GEMV: output columns (weight rows) per simdgroup
-LOWBIT_CONSTANT uint kFp8GemvColsRows = 2;    // multi-row GEMV: output columns per simdgroup
-LOWBIT_CONSTANT uint kFp8GemvRows = 8;        // multi-row GEMV: activation rows per pass
-LOWBIT_CONSTANT uint kFp8GemmTile = 32;       // tiled GEMM: BM = BN = BK
-LOWBIT_CONSTANT uint kFp8GemmThreads = 128;   // tiled GEMM: 4 simdgroups, 2 x 2 over the output tile
+// Decode GEMVs give each threadgroup 4 weight rows: N = 1024 is then 256 threadgroups, >= 4 per core of a
+// 40-core GPU (MLX qmv / llama.cpp mul_mv give 8 per threadgroup; with fewer rows small N still fills the GPU).
+LOWBIT_CONSTANT uint kFp8GemvSimdgroups = 2;      // simdgroups per threadgroup: M == 1 GEMV, grouped decode
+LOWBIT_CONSTANT uint kFp8GemvColsM1 = 2;          // M == 1 GEMV: output columns (weight rows) per simdgroup
+LOWBIT_CONSTANT uint kFp8GemvColsRows = 2;        // multi-row GEMVs: output columns per simdgroup
+LOWBIT_CONSTANT uint kFp8GemvRows = 8;            // multi-row GEMVs: activation rows per pass
+// The multi-row GEMV stages each K step of its activation rows once per threadgroup, so its x traffic per
+// weight byte is kFp8GemvRows * sizeof(T) / (weight rows per threadgroup): 16 rows make it 1 for bf16 / fp16.
+LOWBIT_CONSTANT uint kFp8GemvRowsSimdgroups = 8;
+LOWBIT_CONSTANT uint kFp8GemmTile = 32;           // tiled GEMM: BM = BN = BK
+LOWBIT_CONSTANT uint kFp8GemmThreads = 128;       // tiled GEMM: 4 simdgroups, 2 x 2 over the output tile
+
+// The dtype of a buffer the kernel reads in its own type (a bias): bias_dtype fields
+enum LowbitDtype : uint {
+  kDtypeFloat = 0u,
+  kDtypeHalf = 1u,
+  kDtypeBfloat = 2u,
+};
 
 // Fp8MmParams::flags / Fp8GroupedMmParams::flags
 LOWBIT_CONSTANT uint kFp8VecLoadBytes = 16;  // the widest load of the fp8 kernels' vector paths (uint4)
@@ -44,13 +58,14 @@ enum Fp8Flags : uint {
   // K % 16 == 0 and x and the weight start 16-byte aligned: every row starts aligned, so kernels may use
   // uint4 / vec<T, 4> loads; otherwise they use byte-aligned packed or scalar loads.
   kFp8VecLoads = 1u,
-  kFp8HasBias = 2u,  // fp8_mm only: bias [N] (fp32) is bound and added
+  kFp8HasBias = 2u,  // fp8_mm only: bias [N] (of dtype bias_dtype) is bound and added
 };
 
 // fp8_mm: out[M, N] = x[M, K] @ (dec(w[N, K]) * scale)^T + bias
 struct Fp8MmParams {
   uint M, N, K;
   uint flags;
+  uint bias_dtype;  // LowbitDtype
   ScaleParams scale;
 };
 
@@ -63,6 +78,20 @@ struct Fp8GroupedMmParams {
 };
 
 // ---- int8 ----
+// int8_gemv: kInt8GemvSimdgroups x kInt8GemvRows weight rows and kInt8GemvXRows x rows per threadgroup (the same
+// 4 weight rows per threadgroup as the fp8 decode GEMV, for the same reason); K advances kInt8GemvStepK bytes
+// per step (32 lanes x 16).
+LOWBIT_CONSTANT uint kInt8GemvSimdgroups = 2;
+LOWBIT_CONSTANT uint kInt8GemvRows = 2;
+LOWBIT_CONSTANT uint kInt8GemvXRows = 4;
+LOWBIT_CONSTANT uint kInt8GemvStepK = 512;
+// int8_gemm: a kInt8GemmBM (x rows) x kInt8GemmBN (weight rows) output tile per threadgroup of
+// kInt8GemmThreads, K advancing kInt8GemmBK per step.
+LOWBIT_CONSTANT uint kInt8GemmBM = 32;
+LOWBIT_CONSTANT uint kInt8GemmBN = 64;
+LOWBIT_CONSTANT uint kInt8GemmBK = 32;
+LOWBIT_CONSTANT uint kInt8GemmThreads = 128;
+
 struct Int8QuantizeParams {
   uint M, K;
 };
@@ -71,6 +100,7 @@ struct Int8MmParams {
   uint M, N, K;
   uint w_per_channel;  // 1: w_scale[n]; 0: w_scale[0] for every column
   uint has_bias;       // 0: the bias buffer is a placeholder and is never read
+  uint bias_dtype;     // LowbitDtype
 };
 
 LOWBIT_PARAMS_NAMESPACE_END

@@ -238,3 +238,22 @@ def test_grid_of_exactly_2_to_the_32_positions_is_allowed(lib):
 def test_converting_simdgroup_load_does_not_compile():
     with pytest.raises(RuntimeError, match="simdgroup_load: the source pointer's element type must be the matrix's"):
         E.build([CONVERTING_LOAD])
+
+
+def test_device_caps_switch_sets_and_restores():
+    if not torch_lowbit.emulator.available():
+        pytest.skip("the emulator is not built")
+    caps = _C._emu_device_caps
+    assert caps() == (7, 301)  # the portable floor: M1, MSL 3.1
+    with torch_lowbit.emulator.device_caps(apple_family=10):
+        assert caps() == (10, 301)
+        with torch_lowbit.emulator.device_caps(msl_version=400):
+            assert caps() == (10, 400)
+        assert caps() == (10, 301)
+    with pytest.raises(ValueError, match="apple_family=6"):
+        with torch_lowbit.emulator.device_caps(apple_family=6):
+            pass
+    with pytest.raises(RuntimeError, match="boom"):
+        with torch_lowbit.emulator.device_caps(apple_family=9):
+            raise RuntimeError("boom")
+    assert caps() == (7, 301)

@@ -80,17 +80,20 @@ def test_mm_m_classes(backend, dtype, M, K):
     _run_mm(backend, _x((M, K), dtype, g), random_fp8_bits((N, K), g), torch.rand(N, generator=g) + 0.5)
 
 
+# K = 528 / 1100: two / three 512-column GEMV steps, the last one partial (in the multi-row GEMV, lanes past K
+# skip the work but not the barriers of the staged activations)
 @pytest.mark.parametrize("backend", backends_for("fp8_mm"))
-@pytest.mark.parametrize("M", [1, 3, 17])
-@pytest.mark.parametrize("K", [1, 15, 16, 17, 100, 255, 257, 528])
+@pytest.mark.parametrize("M", [1, 3, 8, 17])
+@pytest.mark.parametrize("K", [1, 15, 16, 17, 100, 255, 257, 528, 1100])
 def test_mm_k_tails(backend, M, K):
     g = _gen("k", M, K)
     N = 7
     _run_mm(backend, _x((M, K), torch.bfloat16, g), random_fp8_bits((N, K), g), torch.rand(1, generator=g) + 0.5)
 
 
+# N tails of every kernel's columns per threadgroup (4 for M = 1, 16 for the multi-row GEMV, 32 for the GEMM)
 @pytest.mark.parametrize("backend", backends_for("fp8_mm"))
-@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("M", [1, 3, 8, 17])
 @pytest.mark.parametrize("N", [1, 7, 33, 65])
 def test_mm_n_tails(backend, M, N):
     g = _gen("n", M, N)
@@ -111,13 +114,28 @@ def test_mm_scale_granularities(backend, kind, M, K):
     _run_mm(backend, _x((M, K), torch.float32, g), random_fp8_bits((N, K), g), scale, None, block)
 
 
+# Power-of-two K blocks (a shift in the kernels; 128 in every checkpoint format, 1 the smallest) and others,
+# whole or split GEMV chunks, N blocks of every kind; partial edge blocks in N and K; K spans two GEMV steps.
+@pytest.mark.parametrize("backend", backends_for("fp8_mm"))
+@pytest.mark.parametrize("bn,bk", [(128, 128), (1, 64), (3, 256), (2, 1), (5, 96), (128, 48), (7, 100)])
+@pytest.mark.parametrize("M", [1, 6, 33])
+def test_mm_block_sizes(backend, bn, bk, M):
+    g = _gen("bs", bn, bk, M)
+    N, K = 37, 600
+    scale = torch.rand(math.ceil(N / bn), math.ceil(K / bk), generator=g) + 0.5
+    _run_mm(backend, _x((M, K), torch.float32, g), random_fp8_bits((N, K), g), scale, None, [bn, bk])
+
+
+# The kernels read the bias in its own dtype: with fp32 activations (and output) a bias read as the wrong type
+# or rounded to another one would show.
 @pytest.mark.parametrize("backend", backends_for("fp8_mm"))
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 4, 17])
-def test_mm_bias(backend, dtype, M):
-    g = _gen("b", M)
+def test_mm_bias(backend, dtype, bias_dtype, M):
+    g = _gen("b", M, str(bias_dtype))
     N, K = 33, 48
-    bias = torch.randn(N, generator=g).to(dtype)
+    bias = (torch.randn(N, generator=g) * 8).to(bias_dtype)
     _run_mm(backend, _x((M, K), dtype, g), random_fp8_bits((N, K), g), torch.rand(N, generator=g) + 0.5, bias)
 
 

@@ -110,9 +110,10 @@ def _run_mm(backend, xq, xs, wq, ws, bias=None, out_dtype=None):
     return out.cpu()
 
 
+# M = 6: two x-slices of the GEMV, the second partial; K = 1100: three 512-byte GEMV steps, the last partial
 @pytest.mark.parametrize("backend", backends_for("int8_mm"))
-@pytest.mark.parametrize("M", [1, 2, 3, 17, 64])
-@pytest.mark.parametrize("K", K_TAILS)
+@pytest.mark.parametrize("M", [1, 2, 3, 6, 17, 64])
+@pytest.mark.parametrize("K", K_TAILS + [1100])
 def test_mm_int32_accumulation_is_exact(backend, M, K):
     # unit scales, fp32 output, |acc| <= 257 * 2^14 < 2^24: the output is the integer product itself
     g = _gen("exact", M, K)
@@ -207,6 +208,22 @@ def test_mm_scales_bias_out_dtype(backend, M, w_scale_kind, with_bias, out_dtype
     assert_matmul_close(out, ref, absref, acc_rtol=4e-7)
 
 
+# The kernels read the bias in its own dtype; fp32 output shows a bias read as the wrong type or rounded.
+@pytest.mark.parametrize("backend", backends_for("int8_mm"))
+@pytest.mark.parametrize("bias_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 6, 17])
+def test_mm_bias_in_its_own_dtype(backend, bias_dtype, M):
+    g = _gen("bias_dtype", M, str(bias_dtype))
+    N, K = 13, 40
+    xq, wq = _int8((M, K), g), _int8((N, K), g)
+    xs, ws = torch.rand(M, generator=g) * 0.02 + 1e-3, torch.rand(N, generator=g) * 0.01 + 1e-3
+    bias = (torch.randn(N, generator=g) * 8).to(bias_dtype)
+    out = _run_mm(backend, xq, xs, wq, ws, bias, torch.float32)
+    ref, acc = ref_int8_mm(xq, xs, wq, ws, bias)
+    absref = acc.abs().double() * xs.double().reshape(M, 1) * ws.double().reshape(1, -1) + bias.double().abs()
+    assert_matmul_close(out, ref, absref, acc_rtol=4e-7)
+
+
 @pytest.mark.parametrize("backend", backends_for("int8_mm"))
 @pytest.mark.parametrize("lead", [(2, 3), (4, 5)])
 @pytest.mark.parametrize("x_scale_trailing_1", [False, True])
@@ -249,9 +266,31 @@ def test_mm_empty(backend, M, N, K):
 
 def test_mm_plan_picks_gemv_for_small_m_and_gemm_above():
     pick = torch_lowbit._C._metal_int8_mm_kernel
-    assert [pick(M, 4096, 4096) for M in range(1, 9)] == ["gemv"] * 8
-    assert [pick(M, 4096, 4096) for M in (9, 17, 64, 4096)] == ["gemm_half"] * 4
-    assert pick(1, 7, 3) == "gemv" and pick(33, 7, 3) == "gemm_half"  # tails do not change the choice
+    assert [pick(M, 4096, 4096) for M in range(1, 9)] == ["int8_gemv"] * 8
+    assert [pick(M, 4096, 4096) for M in (9, 17, 64, 4096)] == ["int8_gemm"] * 4
+    assert pick(1, 7, 3) == "int8_gemv" and pick(33, 7, 3) == "int8_gemm"  # tails do not change the choice
+
+
+@pytest.mark.skipif(not torch_lowbit.emulator.available(), reason="the Metal emulator is not built in this install")
+def test_mm_kernel_follows_the_device_caps():
+    """The plans pick kernels from the launcher's device capabilities: plan_int8_mm.cpp's test-only table line
+    (a GEMM for a device no GPU reports) is taken under the emulator's switch, and only there."""
+    pick = torch_lowbit._C._metal_int8_mm_kernel
+    g = _gen("caps")
+    xq, wq = _int8((33, 32), g), _int8((5, 32), g)
+    run = lambda: torch.ops.lowbit_emu.int8_mm(xq, torch.ones(33), wq, torch.ones(5), None,  # noqa: E731
+                                               torch.float32)
+    with torch_lowbit.emulator.device_caps(apple_family=10, msl_version=400):  # an M5: nothing of ours needs it yet
+        assert pick(33, 5, 32) == "int8_gemm"
+    with torch_lowbit.emulator.device_caps(apple_family=1000, msl_version=9900):
+        assert pick(33, 5, 32) == "int8_gemm_probe"
+        assert pick(8, 5, 32) == "int8_gemv"  # a class without a variant keeps its portable kernel
+        with pytest.raises(RuntimeError, match="no kernel named 'int8_gemm_probe_float_k16'"):
+            run()  # the plan dispatches what the chooser picked
+    assert torch_lowbit._C._emu_device_caps() == (7, 301)
+    assert pick(33, 5, 32) == "int8_gemm"
+    _, acc = ref_int8_mm(xq, torch.ones(33), wq, torch.ones(5))
+    assert torch.equal(run().double(), acc.double())
 
 
 @pytest.mark.parametrize("backend", backends_for("int8_mm", emu_rev=False))

@@ -20,7 +20,7 @@ POSITIONS = 2 ** 32  # thread_position_in_grid is a 32-bit uint
 
 # Output tile (rows of x, columns of out) each threadgroup of a kernel computes, by kernel name prefix: the
 # kernels' geometry (metal/*.metal), written out here so a plan that sizes a grid wrongly fails.
-TILES = {"fp8_gemv_rows_": (8, 4), "fp8_gemv_": (1, 8), "fp8_gemm_": (32, 32), "int8_gemv_": (4, 64),
+TILES = {"fp8_gemv_rows_": (8, 16), "fp8_gemv_": (1, 4), "fp8_gemm_": (32, 32), "int8_gemv_": (4, 4),
          "int8_gemm_": (32, 64)}
 
 

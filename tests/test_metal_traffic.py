@@ -75,3 +75,27 @@ def test_suite_lists_every_op_call(capsys):
     assert "fp8_dequantize_bfloat" in row
     # weights + per-channel scale, each once; 2 bytes written per element
     assert f"{(40 * 72 + 40 * 4) / 1e6:.3f}" in row and f"{40 * 72 * 2 / 1e6:.3f}" in row
+
+
+@needs_gxx
+def test_threadgroups_and_activation_bytes_per_weight_byte(traced_lib):
+    m, _ = traced_gemv(traced_lib, "gemv_ok", 8, 1024)  # one simdgroup per weight row, 4 per threadgroup
+    assert m.threadgroups == 2 and m.tg_per_core(40) == pytest.approx(2 / 40)
+    # every simdgroup loads x itself: 4 float bytes per fp8 weight byte
+    assert m.act_per_weight == pytest.approx(4.0)
+
+
+def test_gemvs_meet_the_occupancy_and_activation_reuse_goals():
+    """>= 4 threadgroups per core of a 40-core GPU for the decode GEMVs at N = 1024; <= 1 activation byte loaded
+    per weight byte for the multi-row fp8 GEMV at M = 8 (bf16)."""
+    if not torch_lowbit.emulator.trace_available():
+        pytest.skip("no traffic build of the emulator in this install")
+    chosen = [c for c in MT.cases(64, 512, small_N=1024, rows=8) if "N=1024" in c.label or c.act_goal]
+    assert len(chosen) == 3
+    with torch_lowbit.emulator.traced() as trace:
+        for case in chosen:
+            m = MT.measure(case, trace)
+            if case.act_goal:
+                assert m.act_per_weight <= MT.ACT_PER_WEIGHT_GOAL, case.label
+            else:
+                assert m.tg_per_core(40) >= MT.TG_PER_CORE_GOAL, case.label

@@ -1,4 +1,4 @@
-"""The MSL emulator, from Python: is it built, and a test switch for the thread order.
+"""The MSL emulator, from Python: is it built, and test switches for the thread order and the device.
 
 ``torch.ops.lowbit_emu.<op>`` runs the very same metal/*.metal kernels, through the same plan code as the
 mps device, on CPU tensors. It exists so that every Metal kernel runs in CI; it is slow and for tests only.
@@ -55,6 +55,28 @@ def dry_run():
         yield DryRun()
     finally:
         _C._dry_run_take()
+
+
+@contextlib.contextmanager
+def device_caps(apple_family=None, msl_version=None):
+    """Inside this block the emulator reports this device to the plans, which pick kernel variants from it.
+
+    ``apple_family`` is N of MTLGPUFamilyAppleN (7 = M1, the default: the portable floor; 10 = M5);
+    ``msl_version`` is the Metal Shading Language version as major * 100 + minor (301 = MSL 3.1, the default).
+    An argument left out keeps its current value. The kernels run are still the emulator's (the same
+    metal/*.metal files): the switch tests the plans' choice, not the device.
+    """
+    before = tuple(_C._emu_device_caps())
+    family = before[0] if apple_family is None else int(apple_family)
+    msl = before[1] if msl_version is None else int(msl_version)
+    if family < 7 or msl < 301:
+        raise ValueError(f"device_caps: the kernels need at least Apple7 (M1) and MSL 3.1 (301); got "
+                         f"apple_family={family}, msl_version={msl}")
+    _C._emu_set_device_caps(family, msl)
+    try:
+        yield
+    finally:
+        _C._emu_set_device_caps(*before)
 
 
 # ---------------------------------------------------------------------------------------------- traffic build

@@ -178,8 +178,9 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
   const Int8MmArgs a = check_int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype);
   at::Tensor out = at::empty({a.M, a.N}, a.xq.options().dtype(a.out_dtype));
   if (a.M == 0 || a.N == 0) return out.view(a.out_shape);
+  const at::Tensor bias_f32 = bias_as_float(a.bias);
   const Epilogue ep{a.x_scale.data_ptr<float>(), a.w_scale.data_ptr<float>(), a.w_scale.numel() == 1 ? 0 : 1,
-                    a.bias ? a.bias->data_ptr<float>() : nullptr};
+                    bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
   const Int8Kernels& kern = int8_kernels(isa());
   const int8_t* x = a.xq.data_ptr<int8_t>();
   const int8_t* w = a.wq.data_ptr<int8_t>();

@@ -56,6 +56,23 @@ bool emulator_loaded() {
 
 void set_emulator_reverse(bool on) { api().set_reverse(on ? 1 : 0); }
 
+namespace {
+std::mutex g_caps_mu;
+DeviceCaps g_caps;  // the portable floor
+}  // namespace
+
+void set_emulator_device_caps(uint32_t apple_family, uint32_t msl_version) {
+  std::lock_guard<std::mutex> g(g_caps_mu);
+  g_caps = DeviceCaps{apple_family, msl_version};
+}
+
+DeviceCaps emulator_device_caps() {
+  std::lock_guard<std::mutex> g(g_caps_mu);
+  return g_caps;
+}
+
+DeviceCaps EmuLauncher::caps() const { return emulator_device_caps(); }
+
 void EmuLauncher::run(const Dispatch& d) {
   const EmuApi& e = api();
   TORCH_CHECK(e.has_kernel(d.kernel.c_str()), "metal emulator: no kernel named '", d.kernel,

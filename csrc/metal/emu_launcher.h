@@ -9,6 +9,7 @@ namespace lowbit::metal {
 class EmuLauncher final : public Launcher {
  public:
   void run(const Dispatch& d) override;
+  DeviceCaps caps() const override;  // the portable floor unless a test set others (set_emulator_device_caps)
 };
 
 // Called once from Python with the path of torch_lowbit/_msl_emu*.so.
@@ -16,5 +17,8 @@ void load_emulator(const std::string& path);
 bool emulator_loaded();
 // Test switch: run the threads of every threadgroup in reverse order.
 void set_emulator_reverse(bool on);
+// Test switch: the device capabilities the emulator reports to the plans (kernel variants for newer GPUs).
+void set_emulator_device_caps(uint32_t apple_family, uint32_t msl_version);
+DeviceCaps emulator_device_caps();
 
 }  // namespace lowbit::metal

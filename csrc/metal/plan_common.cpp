@@ -14,12 +14,33 @@ const char* kernel_dtype_suffix(at::ScalarType t) {
   }
 }
 
+std::string kernel_name(const char* base, at::ScalarType dtype, const char* variant) {
+  std::string s = std::string(base) + "_" + kernel_dtype_suffix(dtype);
+  if (variant != nullptr) s += std::string("_") + variant;
+  return s;
+}
+
+uint32_t kernel_dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kDtypeFloat;
+    case at::kHalf: return kDtypeHalf;
+    case at::kBFloat16: return kDtypeBfloat;
+    default: TORCH_CHECK(false, "torch_lowbit metal: kernels read bfloat16, float16 or float32 buffers, got ", t);
+  }
+}
+
 ScaleParams scale_params(const ScaleLayout& l) {
   ScaleParams p{};
   p.kind = uint32_t(l.kind);
   p.bn = checked_u32("block_n", l.bn);
   p.bk = checked_u32("block_k", l.bk);
   p.kb = checked_u32("ceil(K / block_k)", l.kb);
+  // the kernels' k / bk becomes a shift for power-of-two blocks (128 in every checkpoint format)
+  p.bk_shift = kScaleBkNoShift;
+  if (p.bk != 0 && (p.bk & (p.bk - 1)) == 0) {
+    p.bk_shift = 0;
+    while ((1u << p.bk_shift) != p.bk) p.bk_shift++;
+  }
   return p;
 }
 

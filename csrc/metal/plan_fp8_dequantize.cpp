@@ -14,7 +14,7 @@ at::Tensor plan_fp8_dequantize(Target t, const at::Tensor& weight, const at::Ten
   p.scale = scale_params(w.layout);
   // one thread per 4 bytes of a row; 64 x 4 threads per threadgroup
   const uint32_t groups_k = checked_u32("K / 4", ceil_div(w.K, 4));
-  Dispatch d(std::string("fp8_dequantize_") + kernel_dtype_suffix(dtype));
+  Dispatch d(kernel_name("fp8_dequantize", dtype));
   d.buffer("weight", w.bits).buffer("scale", w.scale).buffer("out", out, Access::Write).value("params", p);
   d.grid({uint32_t(ceil_div(groups_k, 64)), uint32_t(ceil_div(w.N, 4)), 1}, {64, 4, 1});
   t.run(d);

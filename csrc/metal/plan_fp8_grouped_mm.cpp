@@ -17,7 +17,7 @@ bool use_decode_kernel(int64_t T, int64_t G) { return T <= kDecodeMaxMeanRowsPer
 }  // namespace
 
 std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype) {
-  return std::string(use_decode_kernel(T, G) ? "fp8_grouped_gemv_" : "fp8_grouped_gemm_") + kernel_dtype_suffix(dtype);
+  return kernel_name(use_decode_kernel(T, G) ? "fp8_grouped_gemv" : "fp8_grouped_gemm", dtype);
 }
 
 at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,

@@ -6,12 +6,12 @@ namespace {
 
 // ---- kernel choice: one chooser, named thresholds ----
 // M == 1 (batch-1 decode) is bandwidth-bound: fp8_gemv reads every weight byte once and keeps everything in
-// registers, 4 output columns per simdgroup.
+// registers.
 constexpr int64_t kGemvMaxM = 1;
 // Up to kFp8GemvRows (8) rows, fp8_gemv_rows still reads and decodes each weight chunk once and dots it
-// against every row, so it keeps the GEMV's memory traffic while doing M times the math. Past 8 rows it
-// would need a second pass (decoding the weights again), and a 32-row GEMM tile is already more than a
-// quarter full: switch to the tiled GEMM. (Peers switch in the same region: MLX at M ~ 6..33 depending on
+// against every row (staged once per threadgroup), so it keeps the GEMV's memory traffic while doing M times
+// the math. Past 8 rows it would need a second pass (decoding the weights again), and a 32-row GEMM tile is
+// already more than a quarter full: switch to the tiled GEMM. (Peers switch in the same region: MLX at M ~ 6..33 depending on
 // chip and size, PyTorch's int8 MPS kernel at 12.)
 constexpr int64_t kGemvRowsMaxM = kFp8GemvRows;
 
@@ -23,19 +23,17 @@ Fp8MmKernel choose_fp8_mm_kernel(int64_t M) {
   return Fp8MmKernel::Gemm;
 }
 
-const char* kernel_base_name(Fp8MmKernel k) {
-  switch (k) {
-    case Fp8MmKernel::Gemv: return "fp8_gemv_";
-    case Fp8MmKernel::GemvRows: return "fp8_gemv_rows_";
-    case Fp8MmKernel::Gemm: return "fp8_gemm_";
-  }
-  return "";
-}
+// The kernels of each class (plans.h KernelVariant: newer-GPU variants go before the portable line).
+constexpr KernelVariant<Fp8MmKernel> kFp8MmKernels[] = {
+    {Fp8MmKernel::Gemv, "fp8_gemv", kPortableDevice},
+    {Fp8MmKernel::GemvRows, "fp8_gemv_rows", kPortableDevice},
+    {Fp8MmKernel::Gemm, "fp8_gemm", kPortableDevice},
+};
 
 }  // namespace
 
-std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype) {
-  return std::string(kernel_base_name(choose_fp8_mm_kernel(M))) + kernel_dtype_suffix(dtype);
+std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype, const DeviceCaps& device) {
+  return kernel_name(pick_kernel(kFp8MmKernels, choose_fp8_mm_kernel(M), device), dtype);
 }
 
 at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -54,23 +52,24 @@ at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, 
   p.N = checked_u32("N", N);
   p.K = checked_u32("K", K);
   p.flags = (vector_access_ok(kFp8VecLoadBytes, K, {a.x, a.w.bits}) ? kFp8VecLoads : 0u) | (a.bias ? kFp8HasBias : 0u);
+  p.bias_dtype = a.bias ? kernel_dtype_code(a.bias->scalar_type()) : kDtypeFloat;
   p.scale = scale_params(a.w.layout);
 
   const Fp8MmKernel k = choose_fp8_mm_kernel(M);
-  Dispatch d(std::string(kernel_base_name(k)) + kernel_dtype_suffix(a.x.scalar_type()));
+  Dispatch d(fp8_mm_kernel_name(M, a.x.scalar_type(), t.caps));
   d.buffer("x", a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
   // without a bias the kernel never reads [[buffer(3)]]; bind the scale there so it is never unbound
   d.buffer(a.bias ? "bias" : "bias (none: scale bound, unread)", a.bias ? *a.bias : a.w.scale);
   d.buffer("out", out, Access::Write).value("params", p);
-  const uint32_t gemv_threads = kFp8GemvSimdgroups * 32;
   switch (k) {
     case Fp8MmKernel::Gemv:
-      d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsM1)), 1, 1}, {gemv_threads, 1, 1});
+      d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsM1)), 1, 1},
+             {kFp8GemvSimdgroups * 32, 1, 1});
       break;
     case Fp8MmKernel::GemvRows:
-      d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsRows)),
+      d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvRowsSimdgroups * kFp8GemvColsRows)),
               checked_u32("grid y", ceil_div(M, kFp8GemvRows)), 1},
-             {gemv_threads, 1, 1});
+             {kFp8GemvRowsSimdgroups * 32, 1, 1});
       break;
     case Fp8MmKernel::Gemm:
       d.grid({checked_u32("grid x", ceil_div(N, kFp8GemmTile)), checked_u32("grid y", ceil_div(M, kFp8GemmTile)), 1},

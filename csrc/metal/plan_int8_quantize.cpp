@@ -20,7 +20,7 @@ std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target t, const at::Tensor
     p.M = checked_u32("M", a.M);
     p.K = checked_u32("K", a.K);
     const uint32_t threads = uint32_t(std::clamp<int64_t>(ceil_div(a.K, 32) * 32, 32, kQuantizeMaxThreads));
-    Dispatch d(std::string("int8_quantize_") + kernel_dtype_suffix(a.x.scalar_type()));
+    Dispatch d(kernel_name("int8_quantize", a.x.scalar_type()));
     d.buffer("x", a.x).buffer("q", q, Access::Write).buffer("scale", scale, Access::Write).value("params", p);
     d.grid({p.M, 1, 1}, {threads, 1, 1});
     t.run(d);

@@ -37,6 +37,42 @@ namespace lowbit::metal {
 // "float" / "half" / "bfloat": the suffix of a kernel's host_name for an activation or output dtype
 const char* kernel_dtype_suffix(at::ScalarType t);
 
+// ---- kernel names and variants: one scheme for every plan ----
+// The host_name of a kernel instantiation as metal/*.metal spell it: <base>_<dtype>[_<variant>], e.g.
+// kernel_name("int8_gemv", kBFloat16, "k16") == "int8_gemv_bfloat_k16".
+std::string kernel_name(const char* base, at::ScalarType dtype, const char* variant = nullptr);
+
+// One line of an op's kernel table: the kernel (host_name base) that computes one of the op's shape classes,
+// and the least device it runs on. The op's thresholds pick the class; pick_kernel then takes the class's
+// first line the device runs. So a kernel for newer GPUs is one line, listed before the portable kernel of
+// its class (whose grid it shares), plus its .metal file and a test under emulator.device_caps.
+template <class Class>
+struct KernelVariant {
+  Class cls;
+  const char* base;
+  DeviceCaps needs;
+};
+
+inline constexpr DeviceCaps kPortableDevice{};  // every Apple GPU from M1 (Apple7, MSL 3.1)
+// No Apple GPU reports this; the emulator's device_caps switch can, so that tests pin that plans run what the
+// device's capabilities select (see kInt8MmKernels).
+inline constexpr DeviceCaps kTestOnlyDevice{1000, 9900};
+
+inline bool runs_on(const DeviceCaps& device, const DeviceCaps& needs) {
+  return device.apple_family >= needs.apple_family && device.msl_version >= needs.msl_version;
+}
+
+template <class Class, size_t N>
+const char* pick_kernel(const KernelVariant<Class> (&table)[N], Class cls, const DeviceCaps& device) {
+  for (const KernelVariant<Class>& v : table)
+    if (v.cls == cls && runs_on(device, v.needs)) return v.base;
+  TORCH_CHECK(false, "torch_lowbit metal: no kernel for shape class ", int(cls), " on Apple GPU family ",
+              device.apple_family, " with MSL ", device.msl_version);
+}
+
+// LowbitDtype (params.h) of a buffer a kernel reads in its own dtype: bf16 / fp16 / fp32
+uint32_t kernel_dtype_code(at::ScalarType t);
+
 ScaleParams scale_params(const ScaleLayout& l);
 
 uint32_t checked_u32(const char* what, int64_t v);  // sizes travel as 32-bit in params structs
@@ -48,7 +84,7 @@ uint32_t checked_u32(const char* what, int64_t v);  // sizes travel as 32-bit in
 bool vector_access_ok(int64_t bytes, int64_t row_elems, std::initializer_list<at::Tensor> buffers);
 
 // The kernel (host_name) each plan picks, exposed to Python (torch_lowbit._C) so tests pin the thresholds.
-std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype);
+std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype, const DeviceCaps& device);
 std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype);
 
 // ---- one function per op; each lives in plan_<op>.cpp ----

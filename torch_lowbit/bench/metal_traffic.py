@@ -11,9 +11,15 @@ GPU thread and groups them into SIMD instructions. Per op call and shape it prin
   ideal      the weights the call needs, once, plus activations, scales, bias and offsets
   line use   for the weight loads: bytes the lanes used / the 128 B lines each SIMD instruction touched
   time       (read + written) / (BW * efficiency), by default 400 GB/s at 85% (an M-series Max-class GPU)
+  tg/core    threadgroups launched per GPU core (default 40 cores, an M-series Max): a GPU hides memory latency
+             only with several threadgroups resident per core
+  act/w      activation bytes the lanes load (argument ``x`` / ``xq``, every load instruction counted, as it
+             reaches the core's L1) per weight byte loaded: a GEMV that reloads its activation rows in every
+             simdgroup spends more load bandwidth on them than on the weights
 
-Goals for the decode kernels (M = 1 fp8 GEMV, grouped decode, int8 GEMV): read <= 1.02 x ideal and line use
->= 90% (pass/fail columns). Ops whose Metal kernel does not exist yet are listed and skipped.
+Goals for the decode kernels (M = 1 fp8 GEMV, grouped decode, int8 GEMV): read <= 1.02 x ideal, line use
+>= 90% and >= 4 threadgroups per core (also at N = 1024, a Llama-3-8B k/v projection); for the multi-row fp8
+GEMV (M = 8): act/w <= 1 (pass/fail columns). Ops whose Metal kernel does not exist yet are listed and skipped.
 """
 from __future__ import annotations
 
@@ -27,9 +33,12 @@ from typing import Callable, List, Optional
 import torch
 
 WEIGHT_ARGS = ("weight", "wq")  # the schemas' names of the weight argument; plans name the buffer after them
+ACTIVATION_ARGS = ("x", "xq")
 SECTOR = 32
 READ_GOAL = 1.02
 LINE_USE_GOAL = 0.90
+TG_PER_CORE_GOAL = 4.0
+ACT_PER_WEIGHT_GOAL = 1.0
 
 
 @dataclass
@@ -38,7 +47,8 @@ class Case:
     op: str
     make: Callable[[], tuple]      # () -> positional args of torch.ops.lowbit_emu.<op>
     ideal: Callable[[tuple], int]  # args -> ideal bytes read
-    decode: bool                   # the goals apply
+    decode: bool                   # the decode goals apply (read, line use, threadgroups per core)
+    act_goal: bool = False         # the activation-reuse goal applies (multi-row GEMV)
 
 
 @dataclass
@@ -50,6 +60,9 @@ class Measured:
     ideal: int = 0
     weight_line_bytes: int = 0
     weight_used_bytes: int = 0
+    weight_loaded: int = 0      # bytes the lanes requested, every load instruction counted
+    activation_loaded: int = 0
+    threadgroups: int = 0
     skipped: Optional[str] = None
 
     @property
@@ -59,6 +72,13 @@ class Measured:
     @property
     def read_ratio(self):
         return self.read / self.ideal if self.ideal else float("nan")
+
+    @property
+    def act_per_weight(self):
+        return self.activation_loaded / self.weight_loaded if self.weight_loaded else float("nan")
+
+    def tg_per_core(self, cores: int):
+        return self.threadgroups / cores
 
 
 def nbytes(t: Optional[torch.Tensor]) -> int:
@@ -75,7 +95,14 @@ def buffer_read_bytes(buf: dict) -> int:
 def summarize(case: Case, args: tuple, launches: List[dict]) -> Measured:
     m = Measured(case, launches, ideal=case.ideal(args))
     for rec in launches:
+        gx, gy, gz = rec["grid"]
+        m.threadgroups += gx * gy * gz
         for buf in rec["buffers"]:
+            if buf["kind"] in ("read", "readwrite"):
+                if buf["name"] in WEIGHT_ARGS:
+                    m.weight_loaded += buf["read"]["requested"]
+                elif buf["name"] in ACTIVATION_ARGS:
+                    m.activation_loaded += buf["read"]["requested"]
             m.read += buffer_read_bytes(buf)
             if buf["kind"] != "value":
                 m.written += buf["write"]["sectors"] * SECTOR
@@ -92,7 +119,7 @@ def _fp8(shape, gen):
     return b
 
 
-def cases(N: int, K: int, experts: int = 8, tokens: int = 4) -> List[Case]:
+def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024, rows: int = 8) -> List[Case]:
     gen = torch.Generator().manual_seed(0)
     bn = bk = 128
 
@@ -124,19 +151,28 @@ def cases(N: int, K: int, experts: int = 8, tokens: int = 4) -> List[Case]:
     # decode MoE: every token is its own group, routed to a different expert (top-k routing after sorting)
     ids = torch.arange(T, dtype=torch.int32) * (E // T if T <= E else 1) % E
     offsets = torch.arange(T + 1, dtype=torch.int32)
+    def fp8_mm_channel(M, n):
+        return lambda: (x(M), _fp8((n, K), gen), torch.rand(n, generator=gen) + 0.5, None, None)
+
+    def int8_mm_m1(n):
+        return lambda: (torch.randint(-127, 128, (1, K), dtype=torch.int8, generator=gen), torch.rand(1) + 0.5,
+                        torch.randint(-127, 128, (n, K), dtype=torch.int8, generator=gen),
+                        torch.rand(n, generator=gen) + 0.5, None, torch.bfloat16)
+
     return [
-        Case(f"fp8_mm M=1 N={N} K={K} per-channel bf16", "fp8_mm",
-             lambda: (x(1), _fp8((N, K), gen), torch.rand(N, generator=gen) + 0.5, None, None), fp8_mm_ideal, True),
+        Case(f"fp8_mm M=1 N={N} K={K} per-channel bf16", "fp8_mm", fp8_mm_channel(1, N), fp8_mm_ideal, True),
+        Case(f"fp8_mm M=1 N={small_N} K={K} per-channel bf16", "fp8_mm", fp8_mm_channel(1, small_N), fp8_mm_ideal,
+             True),
+        Case(f"fp8_mm M={rows} N={N} K={K} per-channel bf16", "fp8_mm", fp8_mm_channel(rows, N), fp8_mm_ideal,
+             False, act_goal=True),
         Case(f"fp8_mm M=1 N={N} K={K} block {bn}x{bk} bf16", "fp8_mm",
              lambda: (x(1), _fp8((N, K), gen), torch.rand(*blocks(N, K), generator=gen) + 0.5, None, [bn, bk]),
              fp8_mm_ideal, True),
         Case(f"fp8_grouped_mm decode T={T} E={E} N={N} K={K} per-channel", "fp8_grouped_mm",
              lambda: (x(T), _fp8((E, N, K), gen), torch.rand(E, N, generator=gen) + 0.5, offsets, ids, None),
              grouped_ideal, True),
-        Case(f"int8_mm M=1 N={N} K={K}", "int8_mm",
-             lambda: (torch.randint(-127, 128, (1, K), dtype=torch.int8, generator=gen), torch.rand(1) + 0.5,
-                      torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen),
-                      torch.rand(N, generator=gen) + 0.5, None, torch.bfloat16), int8_ideal, True),
+        Case(f"int8_mm M=1 N={N} K={K}", "int8_mm", int8_mm_m1(N), int8_ideal, True),
+        Case(f"int8_mm M=1 N={small_N} K={K}", "int8_mm", int8_mm_m1(small_N), int8_ideal, True),
         Case(f"fp8_dequantize N={N} K={K} per-channel -> bf16", "fp8_dequantize",
              lambda: (_fp8((N, K), gen), torch.rand(N, generator=gen) + 0.5, None, torch.bfloat16), dequant_ideal,
              False),
@@ -160,10 +196,15 @@ def _mb(b):
     return f"{b / 1e6:.3f}"
 
 
-def format_table(rows: List[Measured], bandwidth_gbs: float, efficiency: float) -> str:
+def _goal(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def format_table(rows: List[Measured], bandwidth_gbs: float, efficiency: float, cores: int = 40) -> str:
     bw = bandwidth_gbs * 1e9 * efficiency
     head = (f"{'op call':<56} {'kernels':<28} {'read MB':>9} {'ideal MB':>9} {'x ideal':>8} {'line use':>9} "
-            f"{'write MB':>9} {'time us':>8} {'read<=1.02x':>11} {'lines>=90%':>10}")
+            f"{'write MB':>9} {'time us':>8} {'tg/core':>8} {'act/w':>6} {'read<=1.02x':>11} {'lines>=90%':>10} "
+            f"{'tg/core>=4':>10} {'act/w<=1':>8}")
     out = [head, "-" * len(head)]
     for m in rows:
         if m.skipped:
@@ -171,14 +212,20 @@ def format_table(rows: List[Measured], bandwidth_gbs: float, efficiency: float) 
             continue
         kernels = ",".join(sorted({r["kernel"] for r in m.launches})) or "(no launch)"
         time_us = (m.read + m.written) / bw * 1e6
-        ok_read = ok_lines = "-"
+        ok_read = ok_lines = ok_tg = ok_act = "-"
         if m.case.decode:
-            ok_read = "pass" if m.read_ratio <= READ_GOAL else "FAIL"
-            ok_lines = "pass" if m.line_use >= LINE_USE_GOAL else "FAIL"
+            ok_read = _goal(m.read_ratio <= READ_GOAL)
+            ok_lines = _goal(m.line_use >= LINE_USE_GOAL)
+            ok_tg = _goal(m.tg_per_core(cores) >= TG_PER_CORE_GOAL)
+        if m.case.act_goal:
+            ok_act = _goal(m.act_per_weight <= ACT_PER_WEIGHT_GOAL)
+        act = f"{m.act_per_weight:.2f}" if m.activation_loaded else "-"
         out.append(f"{m.case.label:<56} {kernels:<28} {_mb(m.read):>9} {_mb(m.ideal):>9} {m.read_ratio:>8.3f} "
-                   f"{100 * m.line_use:>8.1f}% {_mb(m.written):>9} {time_us:>8.1f} {ok_read:>11} {ok_lines:>10}")
+                   f"{100 * m.line_use:>8.1f}% {_mb(m.written):>9} {time_us:>8.1f} {m.tg_per_core(cores):>8.1f} "
+                   f"{act:>6} {ok_read:>11} {ok_lines:>10} {ok_tg:>10} {ok_act:>8}")
     out.append(f"time: (read + written) / ({bandwidth_gbs:g} GB/s x {efficiency:.0%}); read counts 32 B sectors, "
-               f"the weight per threadgroup, other buffers once per launch")
+               f"the weight per threadgroup, other buffers once per launch; tg/core: threadgroups / {cores} cores; "
+               f"act/w: activation / weight bytes loaded by the lanes")
     return "\n".join(out)
 
 
@@ -215,6 +262,10 @@ def run(argv) -> int:
     p.add_argument("--K", type=int, default=4096, help="input features (default 4096)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=4, help="decode tokens of the grouped case, one group each")
+    p.add_argument("--small-N", type=int, default=1024,
+                   help="output features of the small decode cases (default 1024, a Llama-3-8B k/v projection)")
+    p.add_argument("--rows", type=int, default=8, help="activation rows of the multi-row fp8 case (default 8)")
+    p.add_argument("--cores", type=int, default=40, help="GPU cores for tg/core (default 40)")
     p.add_argument("--bandwidth", type=float, default=400.0, help="GB/s (default 400)")
     p.add_argument("--efficiency", type=float, default=0.85, help="share of peak bandwidth reached (default 0.85)")
     p.add_argument("--detail", action="store_true", help="also print every memory instruction with its source line")
@@ -226,7 +277,7 @@ def run(argv) -> int:
         return 0
     rows = []
     with emulator.traced() as trace:
-        for case in cases(a.N, a.K, a.experts, a.tokens):
+        for case in cases(a.N, a.K, a.experts, a.tokens, a.small_N, a.rows):
             if a.only and a.only not in case.label:
                 continue
             m = measure(case, trace)
@@ -235,5 +286,5 @@ def run(argv) -> int:
                 print(f"{case.label}:")
                 for rec in m.launches:
                     print(format_sites(rec, trace.library))
-    print(format_table(rows, a.bandwidth, a.efficiency))
+    print(format_table(rows, a.bandwidth, a.efficiency, a.cores))
     return 0
