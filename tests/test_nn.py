@@ -256,6 +256,16 @@ def test_int8_linear_matches_reference(backend, dtype, x_shape, bias):
     assert (out.double().cpu() - full).abs().max() <= 0.1 * full.abs().max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_linear_non_finite_rows_give_nan(dtype):
+    # a float linear layer gives no finite number for a row holding NaN or inf; neither does Int8Linear
+    layer = Int8Linear.from_float(_linear(64, 16, dtype=dtype))
+    x = _x((4, 64), dtype)
+    x[0, 5], x[2, 63], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    out = layer(x)
+    assert out[[0, 2, 3]].isnan().all() and torch.isfinite(out[1]).all()
+
+
 def test_int8_constructor_from_quantized_and_state_dict():
     layer = Int8Linear(300, 70)
     assert layer.weight.dtype == torch.int8 and layer.weight.shape == (70, 300)
