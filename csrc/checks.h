@@ -83,7 +83,7 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
 // int8_mm refuses it on every backend rather than wrapping.
 constexpr int64_t kInt8MaxK = ((int64_t(1) << 31) - 1) / (int64_t(1) << 14);
 
-// ceil(a / b) for b > 0
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) for a >= 0, b > 0; never overflows (a + b - 1 would for a block size near 2^63)
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 }  // namespace lowbit
