@@ -20,6 +20,13 @@ class QuantizedLinear(nn.Module):
     in_features: int
     out_features: int
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        """The layer's own check of x, so that the error names the layer's argument rather than an op's internal
+        one (Int8Linear's int8_mm sees xq); static under torch.compile."""
+        if x.dim() >= 1 and x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: x must be [..., in_features] = [..., {self.in_features}], got "
+                             f"shape {tuple(x.shape)}")
+
     def _move_format_buffer(self, name: str, t: torch.Tensor, fn) -> torch.Tensor:
         moved = fn(t)
         return moved if moved.dtype == t.dtype else t.to(moved.device)
