@@ -2,11 +2,14 @@
 expert ids, dtype / out_dtype) on every backend: 0, 1, negative, 2^31, 2^63 - 1 give a clear error naming the
 argument, or the float64 reference's result where the value is legal (a block larger than its dimension is one
 partial block). Size arithmetic must never overflow into a wrong shape or a crash."""
+import numpy as np
 import pytest
 import torch
 
+import torch_lowbit
 from conftest import backends_for
 from reference import assert_dequantized_close, assert_matmul_close, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm
+from torch_lowbit.nn.experts import Fp8Experts
 
 BIG = [2 ** 31 - 1, 2 ** 31, 2 ** 32 + 1, 2 ** 62, 2 ** 63 - 1]
 NOT_POSITIVE = [0, -1, -2 ** 31, -2 ** 63]
@@ -128,6 +131,27 @@ def test_block_size_past_int64_is_refused_by_the_binding():
         with pytest.raises(RuntimeError, match="block_size"):
             torch.ops.lowbit.fp8_mm(torch.randn(2, 70), torch.zeros(37, 70, dtype=torch.uint8), torch.ones(1, 1),
                                     None, bad)
+
+
+@pytest.mark.parametrize("bs", [(2.5, 4), (2, 4.25), ("2", 4), (torch.tensor(2.5), 4)])
+def test_python_wrappers_refuse_non_integral_block_sizes(bs):
+    # int(2.5) used to truncate to a block of 2 silently
+    w = torch.zeros(4, 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"fp8_mm: block_size must be integers \[block_n, block_k\]"):
+        torch_lowbit.fp8_mm(torch.randn(1, 8), w, torch.ones(2, 2), block_size=bs)
+    with pytest.raises(ValueError, match=r"fp8_dequantize: block_size must be integers"):
+        torch_lowbit.fp8_dequantize(w, torch.ones(2, 2), block_size=bs)
+    with pytest.raises(ValueError, match=r"fp8_grouped_mm: block_size must be integers"):
+        torch_lowbit.fp8_grouped_mm(torch.randn(1, 8), w[None], torch.ones(1, 2, 2), torch.tensor([0, 1]).int(),
+                                    block_size=bs)
+    with pytest.raises(ValueError, match=r"Fp8Experts: block_size must be two positive ints"):
+        Fp8Experts(2, 8, 4, granularity="block", block_size=bs)
+
+
+def test_python_wrappers_pass_integer_like_block_sizes():
+    w = torch.zeros(4, 8, dtype=torch.uint8)
+    for bs in [(np.int64(2), 4), (torch.tensor(2), 4), [2, 4], (2.0, 4)]:
+        assert torch_lowbit.fp8_mm(torch.randn(1, 8), w, torch.ones(2, 2), block_size=bs).shape == (1, 4)
 
 
 # ---------------------------------------------------------------------------------------------- grouped values

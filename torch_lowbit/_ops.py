@@ -13,8 +13,19 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NAMESPACES = ("lowbit", "lowbit_emu")
 
 
-def _blocks(block_size):
-    return None if block_size is None else [int(b) for b in block_size]
+def _blocks(op, block_size):
+    """block_size as ints for the op (which checks the count and the signs); a non-integral entry such as 128.5
+    is an error here rather than truncated (the rule of quantize.normalize_block_size)."""
+    if block_size is None:
+        return None
+    try:
+        ints = [b if isinstance(b, torch.SymInt) else int(b) for b in block_size]
+        ok = not any(isinstance(b, str) for b in block_size) and all(i == b for i, b in zip(ints, block_size))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{op}: block_size must be integers [block_n, block_k], got {block_size!r}")
+    return ints
 
 
 def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -26,13 +37,13 @@ def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Opt
     or ``[ceil(N/bn), ceil(K/bk)]`` with ``block_size=(bn, bk)`` (partial edge blocks allowed).
     Returns ``[..., N]`` in x's dtype, accumulated in fp32 and rounded once.
     """
-    return torch.ops.lowbit.fp8_mm(x, weight, scale, bias, _blocks(block_size))
+    return torch.ops.lowbit.fp8_mm(x, weight, scale, bias, _blocks("fp8_mm", block_size))
 
 
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block_size: Optional[Sequence[int]] = None,
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The dense ``[N, K]`` weight ``fp8(weight) * scale`` in ``dtype`` (same scale layouts as :func:`fp8_mm`)."""
-    return torch.ops.lowbit.fp8_dequantize(weight, scale, _blocks(block_size), dtype)
+    return torch.ops.lowbit.fp8_dequantize(weight, scale, _blocks("fp8_dequantize", block_size), dtype)
 
 
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
@@ -44,7 +55,8 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
     group whose expert id is -1, and rows in no group, are zero. scale: ``[E]``, ``[E, N]`` or
     ``[E, ceil(N/bn), ceil(K/bk)]`` with ``block_size``. Returns ``[T, N]`` in x's dtype.
     """
-    return torch.ops.lowbit.fp8_grouped_mm(x, weight, scale, offsets, expert_ids, _blocks(block_size))
+    return torch.ops.lowbit.fp8_grouped_mm(x, weight, scale, offsets, expert_ids,
+                                           _blocks("fp8_grouped_mm", block_size))
 
 
 def int8_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from .._ops import fp8_grouped_mm
 from .._storage import as_fp8_dtype, fp8_storage_dtype, to_fp8_storage
-from ..quantize import quantize_fp8
+from ..quantize import normalize_block_size, quantize_fp8
 
 GRANULARITIES = ("tensor", "channel", "block")
 
@@ -89,7 +89,7 @@ class Fp8Experts(nn.Module):
             block_size = (128, 128)
         E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
-        self.block_size = None if block_size is None else tuple(int(b) for b in block_size)
+        self.block_size = None if block_size is None else normalize_block_size(block_size, "Fp8Experts: block_size")
         self.dtype = dtype  # dtype of the dense model this layer stands in for (activations keep their own)
         wdtype = fp8_storage_dtype(device)
         self.register_buffer("gate_up", torch.zeros(E, 2 * I, H, dtype=torch.uint8, device=device).view(wdtype))
@@ -115,7 +115,7 @@ class Fp8Experts(nn.Module):
         if tuple(down.shape) != (E, H, I):
             raise ValueError(f"Fp8Experts: down must be [E, H, I] = {[E, H, I]} to match gate_up {list(gate_up.shape)}, "
                              f"got {list(down.shape)}")
-        bs = None if block_size is None else tuple(int(b) for b in block_size)
+        bs = None if block_size is None else normalize_block_size(block_size, "Fp8Experts: block_size")
         gus = _normalize_scale("gate_up_scale", gate_up_scale, E, 2 * I, H, bs)
         ds = _normalize_scale("down_scale", down_scale, E, H, I, bs)
         m = cls(E, H, I, granularity=_granularity_of(gus), block_size=bs, device="meta", dtype=dtype)
