@@ -91,7 +91,8 @@ def ref_int8_quantize(x):
     xf = x.float().numpy()
     finite = np.isfinite(xf).all(axis=-1)
     with np.errstate(invalid="ignore", over="ignore"):
-        amax = np.abs(np.where(np.isfinite(xf), xf, 0)).max(axis=-1) if xf.shape[-1] else np.zeros(xf.shape[:-1], np.float32)
+        finite_abs = np.abs(np.where(np.isfinite(xf), xf, np.float32(0)))
+        amax = finite_abs.max(axis=-1) if xf.shape[-1] else np.zeros(xf.shape[:-1], np.float32)
         scale = np.where(finite, (amax / np.float32(127)).astype(np.float32), np.float32(np.nan)).astype(np.float32)
         quantized = finite & (scale > 0)
         safe = np.where(quantized, scale, np.float32(1))[..., None]

@@ -115,10 +115,12 @@ def _fake_fp8_mm(x, weight, scale, bias=None, block_size=None):
     _check_float(op, "x", x)
     _check(x.dim() >= 1, f"{op}: x must have at least one dimension [..., K]")
     _check_fp8_weight(op, weight, scale, 2)
-    torch._check(x.shape[-1] == weight.shape[1], lambda: f"{op}: x's last dimension must equal weight's K")
+    torch._check(x.shape[-1] == weight.shape[1], lambda: f"{op}: x's last dimension ({x.shape[-1]}) must equal "
+                 f"weight's K ({weight.shape[1]}); weight is [N, K] = {list(weight.shape)}")
     if bias is not None:
         _check(bias.dim() == 1, f"{op}: bias must be [N], got shape {tuple(bias.shape)}")
-        torch._check(bias.shape[0] == weight.shape[0], lambda: f"{op}: bias must be [N]")
+        torch._check(bias.shape[0] == weight.shape[0],
+                     lambda: f"{op}: bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -136,7 +138,8 @@ def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=
     _check_float(op, "x", x)
     _check(x.dim() == 2, f"{op}: x must be [T, K], got shape {tuple(x.shape)}")
     _check_fp8_weight(op, weight, scale, 3)
-    torch._check(x.shape[1] == weight.shape[2], lambda: f"{op}: x's last dimension must equal weight's K")
+    torch._check(x.shape[1] == weight.shape[2], lambda: f"{op}: x's last dimension ({x.shape[1]}) must equal "
+                 f"weight's K ({weight.shape[2]}); weight is [E, N, K] = {list(weight.shape)}")
     _check(offsets.dtype == torch.int32, f"{op}: offsets must be int32, got {offsets.dtype}")
     _check(offsets.dim() == 1, f"{op}: offsets must be [G + 1] with G >= 0, got shape {tuple(offsets.shape)}")
     if expert_ids is not None:
@@ -160,7 +163,8 @@ def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
     _check(wq.dim() == 2, f"{op}: wq must be [N, K], got shape {tuple(wq.shape)}")
     _check(out_dtype is None or out_dtype in _FLOAT_DTYPES,
            f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    torch._check(xq.shape[-1] == wq.shape[1], lambda: f"{op}: xq's last dimension must equal wq's K")
+    torch._check(xq.shape[-1] == wq.shape[1], lambda: f"{op}: xq's last dimension ({xq.shape[-1]}) must equal "
+                 f"wq's K ({wq.shape[1]}); wq is [N, K] = {list(wq.shape)}")
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype or torch.bfloat16)
 
 

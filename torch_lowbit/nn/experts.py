@@ -147,7 +147,8 @@ class Fp8Experts(nn.Module):
         """Shape and dtype checks (static under torch.compile), so that a wrong argument is named, not a reshape."""
         H = self.hidden_size
         if hidden.dim() < 1 or hidden.shape[-1] != H:
-            raise ValueError(f"Fp8Experts: hidden must be [..., hidden_size] = [..., {H}], got shape {tuple(hidden.shape)}")
+            raise ValueError(f"Fp8Experts: hidden must be [..., hidden_size] = [..., {H}], got shape "
+                             f"{tuple(hidden.shape)}")
         if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
             raise ValueError(f"Fp8Experts: topk_ids must be an integer tensor, got {topk_ids.dtype}")
         lead = tuple(hidden.shape[:-1])
