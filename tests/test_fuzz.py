@@ -41,7 +41,7 @@ WORKER_TIMEOUT_S = int(os.environ.get("TORCH_LOWBIT_FUZZ_TIMEOUT", "900"))
 ACC_RTOL = 1e-5  # fp32 accumulation over K <= 300, as in test_fp8_mm.py
 INT8_ACC_RTOL = 4 * 2.0 ** -24  # the int8_mm epilogue: three fp32 roundings (test_cpu_kernels.py)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-BIG = (2 ** 31 - 1, 2 ** 31, 2 ** 32 + 1, 2 ** 63 - 1)  # legal block sizes past every dimension
+BIG = (2 ** 63 - 1, 2 ** 31, 2 ** 31 - 1, 2 ** 32 + 1)  # legal block sizes past every dimension
 
 
 def _backends():
@@ -212,7 +212,8 @@ SIZES_K = (0, 1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 64, 100, 129, 257)
 
 
 def block_entry(draw, dim):
-    return draw(st.sampled_from((1, 2, 3, 7, 16, 32, 128) + BIG + (max(dim, 1),)))
+    """Small blocks, the whole dimension, or one past every dimension (a third each)."""
+    return draw(st.one_of(st.sampled_from((1, 2, 3, 7, 16, 32, 128)), st.just(max(dim, 1)), st.sampled_from(BIG)))
 
 
 def denormal_atol(x, w, scale):
@@ -262,7 +263,9 @@ def fp8_scale_mutation(draw, lead, N, K, scale, block_size):
         bad_shape = draw(st.sampled_from(((*lead, N + 2), (*lead, N, 2), (*lead, 0, 3), (*lead, N + 2, 1, 1))))
         if block_size is not None:
             nb, kb = -(-N // block_size[0]), -(-K // block_size[1])
-            bad_shape = draw(st.sampled_from(((*lead, nb + 1, kb), (*lead, nb, kb + 1))))
+            # [0, kb] is the issue's case: an overflowing ceil_div once made it the expected shape
+            bad_shape = draw(st.sampled_from(((*lead, nb + 1, kb), (*lead, nb, kb + 1))
+                                             + (((*lead, 0, kb),) if nb else ())))
         return torch.ones(bad_shape), block_size, ("scale",)
     if kind == "scale_dtype":
         return scale.to(draw(st.sampled_from((torch.float64, torch.int32, torch.uint8)))), block_size, ("scale",)

@@ -178,7 +178,8 @@ LOWBIT_TARGET_AVX2 float quantize_row(const float* x, int64_t K, int8_t* q) {
     m3 = _mm256_max_epu32(abs_bits8(x + k + 24), m3);
   }
   alignas(32) uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_max_epu32(_mm256_max_epu32(m0, m1), _mm256_max_epu32(m2, m3)));
+  const __m256i m = _mm256_max_epu32(_mm256_max_epu32(m0, m1), _mm256_max_epu32(m2, m3));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
   uint32_t amax = 0;
   for (uint32_t v : lanes) amax = std::max(amax, v);
   const float scale = row_scale(absmax_bits(x + full, K - full, amax));
