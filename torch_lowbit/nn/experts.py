@@ -151,9 +151,9 @@ class Fp8Experts(nn.Module):
                              f"{tuple(hidden.shape)}")
         if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
             raise ValueError(f"Fp8Experts: topk_ids must be an integer tensor, got {topk_ids.dtype}")
-        lead = tuple(hidden.shape[:-1])
-        if topk_ids.dim() < 1 or tuple(topk_ids.shape[:-1]) not in (lead, (math.prod(lead),)):
-            raise ValueError(f"Fp8Experts: topk_ids must be [T, k] with T = {math.prod(lead)} tokens (hidden is "
+        T = math.prod(hidden.shape[:-1])
+        if topk_ids.dim() < 1 or math.prod(topk_ids.shape[:-1]) != T:
+            raise ValueError(f"Fp8Experts: topk_ids must be [T, k] with T = {T} tokens (hidden is "
                              f"{tuple(hidden.shape)}), got shape {tuple(topk_ids.shape)}")
         if tuple(topk_weights.shape) != tuple(topk_ids.shape):
             raise ValueError(f"Fp8Experts: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
