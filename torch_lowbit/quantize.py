@@ -6,7 +6,6 @@ whatever the weight's dtype (a bf16 ``amax / 448`` would lose 8 bits of the scal
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -102,7 +101,9 @@ def quantize_fp8(w: torch.Tensor, granularity: str = "tensor", block_size=(128, 
         q = w32 / _safe(scale)[:, None]
     else:
         bn, bk = normalize_block_size(block_size)
-        nb, kb = math.ceil(N / bn), math.ceil(K / bk)
+        # a block longer than its dimension is one partial block (the ops' rule): pad to the dimension only
+        bn, bk = min(bn, max(N, 1)), min(bk, max(K, 1))
+        nb, kb = -(-N // bn), -(-K // bk)
         # pad to whole blocks with zeros, which change no block's amax, and view as [nb, bn, kb, bk]
         padded = nn.functional.pad(w32, (0, kb * bk - K, 0, nb * bn - N)).view(nb, bn, kb, bk)
         if padded.numel():
