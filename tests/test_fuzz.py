@@ -516,10 +516,18 @@ def _run_worker(op: str, examples: int, timeout: int):
     return r
 
 
+def _last_case(stdout):
+    text = stdout.decode() if isinstance(stdout, bytes) else stdout or ""
+    return [line for line in text.splitlines() if line[:1].isdigit()][-1:]
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_fuzz(op):
-    r = _run_worker(op, EXAMPLES, WORKER_TIMEOUT_S)
-    last = [line for line in r.stdout.splitlines() if line[:1].isdigit()][-1:]
+    try:
+        r = _run_worker(op, EXAMPLES, WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:  # a hang is reported with its case, like a crash
+        pytest.fail(f"the worker ran past {WORKER_TIMEOUT_S} s; last case: {_last_case(e.stdout)}")
+    last = _last_case(r.stdout)
     if r.returncode < 0:
         pytest.fail(f"the worker died of signal {signal.Signals(-r.returncode).name} on case: {last}\n"
                     f"{r.stderr[-3000:]}")
