@@ -10,7 +10,6 @@ op (``python tests/test_fuzz.py OP``): the worker writes each case before runnin
 the case the worker died on. The example budget and the seed are fixed; ``TORCH_LOWBIT_FUZZ_EXAMPLES=N``
 (per op) and ``TORCH_LOWBIT_FUZZ_SEED=S`` run a longer or different campaign.
 """
-import contextlib
 import dataclasses
 import math
 import os
