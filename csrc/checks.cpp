@@ -2,6 +2,8 @@
 
 #include <c10/util/irange.h>
 
+#include <algorithm>
+
 namespace lowbit {
 namespace {
 
@@ -65,7 +67,10 @@ Fp8Weight check_fp8_weight(const char* op, const at::Tensor& weight, const at::T
     const auto bs = *block_size;
     TORCH_CHECK(bs.size() == 2, op, ": block_size must be [block_n, block_k], got ", bs);
     TORCH_CHECK(bs[0] > 0 && bs[1] > 0, op, ": block_size entries must be positive, got ", bs);
-    ScaleLayout l{ScaleKind::Block, bs[0], bs[1], ceil_div(N, bs[0]), ceil_div(K, bs[1])};
+    // A block longer than its dimension is one (partial) block: the same layout as a block of the whole
+    // dimension, which keeps every later product of block sizes within the tensor's own sizes.
+    const int64_t bn = std::min(bs[0], std::max<int64_t>(N, 1)), bk = std::min(bs[1], std::max<int64_t>(K, 1));
+    ScaleLayout l{ScaleKind::Block, bn, bk, ceil_div(N, bn), ceil_div(K, bk)};
     const auto want = shape({l.nb, l.kb});
     TORCH_CHECK(same(want), op, ": with block_size ", bs, " scale must have shape ", at::IntArrayRef(want),
                 " (ceil(N/block_n), ceil(K/block_k)), got ", s.sizes());

@@ -86,7 +86,7 @@ constexpr int64_t kInt8MaxK = ((int64_t(1) << 31) - 1) / (int64_t(1) << 14);
 // A checked bias widened to fp32 for kernels that take it so (the CPU's); undefined when there is none.
 at::Tensor bias_as_float(const std::optional<at::Tensor>& bias);
 
-// ceil(a / b) for b > 0
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) for a >= 0, b > 0; never overflows (a + b - 1 would for a block size near 2^63)
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 }  // namespace lowbit

@@ -14,10 +14,9 @@ _THREADS = torch.get_num_threads()
 from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
     ref_int8_mm, ref_int8_quantize
 from torch_lowbit import _C
-from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa
+from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa, supported_cpu_isas
 
-LEVELS = ["portable", "avx2", "avxvnni", "avx512"]
-ISAS = LEVELS[:LEVELS.index(cpu_isa()) + 1]  # the levels this CPU supports, portable first
+ISAS = supported_cpu_isas()  # the levels this CPU supports, portable first
 ops = torch.ops.lowbit
 
 
@@ -372,17 +371,23 @@ def test_int8_quantize_rows_exact(isa, K, dtype):
     assert torch.equal(s, s_ref) and torch.equal(q, q_ref)
 
 
-def test_int8_quantize_same_bits_on_every_path(isa):
-    # including what design.md leaves open (inf and NaN in x): every level gives the portable loop's bits
-    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(5))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_quantize_non_finite_rows_on_every_path(isa, dtype):
+    # NaN / +-inf inside a 32-value vector step, in the lanes of its reduction, and in the scalar tail (K = 100:
+    # 96 vectorized, 4 tail): scale is the quiet NaN and codes 0 at every level, finite rows exact
+    x = torch.randn(8, 100, generator=torch.Generator().manual_seed(5))
     x[0, 3] = float("inf")
     x[1, 8] = 100.0  # the row's maximum, then a NaN in the same vector lane
     x[1, 40] = float("nan")
-    x[2, 99] = float("nan")
+    x[2, 99] = float("nan")  # tail
+    x[3, 96] = -float("inf")  # first tail element
+    x[4, 95] = float("nan")  # last vectorized element
+    x[5, 31], x[5, 32] = float("nan"), float("inf")
+    x = x.to(dtype)
     q, s = ops.int8_quantize(x)
-    with forced_cpu_isa("portable"):
-        q0, s0 = ops.int8_quantize(x)
-    assert torch.equal(q, q0) and torch.equal(s.isnan(), s0.isnan()) and torch.equal(s[~s.isnan()], s0[~s0.isnan()])
+    q_ref, s_ref, _ = ref_int8_quantize(x)
+    assert (s[:6].view(torch.int32) == 0x7FC00000).all() and (q[:6] == 0).all()
+    assert torch.equal(q, q_ref) and torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
 
 
 def test_int8_quantize_large_rows(isa):

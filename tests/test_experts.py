@@ -174,6 +174,26 @@ def test_bad_input_names_the_argument():
         Fp8Experts(2, 8, 8, granularity="row")
 
 
+@pytest.mark.parametrize("hidden,ids,weights,match", [
+    ((2, 12), (2, 2), (2, 2), r"hidden must be \[\.\.\., hidden_size\] = \[\.\.\., 16\], got shape \(2, 12\)"),
+    ((2, 32), (2, 2), (2, 2), r"hidden_size\] = \[\.\.\., 16\], got shape \(2, 32\)"),
+    ((3, 16), (2, 2), (2, 2), r"topk_ids must be \[T, k\] with T = 3 tokens"),
+    ((2, 16), (2, 2), (2, 3), r"topk_weights must have topk_ids' shape \(2, 2\), got \(2, 3\)"),
+])
+def test_forward_bad_shapes_name_the_argument(hidden, ids, weights, match):
+    layer, _, _ = _layer(4, 16, 8, "channel")
+    with pytest.raises(ValueError, match=match):
+        layer(torch.randn(hidden), torch.zeros(ids, dtype=torch.int64), torch.ones(weights))
+
+
+def test_forward_bad_dtypes_name_the_argument():
+    layer, _, _ = _layer(4, 16, 8, "channel")
+    with pytest.raises(ValueError, match="topk_ids must be an integer tensor, got torch.float32"):
+        layer(torch.randn(2, 16), torch.zeros(2, 2), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="topk_weights must be a floating tensor, got torch.int64"):
+        layer(torch.randn(2, 16), torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int64))
+
+
 # ------------------------------------------------------------------------------------------ through the loader
 needs_layers = pytest.mark.skipif(not hasattr(tlnn, "Fp8Linear"),
                                   reason="torch_lowbit.nn.Fp8Linear / Int8Linear have not landed in this tree yet")

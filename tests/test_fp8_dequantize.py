@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import backends_for
-from reference import expand_scale, fp8_bits_to_f64, random_fp8_bits
+from reference import assert_dequantized_close, fp8_bits_to_f64, random_fp8_bits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -13,13 +13,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def _check(backend, bits, scale, block_size, dtype, as_fp8=False):
     w = bits.view(torch.float8_e4m3fn) if as_fp8 else bits
     out = backend.op("fp8_dequantize")(backend.to(w), backend.to(scale), block_size, dtype)
-    N, K = bits.shape
-    assert out.shape == (N, K) and out.dtype == dtype and out.device == backend.device
-    ref = (fp8_bits_to_f64(bits) * expand_scale(scale, N, K, block_size)).to(dtype)
-    got = out.cpu()
-    assert torch.equal(torch.isnan(got), torch.isnan(ref))
-    # the product is formed in fp32 and rounded once: at most one ulp of dtype from the rounded float64 product
-    torch.testing.assert_close(got, ref, rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
+    assert out.shape == bits.shape and out.dtype == dtype and out.device == backend.device
+    assert_dequantized_close(out, bits, scale, block_size)
 
 
 @pytest.mark.parametrize("backend", backends_for("fp8_dequantize"))

@@ -52,6 +52,49 @@ def test_quantize_zero_rows(backend, dtype):
     assert s[1] == 0 and s[3] == 0 and (q[[1, 3]] == 0).all() and torch.isfinite(s).all()
 
 
+NAN_BITS = 0x7FC00000  # the quiet NaN every backend gives a non-finite row as its scale
+
+
+def non_finite_rows(K, dtype):
+    """Rows 0-5 hold NaN / +-inf at the first, last, middle and (K > 32) past-a-vector positions; rows 6-8 are
+    finite (7 all zero), so a kernel that lets one row's state leak into the next fails too."""
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(K)) * 3
+    x[0, 0] = float("nan")
+    x[1, K - 1] = float("inf")
+    x[2, K // 2] = -float("inf")
+    x[3] = float("nan")
+    x[4, 0], x[4, K - 1] = float("inf"), float("nan")
+    x[5, 0] = 1e30  # a huge finite absmax does not hide the infinity
+    x[5, min(K - 1, 33)] = -float("inf")
+    x[7] = 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("backend", backends_for("int8_quantize"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [1, 7, 32, 33, 100, 257])
+def test_quantize_non_finite_rows_give_nan_scale_and_zero_codes(backend, dtype, K):
+    x = non_finite_rows(K, dtype)
+    q, s = backend.op("int8_quantize")(backend.to(x))
+    q, s = q.cpu(), s.cpu()
+    bad = ~torch.isfinite(x.float()).all(-1)
+    assert bad[:6].all() and not bad[6:].any()
+    assert (s[bad].view(torch.int32) == NAN_BITS).all(), s
+    assert (q[bad] == 0).all()
+    rq, rs, _ = ref_int8_quantize(x)
+    assert torch.equal(q, rq) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", backends_for("int8_mm", emu_rev=False))
+def test_mm_of_a_non_finite_row_is_nan(backend):
+    # int8_quantize's contract carried through: the row's codes are 0 and its scale NaN, so its outputs are NaN
+    x = non_finite_rows(40, torch.float32)
+    xq, xs = backend.op("int8_quantize")(backend.to(x))
+    wq = torch.randint(-127, 128, (5, 40), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    out = run_mm(backend, xq.cpu(), xs.cpu(), wq, torch.rand(5) + 0.1, torch.randn(5), torch.float32).cpu()
+    assert out[:6].isnan().all() and torch.isfinite(out[6:]).all()
+
+
 @pytest.mark.parametrize("backend", backends_for("int8_quantize", emu_rev=False))
 @pytest.mark.parametrize("shape", [(0, 8), (3, 0), (2, 0, 5)])
 def test_quantize_empty(backend, shape):

@@ -1,6 +1,7 @@
 """Fp8Linear / Int8Linear and quantize_: outputs against float64 references of the dequantized weights,
 construction, state_dict names and dtypes, loading, .to(), repr, and which layers quantize_ swaps."""
 import math
+import re
 
 import pytest
 import torch
@@ -256,6 +257,16 @@ def test_int8_linear_matches_reference(backend, dtype, x_shape, bias):
     assert (out.double().cpu() - full).abs().max() <= 0.1 * full.abs().max()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_linear_non_finite_rows_give_nan(dtype):
+    # a float linear layer gives no finite number for a row holding NaN or inf; neither does Int8Linear
+    layer = Int8Linear.from_float(_linear(64, 16, dtype=dtype))
+    x = _x((4, 64), dtype)
+    x[0, 5], x[2, 63], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    out = layer(x)
+    assert out[[0, 2, 3]].isnan().all() and torch.isfinite(out[1]).all()
+
+
 def test_int8_constructor_from_quantized_and_state_dict():
     layer = Int8Linear(300, 70)
     assert layer.weight.dtype == torch.int8 and layer.weight.shape == (70, 300)
@@ -277,6 +288,16 @@ def test_int8_constructor_from_quantized_and_state_dict():
                        "activations=int8 per row (dynamic))")
     with pytest.raises(RuntimeError, match="weight: expected int8, got torch.float32"):
         layer.load_state_dict({**sd, "weight": torch.zeros(70, 300)})
+
+
+@pytest.mark.parametrize("cls", [Fp8Linear, Int8Linear])
+@pytest.mark.parametrize("shape", [(3, 12), (3, 65), (0,), (2, 3, 63)])
+def test_forward_with_the_wrong_in_features_names_x(cls, shape):
+    # Int8Linear's int8_mm used to report "xq's last dimension", a tensor the caller never passed
+    layer = cls.from_float(_linear(64, 16))
+    with pytest.raises(ValueError, match=re.escape(f"{cls.__name__}: x must be [..., in_features] = [..., 64], "
+                                                   f"got shape {tuple(shape)}")):
+        layer(torch.randn(shape, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("args,match", [

@@ -39,7 +39,8 @@ def test_fp8_scales_and_codes_match_reference(dtype, N, K, granularity):
     _check_fp8(_weight(N, K, dtype), granularity, (32, 64))
 
 
-@pytest.mark.parametrize("block_size", [(128, 128), (1, 1), (16, 7), (200, 3)])
+@pytest.mark.parametrize("block_size", [(128, 128), (1, 1), (16, 7), (200, 3), (2 ** 63 - 1, 5), (2, 2 ** 40),
+                                        (2 ** 31, 2 ** 31)])  # blocks past the weight: one partial block, no padding
 def test_fp8_block_shapes_partial_edges(block_size):
     w = _weight(130, 129, torch.bfloat16)
     _, s, _ = _check_fp8(w, "block", block_size)

@@ -13,8 +13,19 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NAMESPACES = ("lowbit", "lowbit_emu")
 
 
-def _blocks(block_size):
-    return None if block_size is None else [int(b) for b in block_size]
+def _blocks(op, block_size):
+    """block_size as ints for the op (which checks the count and the signs); a non-integral entry such as 128.5
+    is an error here rather than truncated (the rule of quantize.normalize_block_size)."""
+    if block_size is None:
+        return None
+    try:
+        ints = [b if isinstance(b, torch.SymInt) else int(b) for b in block_size]
+        ok = not any(isinstance(b, str) for b in block_size) and all(i == b for i, b in zip(ints, block_size))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{op}: block_size must be integers [block_n, block_k], got {block_size!r}")
+    return ints
 
 
 def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -26,13 +37,13 @@ def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Opt
     or ``[ceil(N/bn), ceil(K/bk)]`` with ``block_size=(bn, bk)`` (partial edge blocks allowed).
     Returns ``[..., N]`` in x's dtype, accumulated in fp32 and rounded once.
     """
-    return torch.ops.lowbit.fp8_mm(x, weight, scale, bias, _blocks(block_size))
+    return torch.ops.lowbit.fp8_mm(x, weight, scale, bias, _blocks("fp8_mm", block_size))
 
 
 def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block_size: Optional[Sequence[int]] = None,
                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The dense ``[N, K]`` weight ``fp8(weight) * scale`` in ``dtype`` (same scale layouts as :func:`fp8_mm`)."""
-    return torch.ops.lowbit.fp8_dequantize(weight, scale, _blocks(block_size), dtype)
+    return torch.ops.lowbit.fp8_dequantize(weight, scale, _blocks("fp8_dequantize", block_size), dtype)
 
 
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
@@ -44,7 +55,8 @@ def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, o
     group whose expert id is -1, and rows in no group, are zero. scale: ``[E]``, ``[E, N]`` or
     ``[E, ceil(N/bn), ceil(K/bk)]`` with ``block_size``. Returns ``[T, N]`` in x's dtype.
     """
-    return torch.ops.lowbit.fp8_grouped_mm(x, weight, scale, offsets, expert_ids, _blocks(block_size))
+    return torch.ops.lowbit.fp8_grouped_mm(x, weight, scale, offsets, expert_ids,
+                                           _blocks("fp8_grouped_mm", block_size))
 
 
 def int8_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -103,10 +115,12 @@ def _fake_fp8_mm(x, weight, scale, bias=None, block_size=None):
     _check_float(op, "x", x)
     _check(x.dim() >= 1, f"{op}: x must have at least one dimension [..., K]")
     _check_fp8_weight(op, weight, scale, 2)
-    torch._check(x.shape[-1] == weight.shape[1], lambda: f"{op}: x's last dimension must equal weight's K")
+    torch._check(x.shape[-1] == weight.shape[1], lambda: f"{op}: x's last dimension ({x.shape[-1]}) must equal "
+                 f"weight's K ({weight.shape[1]}); weight is [N, K] = {list(weight.shape)}")
     if bias is not None:
         _check(bias.dim() == 1, f"{op}: bias must be [N], got shape {tuple(bias.shape)}")
-        torch._check(bias.shape[0] == weight.shape[0], lambda: f"{op}: bias must be [N]")
+        torch._check(bias.shape[0] == weight.shape[0],
+                     lambda: f"{op}: bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -124,7 +138,8 @@ def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=
     _check_float(op, "x", x)
     _check(x.dim() == 2, f"{op}: x must be [T, K], got shape {tuple(x.shape)}")
     _check_fp8_weight(op, weight, scale, 3)
-    torch._check(x.shape[1] == weight.shape[2], lambda: f"{op}: x's last dimension must equal weight's K")
+    torch._check(x.shape[1] == weight.shape[2], lambda: f"{op}: x's last dimension ({x.shape[1]}) must equal "
+                 f"weight's K ({weight.shape[2]}); weight is [E, N, K] = {list(weight.shape)}")
     _check(offsets.dtype == torch.int32, f"{op}: offsets must be int32, got {offsets.dtype}")
     _check(offsets.dim() == 1, f"{op}: offsets must be [G + 1] with G >= 0, got shape {tuple(offsets.shape)}")
     if expert_ids is not None:
@@ -148,7 +163,8 @@ def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
     _check(wq.dim() == 2, f"{op}: wq must be [N, K], got shape {tuple(wq.shape)}")
     _check(out_dtype is None or out_dtype in _FLOAT_DTYPES,
            f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    torch._check(xq.shape[-1] == wq.shape[1], lambda: f"{op}: xq's last dimension must equal wq's K")
+    torch._check(xq.shape[-1] == wq.shape[1], lambda: f"{op}: xq's last dimension ({xq.shape[-1]}) must equal "
+                 f"wq's K ({wq.shape[1]}); wq is [N, K] = {list(wq.shape)}")
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype or torch.bfloat16)
 
 

@@ -87,6 +87,8 @@ def quantize_fp8(w: torch.Tensor, granularity: GranularityLike = "tensor", block
         q = w32 / _safe(scale)[:, None]
     else:
         bn, bk = g.block_size
+        # a block longer than its dimension is one partial block (the ops' rule): pad to the dimension only
+        bn, bk = min(bn, max(N, 1)), min(bk, max(K, 1))
         nb, kb = math.ceil(N / bn), math.ceil(K / bk)
         # pad to whole blocks with zeros, which change no block's amax, and view as [nb, bn, kb, bk]
         padded = nn.functional.pad(w32, (0, kb * bk - K, 0, nb * bn - N)).view(nb, bn, kb, bk)

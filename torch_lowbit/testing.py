@@ -14,6 +14,16 @@ def cpu_isa() -> str:
     return _C._cpu_isa()
 
 
+CPU_ISA_LEVELS = ("portable", "avx2", "avxvnni", "avx512")  # each implies the ones before
+
+
+def supported_cpu_isas() -> tuple:
+    """The levels this CPU can run, portable first (whatever cap is in force now)."""
+    with forced_cpu_isa("best"):
+        best = cpu_isa()
+    return CPU_ISA_LEVELS[:CPU_ISA_LEVELS.index(best) + 1]
+
+
 @contextlib.contextmanager
 def forced_cpu_isa(name: str):
     """Cap the CPU kernels at level ``name`` (``"portable"``, ``"avx2"``, ``"avxvnni"``, ``"avx512"``, ``"best"``)

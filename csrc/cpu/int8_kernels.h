@@ -12,6 +12,8 @@
 //   whenever the true sum fits in int32).
 #pragma once
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 #include "cpu/isa.h"
 
@@ -29,12 +31,30 @@ struct Int8Kernels {
   // panel / xs point to int16 (group 2) or uint8 / int8 (group 4) elements.
   void (*gemm_micro)(const void* panel, int64_t ldp, const void* xs, int64_t len, int32_t* tile, bool accumulate);
   // int8_quantize of one row: returns scale = max |x[k]| / 127 and writes q[k] = rint(x[k] / scale) clamped to
-  // +-127 (fp32 division, round half to even; 0 for an all-zero row). The same bits on every path.
+  // +-127 (fp32 division, round half to even; 0 for an all-zero row). A row holding NaN or +-inf gets scale
+  // NaN (kNonFiniteRowScale) and q = 0. The same bits on every path.
   float (*quantize_row)(const float* x, int64_t K, int8_t* q);
 };
 
+// The absmax of a row is found on the bits of |x|: for non-negative floats the unsigned order of the bits is
+// the numeric order, and every NaN lies above +inf, so one integer max gives the absmax and tells whether the
+// row holds a NaN or an infinity (a float max would skip NaNs).
+inline uint32_t abs_bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  return b & 0x7FFFFFFFu;
+}
+constexpr uint32_t kFloatInfBits = 0x7F800000u;
+inline constexpr float kNonFiniteRowScale = std::numeric_limits<float>::quiet_NaN();  // bits 0x7FC00000, as on Metal
+
+// max(amax_bits, abs_bits(x[k]) for k < K)
+uint32_t absmax_bits(const float* x, int64_t K, uint32_t amax_bits);
+// The scale of a row whose absmax has bits amax_bits: absmax / 127, or kNonFiniteRowScale.
+float row_scale(uint32_t amax_bits);
+
 // The portable quantize_row, also the tail of the vectorized ones.
 float quantize_row_portable(const float* x, int64_t K, int8_t* q);
+// q = 0 unless scale > 0 (so a NaN scale gives 0)
 void quantize_with_scale(const float* x, int64_t K, float scale, int8_t* q);
 
 const Int8Kernels& int8_kernels_portable();

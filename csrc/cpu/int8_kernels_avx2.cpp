@@ -168,30 +168,33 @@ LOWBIT_TARGET_AVXVNNI void gemm_micro_vnni(const void* panel_, int64_t ldp, cons
 #undef LOWBIT_STORE
 }
 
-// int8_quantize of a row (int8_kernels.h): the portable loop's results bit for bit -- max is exact, vdivps is the
-// correctly rounded fp32 division and vroundps rounds half to even. NaN x is skipped by the absmax, as there,
-// and vmaxps(r, -127) gives -127 for a NaN ratio, like std::max(-127.f, r) there. Tails run the portable loop.
+// int8_quantize of a row (int8_kernels.h): the portable loop's results bit for bit -- the absmax is an unsigned
+// max of |x|'s bits (NaN and inf found as there), vdivps is the correctly rounded fp32 division and vroundps
+// rounds half to even. Tails run the portable loop.
 LOWBIT_TARGET_AVX2 inline __m256i quantize8(const float* x, __m256 scale) {
   const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x), scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f)));
 }
 
+LOWBIT_TARGET_AVX2 inline __m256i abs_bits8(const float* x) {
+  return _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), _mm256_set1_epi32(0x7FFFFFFF));
+}
+
 LOWBIT_TARGET_AVX2 float quantize_row(const float* x, int64_t K, int8_t* q) {
   const int64_t full = K / 32 * 32;
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;
-  for (int64_t k = 0; k < full; k += 32) {  // vmaxps returns its second operand, the running max, for NaN x
-    m0 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)), m0);
-    m1 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k + 8)), m1);
-    m2 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k + 16)), m2);
-    m3 = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k + 24)), m3);
+  __m256i m0 = _mm256_setzero_si256(), m1 = m0, m2 = m0, m3 = m0;
+  for (int64_t k = 0; k < full; k += 32) {
+    m0 = _mm256_max_epu32(abs_bits8(x + k), m0);
+    m1 = _mm256_max_epu32(abs_bits8(x + k + 8), m1);
+    m2 = _mm256_max_epu32(abs_bits8(x + k + 16), m2);
+    m3 = _mm256_max_epu32(abs_bits8(x + k + 24), m3);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
-  float amax = 0.f;
-  for (float v : lanes) amax = std::max(amax, v);
-  for (int64_t k = full; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
-  const float scale = amax / 127.f;
+  alignas(32) uint32_t lanes[8];
+  const __m256i m = _mm256_max_epu32(_mm256_max_epu32(m0, m1), _mm256_max_epu32(m2, m3));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
+  uint32_t amax = 0;
+  for (uint32_t v : lanes) amax = std::max(amax, v);
+  const float scale = row_scale(absmax_bits(x + full, K - full, amax));
   if (!(scale > 0.f)) {
     std::memset(q, 0, size_t(K));
     return scale;

@@ -49,10 +49,20 @@ void quantize_with_scale(const float* x, int64_t K, float scale, int8_t* q) {
   }
 }
 
+uint32_t absmax_bits(const float* x, int64_t K, uint32_t amax_bits) {
+  for (int64_t k = 0; k < K; k++) amax_bits = std::max(amax_bits, abs_bits(x[k]));
+  return amax_bits;
+}
+
+float row_scale(uint32_t amax_bits) {
+  if (amax_bits >= kFloatInfBits) return kNonFiniteRowScale;
+  float amax;
+  std::memcpy(&amax, &amax_bits, sizeof(amax));
+  return amax / 127.f;
+}
+
 float quantize_row_portable(const float* x, int64_t K, int8_t* q) {
-  float amax = 0.f;
-  for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(x[k]));
-  const float scale = amax / 127.f;
+  const float scale = row_scale(absmax_bits(x, K, 0));
   quantize_with_scale(x, K, scale, q);
   return scale;
 }

@@ -21,6 +21,13 @@ class QuantizedLinear(FormatBuffers):
     in_features: int
     out_features: int
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        """The layer's own check of x, so that the error names the layer's argument rather than an op's internal
+        one (Int8Linear's int8_mm sees xq); static under torch.compile."""
+        if x.dim() >= 1 and x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: x must be [..., in_features] = [..., {self.in_features}], got "
+                             f"shape {tuple(x.shape)}")
+
     def _adopt_optional_buffer(self, name, state_dict, prefix):
         """Give a buffer that is None here the checkpoint's tensor (e.g. an input_scale), so it loads."""
         key = prefix + name

@@ -115,8 +115,27 @@ class Fp8Experts(FormatBuffers):
         return cls.from_quantized(q_gu, s_gu, q_d, s_d, block_size=g.block_size, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ forward
+    def _check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Shape and dtype checks (static under torch.compile), so that a wrong argument is named, not a reshape."""
+        H = self.hidden_size
+        if hidden.dim() < 1 or hidden.shape[-1] != H:
+            raise ValueError(f"Fp8Experts: hidden must be [..., hidden_size] = [..., {H}], got shape "
+                             f"{tuple(hidden.shape)}")
+        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+            raise ValueError(f"Fp8Experts: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+        T = math.prod(hidden.shape[:-1])
+        if topk_ids.dim() < 1 or math.prod(topk_ids.shape[:-1]) != T:
+            raise ValueError(f"Fp8Experts: topk_ids must be [T, k] with T = {T} tokens (hidden is "
+                             f"{tuple(hidden.shape)}), got shape {tuple(topk_ids.shape)}")
+        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"Fp8Experts: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
+                             f"{tuple(topk_weights.shape)}")
+        if not topk_weights.is_floating_point():
+            raise ValueError(f"Fp8Experts: topk_weights must be a floating tensor, got {topk_weights.dtype}")
+
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        self._check_inputs(hidden, topk_ids, topk_weights)
         out_shape = hidden.shape
         x = hidden.reshape(-1, H)
         T = x.shape[0]

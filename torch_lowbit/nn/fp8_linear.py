@@ -44,6 +44,7 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("input_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         return _ops.fp8_mm(x, self.weight, self.weight_scale, self.bias, self.block_size)
 
     @classmethod

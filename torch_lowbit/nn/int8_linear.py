@@ -29,6 +29,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         xq, xs = _ops.int8_quantize(x)
         return _ops.int8_mm(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
 
