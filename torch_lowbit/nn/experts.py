@@ -7,6 +7,7 @@ first, then the up rows.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
