@@ -25,9 +25,14 @@ def _transposed(ns: str, name: str):
     return getattr(getattr(torch.ops, ns), name)
 
 
+def _needs(ctx, i):
+    # trailing optional inputs that were not given (None) have no entry
+    return i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i]
+
+
 def _refuse_frozen(op, ctx, frozen):
     for i, name in frozen:
-        if ctx.needs_input_grad[i]:
+        if _needs(ctx, i):
             raise RuntimeError(
                 f"{op}: {name} requires grad, but low-bit weights and their scales are frozen data and have no "
                 f"gradient here; call {name}.requires_grad_(False) and train the activations' side (biases, "
@@ -61,26 +66,26 @@ def _backward_fns(ns):
     def fp8_mm_backward(ctx, grad):
         _refuse_frozen("fp8_mm", ctx, ((1, "weight"), (2, "scale")))
         weight, scale = ctx.saved_tensors
-        gx = _transposed(ns, "fp8_mm_t")(grad, weight, scale, ctx.block_size) if ctx.needs_input_grad[0] else None
-        gb = _bias_grad(grad, ctx.bias_dtype, weight.shape[0]) if ctx.needs_input_grad[3] else None
+        gx = _transposed(ns, "fp8_mm_t")(grad, weight, scale, ctx.block_size) if _needs(ctx, 0) else None
+        gb = _bias_grad(grad, ctx.bias_dtype, weight.shape[0]) if _needs(ctx, 3) else None
         return gx, None, None, gb, None
 
     def fp8_grouped_mm_backward(ctx, grad):
         _refuse_frozen("fp8_grouped_mm", ctx, ((1, "weight"), (2, "scale")))
         weight, scale, offsets, expert_ids = ctx.saved_tensors
         gx = None
-        if ctx.needs_input_grad[0]:
+        if _needs(ctx, 0):
             gx = _transposed(ns, "fp8_grouped_mm_t")(grad, weight, scale, offsets, expert_ids, ctx.block_size)
         return gx, None, None, None, None, None
 
     def int8_mm_backward(ctx, grad):
         _refuse_frozen("int8_mm", ctx, ((3, "w_scale"),))
-        if ctx.needs_input_grad[1]:
+        if _needs(ctx, 1):
             raise RuntimeError(
                 "int8_mm: x_scale requires grad, but int8_mm multiplies quantized activations and has no gradient "
                 "w.r.t. them; train through torch_lowbit.int8_linear (what Int8Linear runs), whose backward passes "
                 "the gradient straight through the activation quantization")
-        gb = _bias_grad(grad, ctx.bias_dtype, ctx.N) if ctx.needs_input_grad[4] else None
+        gb = _bias_grad(grad, ctx.bias_dtype, ctx.N) if _needs(ctx, 4) else None
         return None, None, None, None, gb, None
 
     def int8_quantize_backward(ctx, grad_q, grad_scale):
@@ -120,8 +125,8 @@ class _Int8Linear(torch.autograd.Function):
     def backward(ctx, grad):
         _refuse_frozen("int8_linear", ctx, ((2, "w_scale"),))
         wq, w_scale = ctx.saved_tensors
-        gx = _transposed(ctx.ns, "int8_weight_mm_t")(grad, wq, w_scale) if ctx.needs_input_grad[0] else None
-        gb = _bias_grad(grad, ctx.bias_dtype, wq.shape[0]) if ctx.needs_input_grad[3] else None
+        gx = _transposed(ctx.ns, "int8_weight_mm_t")(grad, wq, w_scale) if _needs(ctx, 0) else None
+        gb = _bias_grad(grad, ctx.bias_dtype, wq.shape[0]) if _needs(ctx, 3) else None
         return gx, None, None, gb, None
 
 
