@@ -151,18 +151,24 @@ def _fake_fp8_dequantize(weight, scale, block_size=None, dtype=torch.bfloat16):
     return weight.new_empty(tuple(weight.shape), dtype=dtype)
 
 
-def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=None):
-    op = "fp8_grouped_mm"
-    _same_device(op, "x", x, weight=weight, scale=scale, offsets=offsets, expert_ids=expert_ids)
-    _check_float(op, "x", x)
-    _check(x.dim() == 2, f"{op}: x must be [T, K], got shape {tuple(x.shape)}")
+def _fake_grouped(op, xname, transposed, x, weight, scale, offsets, expert_ids):
+    """fp8_grouped_mm (x [T, K] -> [T, N]) and its transposed product (grad_out [T, N] -> [T, K])."""
+    _same_device(op, xname, x, weight=weight, scale=scale, offsets=offsets, expert_ids=expert_ids)
+    _check_float(op, xname, x)
+    _check(x.dim() == 2, f"{op}: {xname} must be {'[T, N]' if transposed else '[T, K]'}, got shape {tuple(x.shape)}")
     _check_fp8_weight(op, weight, scale, 3)
-    torch._check(x.shape[1] == weight.shape[2], lambda: f"{op}: x's last dimension must equal weight's K")
+    inner, outer = (1, 2) if transposed else (2, 1)
+    torch._check(x.shape[1] == weight.shape[inner],
+                 lambda: f"{op}: {xname}'s last dimension must equal weight's {'N' if transposed else 'K'}")
     _check(offsets.dtype == torch.int32, f"{op}: offsets must be int32, got {offsets.dtype}")
     _check(offsets.dim() == 1, f"{op}: offsets must be [G + 1] with G >= 0, got shape {tuple(offsets.shape)}")
     if expert_ids is not None:
         _check(expert_ids.dtype == torch.int32, f"{op}: expert_ids must be int32, got {expert_ids.dtype}")
-    return x.new_empty((x.shape[0], weight.shape[1]))
+    return x.new_empty((x.shape[0], weight.shape[outer]))
+
+
+def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=None):
+    return _fake_grouped("fp8_grouped_mm", "x", False, x, weight, scale, offsets, expert_ids)
 
 
 def _fake_fp8_mm_t(grad_out, weight, scale, block_size=None):
@@ -176,17 +182,7 @@ def _fake_fp8_mm_t(grad_out, weight, scale, block_size=None):
 
 
 def _fake_fp8_grouped_mm_t(grad_out, weight, scale, offsets, expert_ids=None, block_size=None):
-    op = "fp8_grouped_mm_t"
-    _same_device(op, "grad_out", grad_out, weight=weight, scale=scale, offsets=offsets, expert_ids=expert_ids)
-    _check_float(op, "grad_out", grad_out)
-    _check(grad_out.dim() == 2, f"{op}: grad_out must be [T, N], got shape {tuple(grad_out.shape)}")
-    _check_fp8_weight(op, weight, scale, 3)
-    torch._check(grad_out.shape[1] == weight.shape[1], lambda: f"{op}: grad_out's last dimension must equal weight's N")
-    _check(offsets.dtype == torch.int32, f"{op}: offsets must be int32, got {offsets.dtype}")
-    _check(offsets.dim() == 1, f"{op}: offsets must be [G + 1] with G >= 0, got shape {tuple(offsets.shape)}")
-    if expert_ids is not None:
-        _check(expert_ids.dtype == torch.int32, f"{op}: expert_ids must be int32, got {expert_ids.dtype}")
-    return grad_out.new_empty((grad_out.shape[0], weight.shape[2]))
+    return _fake_grouped("fp8_grouped_mm_t", "grad_out", True, grad_out, weight, scale, offsets, expert_ids)
 
 
 def _fake_int8_weight_mm_t(grad_out, wq, w_scale):
