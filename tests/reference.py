@@ -66,23 +66,26 @@ def ref_fp8_mm(x, bits, scale, bias=None, block_size=None):
     return ref, absref
 
 
-def ref_fp8_grouped_mm(x, bits, scale, offsets, expert_ids=None, block_size=None):
-    T, _ = x.shape
-    E, N, K = bits.shape
+def _grouped(x, offsets, expert_ids, width, product):
+    """(ref, absref) [T, width] of each group's rows through product(rows, expert); rows of expert -1 and rows in
+    no group are zero."""
+    T = x.shape[0]
     G = offsets.numel() - 1
     ids = list(range(G)) if expert_ids is None else expert_ids.tolist()
-    ref = torch.zeros(T, N, dtype=torch.float64)
-    absref = torch.zeros(T, N, dtype=torch.float64)
+    ref = torch.zeros(T, width, dtype=torch.float64)
+    absref = torch.zeros(T, width, dtype=torch.float64)
     off = offsets.tolist()
     for g in range(G):
         e = ids[g]
         if e < 0 or off[g + 1] == off[g]:
             continue
-        s = scale[e]
-        r, a = ref_fp8_mm(x[off[g]:off[g + 1]], bits[e], s, None, block_size)
-        ref[off[g]:off[g + 1]] = r
-        absref[off[g]:off[g + 1]] = a
+        ref[off[g]:off[g + 1]], absref[off[g]:off[g + 1]] = product(x[off[g]:off[g + 1]], e)
     return ref, absref
+
+
+def ref_fp8_grouped_mm(x, bits, scale, offsets, expert_ids=None, block_size=None):
+    return _grouped(x, offsets, expert_ids, bits.shape[1],
+                    lambda rows, e: ref_fp8_mm(rows, bits[e], scale[e], None, block_size))
 
 
 def ref_int8_quantize(x):
@@ -187,3 +190,15 @@ def ref_quantize_int8(w: torch.Tensor):
     """(q int8, scale float32 [N]) of symmetric per-row quantization: the per-row rule of int8_quantize."""
     q, scale, _ = ref_int8_quantize(w)
     return q, scale
+
+
+# ---------------------------------------------------------------------------------------------- transposed products
+def ref_matmul_t(g, w64):
+    """(ref, absref) of g [M, N] @ w64 [N, K] in float64 (the transposed products of the backward passes)."""
+    gd = g.double()
+    return gd @ w64, gd.abs() @ w64.abs()
+
+
+def ref_fp8_grouped_mm_t(g, bits, scale, offsets, expert_ids=None, block_size=None):
+    return _grouped(g, offsets, expert_ids, bits.shape[2],
+                    lambda rows, e: ref_matmul_t(rows, fp8_weight_f64(bits[e], scale[e], block_size)))

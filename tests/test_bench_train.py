@@ -1,0 +1,35 @@
+"""The train suite runs end to end on small shapes (the real ones are the benchmark's business)."""
+import json
+
+import pytest
+
+pytest.importorskip("peft")
+
+from torch_lowbit.bench import __main__ as bench_main  # noqa: E402
+from torch_lowbit.bench import layer, train  # noqa: E402
+
+
+def test_train_suite_runs_and_writes_json(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(layer, "LLAMA3_8B", [("q_proj,o_proj", 64, 64, 2), ("k_proj,v_proj", 16, 64, 2),
+                                             ("gate_proj,up_proj", 96, 64, 2), ("down_proj", 64, 96, 1)])
+    monkeypatch.setattr(train, "HEADS", 4)
+    monkeypatch.setattr(train, "KV_HEADS", 1)
+    path = tmp_path / "train.json"
+    assert bench_main.main(["--suite", "train", "--tokens", "12", "--batch", "2", "--rank", "2", "--steps", "1",
+                            "--json", str(path)]) == 0
+    assert "step / bf16" in capsys.readouterr().out
+    rows = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {"bf16", "fp8", "int8"}
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["bwd_ms"] > 0 and r["train_state_mb"] > 0
+    # one byte per weight plus fp32 scales against two bytes per weight
+    assert rows["bf16"]["weights_vs_bf16"] == 1 and 0.5 < rows["fp8"]["weights_vs_bf16"] < 0.55
+
+
+@pytest.mark.parametrize("argv,match", [(["--tokens", "0"], "--tokens must be >= 1"),
+                                        (["--tokens", "5", "--batch", "2"], "must be a multiple of --batch"),
+                                        (["--modes", "fp8"], "include bf16")])
+def test_train_suite_bad_options(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        train.run(argv)
+    assert match in capsys.readouterr().err

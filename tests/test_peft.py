@@ -1,0 +1,135 @@
+"""LoRA with PEFT on FP8 / INT8 bases: a tiny transformers Llama (dims not multiples of 128) trains adapters on cpu
+and through the emulator; the adapters' gradients match the same LoRA on the dequantized base in float64; merging
+is refused; unmerged inference works."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+import torch_lowbit  # noqa: E402
+import torch_lowbit.peft as lowbit_peft  # noqa: E402
+from reference import fp8_weight_f64  # noqa: E402
+from torch_lowbit.nn import Fp8Linear, Int8Linear  # noqa: E402
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_llama(layers=2):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=40, intermediate_size=72, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg).float().eval()
+
+
+def lora(model, **kw):
+    config = lowbit_peft.register(peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, **kw))
+    return peft.get_peft_model(model, config)
+
+
+def dequantized_copy(quantized):
+    """The same model with every Fp8Linear replaced by an nn.Linear holding its dequantized weight (float64)."""
+    dense = copy.deepcopy(quantized).double()
+    for name, m in list(dense.named_modules()):
+        for cname, child in list(m.named_children()):
+            if isinstance(child, Fp8Linear):
+                lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                dtype=torch.float64)
+                with torch.no_grad():
+                    lin.weight.copy_(fp8_weight_f64(child.weight.view(torch.uint8), child.weight_scale,
+                                                    child.block_size))
+                    if child.bias is not None:
+                        lin.bias.copy_(child.bias.double())
+                setattr(m, cname, lin)
+    return dense
+
+
+def batch(steps_seed=0, B=2, S=7):
+    ids = torch.randint(0, 50, (B, S), generator=torch.Generator().manual_seed(steps_seed))
+    return ids
+
+
+def adapters(model):
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def train(model, steps):
+    opt = torch.optim.AdamW(list(adapters(model).values()), lr=3e-2)
+    ids = batch()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.fixture
+def emulated_layers(monkeypatch):
+    """Route Fp8Linear / Int8Linear through torch.ops.lowbit_emu (the Metal kernels in the emulator)."""
+    from torch_lowbit import _autograd, _ops
+    if not torch_lowbit.emulator.available():
+        pytest.skip("the Metal emulator is not built in this install")
+    monkeypatch.setattr(_ops, "fp8_mm", lambda x, w, s, b=None, bs=None: torch.ops.lowbit_emu.fp8_mm(
+        x, w, s, b, _ops._blocks(bs)))
+    monkeypatch.setattr(_ops, "int8_linear", lambda x, w, s, b=None: _autograd.int8_linear(x, w, s, b, "lowbit_emu"))
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_adapter_gradients_match_dequantized_base_in_float64(granularity):
+    model = tiny_llama()
+    torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly(granularity, (16, 32)))
+    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    dense = dequantized_copy(model)
+    pm, pd = lora(model, init_lora_weights=False), lora(dense, init_lora_weights=False)  # random B: nonzero grads
+    with torch.no_grad():
+        for (n, p), (nd, q) in zip(adapters(pm).items(), adapters(pd).items()):
+            assert n == nd
+            q.copy_(p.double())
+    assert isinstance(pm.base_model.model.model.layers[0].self_attn.q_proj, lowbit_peft.LowbitLoraLinear)
+    ids = batch()
+    pm(input_ids=ids, labels=ids).loss.backward()
+    pd(input_ids=ids, labels=ids).loss.backward()
+    for (n, p), q in zip(adapters(pm).items(), adapters(pd).values()):
+        assert p.dtype == torch.float32 and p.grad is not None, n
+        # fp32 forward and backward through the whole model vs float64: relative to the gradient's scale
+        tol = 1e-4 * float(q.grad.abs().max()) + 1e-7
+        assert float((p.grad.double() - q.grad).abs().max()) <= tol, n
+    assert all(not p.requires_grad for n, p in pm.named_parameters() if "lora_" not in n)
+
+
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("channel"), torch_lowbit.Int8Dynamic()])
+def test_lora_trains_on_low_bit_base_and_merge_is_refused(config):
+    model = tiny_llama()
+    torch_lowbit.quantize_(model, config)
+    pm = lora(model)
+    losses = train(pm, 4)
+    assert losses[-1] < 0.9 * losses[0], losses
+    ids = batch(1)
+    with torch.no_grad():
+        out = pm(input_ids=ids).logits
+        with pm.disable_adapter():
+            base = pm(input_ids=ids).logits
+        assert torch.isfinite(out).all() and not torch.equal(out, base)  # unmerged inference, adapters active
+    with pytest.raises(ValueError, match="merging a LoRA adapter into a (Fp8|Int8)Linear base is not supported"):
+        pm.merge_and_unload()
+
+
+def test_dora_is_refused():
+    model = tiny_llama(1)
+    torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly("channel"))
+    with pytest.raises(ValueError, match="DoRA needs the dense base weight"):
+        lora(model, use_dora=True)
+
+
+def test_lora_trains_through_the_emulator(emulated_layers):
+    model = tiny_llama(1)
+    torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly("block", (16, 16)))
+    losses = train(lora(model), 3)
+    assert losses[-1] < losses[0], losses
