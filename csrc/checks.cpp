@@ -119,18 +119,23 @@ Fp8Weight check_fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale
   return check_fp8_weight("fp8_dequantize", weight, scale, block_size, /*grouped=*/false);
 }
 
-Fp8GroupedMmArgs check_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                                      const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
-                                      at::OptionalIntArrayRef block_size, bool validate_values) {
-  const char* op = "fp8_grouped_mm";
-  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, K], got shape ", x.sizes());
-  check_device(op, "weight", weight, x, "x");
-  check_device(op, "offsets", offsets, x, "x");
+namespace {
+
+// fp8_grouped_mm (x [T, K]) and its transposed product (grad_out [T, N]): the same groups, experts and offsets.
+Fp8GroupedMmArgs check_grouped(const char* op, const char* xname, bool transposed, const at::Tensor& x,
+                               const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
+                               const std::optional<at::Tensor>& expert_ids, at::OptionalIntArrayRef block_size,
+                               bool validate_values) {
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": ", xname, " must be bfloat16, float16 or float32, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": ", xname, " must be ", transposed ? "[T, N]" : "[T, K]", ", got shape ", x.sizes());
+  check_device(op, "weight", weight, x, xname);
+  check_device(op, "offsets", offsets, x, xname);
   Fp8GroupedMmArgs a;
   a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/true);
-  TORCH_CHECK(x.size(1) == a.w.K, op, ": x's last dimension (", x.size(1), ") must equal weight's K (", a.w.K,
-              "); weight is [E, N, K] = ", weight.sizes());
+  const int64_t want = transposed ? a.w.N : a.w.K;
+  TORCH_CHECK(x.size(1) == want, op, ": ", xname, "'s last dimension (", x.size(1), ") must equal weight's ",
+              transposed ? "N" : "K", " (", want, "); weight is [E, N, K] = ", weight.sizes());
   TORCH_CHECK(offsets.scalar_type() == at::kInt, op, ": offsets must be int32, got ", offsets.scalar_type());
   TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 1, op, ": offsets must be [G + 1] with G >= 0, got shape ",
               offsets.sizes());
@@ -164,6 +169,71 @@ Fp8GroupedMmArgs check_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& wei
       TORCH_CHECK(id[g] >= -1 && id[g] < a.w.E, op, ": expert_ids[", g, "] = ", id[g], " is out of range [-1, E = ",
                   a.w.E, ")");
   }
+  return a;
+}
+
+// w_scale of an int8 weight [N, K]: [N] / [N, 1] per channel or one element per tensor -> fp32 [N] or [1].
+at::Tensor int8_weight_scale(const char* op, const at::Tensor& w_scale, int64_t N) {
+  const at::Tensor ws = widen_scale(op, "w_scale", w_scale);
+  if (ws.numel() == 1) return ws.reshape({1});
+  const bool per_channel = ws.dim() == 1 ? ws.size(0) == N : (ws.dim() == 2 && ws.size(0) == N && ws.size(1) == 1);
+  TORCH_CHECK(per_channel, op, ": w_scale must be [N] or [N, 1] (per channel) or have one element (per tensor), N = ",
+              N, ", got ", ws.sizes());
+  return ws.reshape({N});
+}
+
+}  // namespace
+
+Fp8GroupedMmArgs check_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                                      const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                      at::OptionalIntArrayRef block_size, bool validate_values) {
+  return check_grouped("fp8_grouped_mm", "x", false, x, weight, scale, offsets, expert_ids, block_size,
+                       validate_values);
+}
+
+Fp8GroupedMmArgs check_fp8_grouped_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
+                                        const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                        at::OptionalIntArrayRef block_size, bool validate_values) {
+  return check_grouped("fp8_grouped_mm_t", "grad_out", true, grad_out, weight, scale, offsets, expert_ids, block_size,
+                       validate_values);
+}
+
+Fp8MmArgs check_fp8_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
+                         at::OptionalIntArrayRef block_size) {
+  const char* op = "fp8_mm_t";
+  TORCH_CHECK(is_float_dtype(grad_out.scalar_type()), op, ": grad_out must be bfloat16, float16 or float32, got ",
+              grad_out.scalar_type());
+  TORCH_CHECK(grad_out.dim() >= 1, op, ": grad_out must have at least one dimension [..., N]");
+  check_device(op, "weight", weight, grad_out, "grad_out");
+  Fp8MmArgs a;
+  a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/false);
+  TORCH_CHECK(grad_out.size(-1) == a.w.N, op, ": grad_out's last dimension (", grad_out.size(-1),
+              ") must equal weight's N (", a.w.N, "); weight is [N, K] = ", weight.sizes());
+  a.x = flatten_rows(grad_out, &a.M);
+  a.out_shape = with_last(grad_out, a.w.K);
+  return a;
+}
+
+Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale) {
+  const char* op = "int8_weight_mm_t";
+  TORCH_CHECK(is_float_dtype(grad_out.scalar_type()), op, ": grad_out must be bfloat16, float16 or float32, got ",
+              grad_out.scalar_type());
+  TORCH_CHECK(grad_out.dim() >= 1, op, ": grad_out must have at least one dimension [..., N]");
+  TORCH_CHECK(wq.scalar_type() == at::kChar, op, ": wq must be int8, got ", wq.scalar_type());
+  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", wq.sizes());
+  TORCH_CHECK(wq.is_contiguous(), op, ": wq must be contiguous (rows of K bytes back to back), got strides ",
+              wq.strides());
+  check_device(op, "wq", wq, grad_out, "grad_out");
+  check_device(op, "w_scale", w_scale, grad_out, "grad_out");
+  Int8WeightMmTArgs a;
+  a.wq = wq;
+  a.N = wq.size(0);
+  a.K = wq.size(1);
+  TORCH_CHECK(grad_out.size(-1) == a.N, op, ": grad_out's last dimension (", grad_out.size(-1),
+              ") must equal wq's N (", a.N, "); wq is [N, K] = ", wq.sizes());
+  a.w_scale = int8_weight_scale(op, w_scale, a.N);
+  a.grad_out = flatten_rows(grad_out, &a.M);
+  a.out_shape = with_last(grad_out, a.K);
   return a;
 }
 
@@ -207,16 +277,7 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
               ": x_scale must have xq's leading shape ", at::IntArrayRef(lead), " (one scale per row), got ",
               x_scale.sizes());
   a.x_scale = widen_scale(op, "x_scale", x_scale).reshape({a.M});
-  const at::Tensor ws = widen_scale(op, "w_scale", w_scale);
-  if (ws.numel() == 1) {
-    a.w_scale = ws.reshape({1});
-  } else {
-    const bool per_channel = ws.dim() == 1 ? ws.size(0) == a.N : (ws.dim() == 2 && ws.size(0) == a.N && ws.size(1) == 1);
-    TORCH_CHECK(per_channel, op,
-                ": w_scale must be [N] or [N, 1] (per channel) or have one element (per tensor), N = ", a.N, ", got ",
-                ws.sizes());
-    a.w_scale = ws.reshape({a.N});
-  }
+  a.w_scale = int8_weight_scale(op, w_scale, a.N);
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
     check_device(op, "bias", b, xq, "xq");

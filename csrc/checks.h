@@ -76,6 +76,25 @@ Fp8GroupedMmArgs check_fp8_grouped_mm(const at::Tensor& x, const at::Tensor& wei
 
 Int8QuantizeArgs check_int8_quantize(const at::Tensor& x);
 
+// The transposed products of the backward passes (grad_out [..., N] times the [N, K] weight, out [..., K]).
+// fp8_mm_t: the result's x is grad_out [M, N] and out_shape its leading shape + [K]; bias is never set.
+Fp8MmArgs check_fp8_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
+                         at::OptionalIntArrayRef block_size);
+
+// fp8_grouped_mm_t: x is grad_out [T, N]; offsets / expert_ids as for fp8_grouped_mm.
+Fp8GroupedMmArgs check_fp8_grouped_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
+                                        const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                        at::OptionalIntArrayRef block_size, bool validate_values);
+
+struct Int8WeightMmTArgs {
+  at::Tensor grad_out;             // [M, N] contiguous, bf16 / fp16 / fp32
+  at::Tensor wq;                   // int8 [N, K] contiguous
+  at::Tensor w_scale;              // float32 [N] or [1], contiguous
+  int64_t M = 0, N = 0, K = 0;
+  std::vector<int64_t> out_shape;  // grad_out.shape[:-1] + [K]
+};
+Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale);
+
 Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
                          const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
 

@@ -12,6 +12,11 @@ void define_ops(torch::Library& m) {
   m.def("fp8_grouped_mm(Tensor x, Tensor weight, Tensor scale, Tensor offsets, Tensor? expert_ids=None, "
         "SymInt[]? block_size=None) -> Tensor");
   m.def("int8_quantize(Tensor x) -> (Tensor, Tensor)");
+  // The transposed products of the backward passes: grad_out [..., N] @ (dec(W) * scale) -> [..., K].
+  m.def("fp8_mm_t(Tensor grad_out, Tensor weight, Tensor scale, SymInt[]? block_size=None) -> Tensor");
+  m.def("fp8_grouped_mm_t(Tensor grad_out, Tensor weight, Tensor scale, Tensor offsets, Tensor? expert_ids=None, "
+        "SymInt[]? block_size=None) -> Tensor");
+  m.def("int8_weight_mm_t(Tensor grad_out, Tensor wq, Tensor w_scale) -> Tensor");
   m.def("int8_mm(Tensor xq, Tensor x_scale, Tensor wq, Tensor w_scale, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
 }
 

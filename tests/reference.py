@@ -168,3 +168,28 @@ def ref_quantize_int8(w: torch.Tensor):
     """(q int8, scale float32 [N]) of symmetric per-row quantization: the per-row rule of int8_quantize."""
     q, scale, _ = ref_int8_quantize(w)
     return q, scale
+
+
+# ---------------------------------------------------------------------------------------------- transposed products
+def ref_matmul_t(g, w64):
+    """(ref, absref) of g [M, N] @ w64 [N, K] in float64 (the transposed products of the backward passes)."""
+    gd = g.double()
+    return gd @ w64, gd.abs() @ w64.abs()
+
+
+def ref_fp8_grouped_mm_t(g, bits, scale, offsets, expert_ids=None, block_size=None):
+    T, _ = g.shape
+    E, N, K = bits.shape
+    G = offsets.numel() - 1
+    ids = list(range(G)) if expert_ids is None else expert_ids.tolist()
+    ref = torch.zeros(T, K, dtype=torch.float64)
+    absref = torch.zeros(T, K, dtype=torch.float64)
+    off = offsets.tolist()
+    for grp in range(G):
+        e = ids[grp]
+        if e < 0 or off[grp + 1] == off[grp]:
+            continue
+        r, a = ref_matmul_t(g[off[grp]:off[grp + 1]], fp8_weight_f64(bits[e], scale[e], block_size))
+        ref[off[grp]:off[grp + 1]] = r
+        absref[off[grp]:off[grp + 1]] = a
+    return ref, absref

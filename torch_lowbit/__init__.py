@@ -1,7 +1,8 @@
 """torch_lowbit: FP8 and INT8 matmul kernels for PyTorch on Apple-silicon GPUs, with a fast CPU backend.
 
-Ops: ``torch.ops.lowbit.{fp8_mm, fp8_dequantize, fp8_grouped_mm, int8_quantize, int8_mm}`` (wrapped here
-with docstrings). ``torch.ops.lowbit_emu.*`` runs the Metal kernels in the MSL emulator (tests only).
+Ops: ``torch.ops.lowbit.{fp8_mm, fp8_dequantize, fp8_grouped_mm, int8_quantize, int8_mm}`` and the
+transposed products of their backward passes ``{fp8_mm_t, fp8_grouped_mm_t, int8_weight_mm_t}`` (wrapped here
+with docstrings); the matmuls are differentiable w.r.t. activations and bias (weights frozen). ``torch.ops.lowbit_emu.*`` runs the Metal kernels in the MSL emulator (tests only).
 Quantization: ``quantize_fp8``, ``quantize_int8``; layers ``torch_lowbit.nn.Fp8Linear`` / ``Int8Linear``; whole
 models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic())``; checkpoints: ``load_quantized(model, path)``.
 Benchmarks: ``python -m torch_lowbit.bench``.
@@ -12,10 +13,12 @@ import os as _os
 import torch as _torch
 
 from . import _C  # noqa: F401  (registers the op schemas and kernels)
-from ._ops import (fp8_dequantize, fp8_grouped_mm, fp8_mm, int8_mm, int8_quantize,  # noqa: F401
-                   _register_fakes)
+from ._ops import (fp8_dequantize, fp8_grouped_mm, fp8_grouped_mm_t, fp8_mm, fp8_mm_t,  # noqa: F401
+                   int8_linear, int8_mm, int8_quantize, int8_weight_mm_t, _register_fakes)
+from ._autograd import _register_autograd  # noqa: E402
 
 _register_fakes()
+_register_autograd()
 
 
 def _load_emulator():

@@ -64,6 +64,39 @@ def int8_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: 
     return torch.ops.lowbit.int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype)
 
 
+def fp8_mm_t(grad_out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The transposed product of :func:`fp8_mm`'s backward pass: ``grad_out[..., N] @ (fp8(weight) * scale)``
+    -> ``[..., K]`` in grad_out's dtype (fp32 accumulation), read from the fp8 weight as stored. Same weight and
+    scale layouts as :func:`fp8_mm`.
+    """
+    return torch.ops.lowbit.fp8_mm_t(grad_out, weight, scale, _blocks(block_size))
+
+
+def fp8_grouped_mm_t(grad_out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                     expert_ids: Optional[torch.Tensor] = None,
+                     block_size: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The transposed product of :func:`fp8_grouped_mm`: rows of group g of ``grad_out [T, N]`` times expert
+    ``expert_ids[g]`` of ``weight [E, N, K]`` (dequantized) -> ``[T, K]``; rows of -1 groups and rows in no group
+    are zero."""
+    return torch.ops.lowbit.fp8_grouped_mm_t(grad_out, weight, scale, offsets, expert_ids, _blocks(block_size))
+
+
+def int8_weight_mm_t(grad_out: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``grad_out[..., N] @ (wq * w_scale)`` -> ``[..., K]`` in grad_out's dtype: the transposed product of an
+    int8 weight ``[N, K]`` (``w_scale`` ``[N]``, ``[N, 1]`` or one element), for Int8Linear's backward pass."""
+    return torch.ops.lowbit.int8_weight_mm_t(grad_out, wq, w_scale)
+
+
+def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8 linear, what Int8Linear runs: ``int8_mm(*int8_quantize(x), wq, w_scale, bias, out_dtype=x.dtype)``,
+    differentiable w.r.t. ``x`` and ``bias``: the backward passes the gradient straight through the activation
+    quantization, ``grad_x = grad_out @ (wq * w_scale)`` (:func:`int8_weight_mm_t`)."""
+    from ._autograd import int8_linear as _int8_linear
+    return _int8_linear(x, wq, w_scale, bias)
+
+
 # ---------------------------------------------------------------------------------------------- fakes
 def _check(cond, msg):
     if not cond:
@@ -132,6 +165,41 @@ def _fake_fp8_grouped_mm(x, weight, scale, offsets, expert_ids=None, block_size=
     return x.new_empty((x.shape[0], weight.shape[1]))
 
 
+def _fake_fp8_mm_t(grad_out, weight, scale, block_size=None):
+    op = "fp8_mm_t"
+    _same_device(op, "grad_out", grad_out, weight=weight, scale=scale)
+    _check_float(op, "grad_out", grad_out)
+    _check(grad_out.dim() >= 1, f"{op}: grad_out must have at least one dimension [..., N]")
+    _check_fp8_weight(op, weight, scale, 2)
+    torch._check(grad_out.shape[-1] == weight.shape[0], lambda: f"{op}: grad_out's last dimension must equal weight's N")
+    return grad_out.new_empty((*grad_out.shape[:-1], weight.shape[1]))
+
+
+def _fake_fp8_grouped_mm_t(grad_out, weight, scale, offsets, expert_ids=None, block_size=None):
+    op = "fp8_grouped_mm_t"
+    _same_device(op, "grad_out", grad_out, weight=weight, scale=scale, offsets=offsets, expert_ids=expert_ids)
+    _check_float(op, "grad_out", grad_out)
+    _check(grad_out.dim() == 2, f"{op}: grad_out must be [T, N], got shape {tuple(grad_out.shape)}")
+    _check_fp8_weight(op, weight, scale, 3)
+    torch._check(grad_out.shape[1] == weight.shape[1], lambda: f"{op}: grad_out's last dimension must equal weight's N")
+    _check(offsets.dtype == torch.int32, f"{op}: offsets must be int32, got {offsets.dtype}")
+    _check(offsets.dim() == 1, f"{op}: offsets must be [G + 1] with G >= 0, got shape {tuple(offsets.shape)}")
+    if expert_ids is not None:
+        _check(expert_ids.dtype == torch.int32, f"{op}: expert_ids must be int32, got {expert_ids.dtype}")
+    return grad_out.new_empty((grad_out.shape[0], weight.shape[2]))
+
+
+def _fake_int8_weight_mm_t(grad_out, wq, w_scale):
+    op = "int8_weight_mm_t"
+    _same_device(op, "grad_out", grad_out, wq=wq, w_scale=w_scale)
+    _check_float(op, "grad_out", grad_out)
+    _check(grad_out.dim() >= 1, f"{op}: grad_out must have at least one dimension [..., N]")
+    _check(wq.dtype == torch.int8, f"{op}: wq must be int8, got {wq.dtype}")
+    _check(wq.dim() == 2, f"{op}: wq must be [N, K], got shape {tuple(wq.shape)}")
+    torch._check(grad_out.shape[-1] == wq.shape[0], lambda: f"{op}: grad_out's last dimension must equal wq's N")
+    return grad_out.new_empty((*grad_out.shape[:-1], wq.shape[1]))
+
+
 def _fake_int8_quantize(x):
     op = "int8_quantize"
     _check_float(op, "x", x)
@@ -158,6 +226,9 @@ _FAKES = {
     "fp8_grouped_mm": _fake_fp8_grouped_mm,
     "int8_quantize": _fake_int8_quantize,
     "int8_mm": _fake_int8_mm,
+    "fp8_mm_t": _fake_fp8_mm_t,
+    "fp8_grouped_mm_t": _fake_fp8_grouped_mm_t,
+    "int8_weight_mm_t": _fake_int8_weight_mm_t,
 }
 
 

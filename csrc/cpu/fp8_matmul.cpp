@@ -10,6 +10,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu/bf16_terms.h"
 #include "cpu/brgemm.h"
 #include "cpu/fp8_simd.h"
 #include "cpu/workspace.h"
@@ -121,28 +122,6 @@ void gemm(const Fp8Kernels& kern, const T* x, int64_t M, const Fp8Operand& op, c
 constexpr int64_t kBf16Panel = 64;
 constexpr int64_t kBf16Cols = 64;
 constexpr int64_t kBf16Depth = 512;
-
-// x as a sum of bf16 terms (AMX multiplies bf16): bf16 x is one term; half x two (11 significant bits: the
-// bf16 rounding and the exact remainder, which has at most 4); float x three (the remainder's remainder) --
-// x to within about 2^-24 relative, the error of an fp32 GEMM's own accumulation.
-template <typename T>
-constexpr int kBf16Terms = std::is_same_v<T, c10::BFloat16> ? 1 : std::is_same_v<T, c10::Half> ? 2 : 3;
-
-template <typename T>
-inline void split_bf16(T v, uint16_t* terms) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    terms[0] = v.x;  // the bits as they are
-    return;
-  }
-  float f = float(v);
-  for (int t = 0; t < kBf16Terms<T>; t++) {
-    c10::BFloat16 h(f);  // round to nearest even
-    if (std::isinf(float(h)) && std::isfinite(f))  // within half a bf16 ulp of FLT_MAX: truncate instead
-      h = c10::BFloat16(uint16_t(c10::bit_cast<uint32_t>(f) >> 16), c10::BFloat16::from_bits());
-    terms[t] = h.x;
-    f = std::isfinite(float(h)) ? f - float(h) : 0.f;  // inf / NaN x: the first term alone, as in fp32
-  }
-}
 
 // x [M, K] -> the brgemm's B, term by term (term t at dst + t * M * Kp), for each block of kBf16Cols rows: the
 // block of rows m0.. (width mw) at + m0 * Kp in VNNI pairs (brgemm.h), positions in kBf16ChunkOrder per segment,

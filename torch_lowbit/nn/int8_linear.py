@@ -13,7 +13,9 @@ from ._quantized_linear import QuantizedLinear
 
 class Int8Linear(QuantizedLinear):
     """``xq, xs = int8_quantize(x)``; ``y = int8_mm(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)``:
-    symmetric absmax int8 activations per row (token), computed at run time, int32 accumulation.
+    symmetric absmax int8 activations per row (token), computed at run time, int32 accumulation. Trainable
+    around (``torch_lowbit.int8_linear``): gradients reach ``x`` straight through the activation quantization,
+    ``grad_x = grad_out @ (weight * weight_scale)``, and the bias; the weight is frozen.
 
     Buffers (checkpoint names): ``weight`` ``[N, K]`` int8, ``weight_scale`` float32 ``[N]`` (``[N, 1]`` and one
     element are accepted, as compressed-tensors' int-quantized format stores them), ``bias`` ``[N]`` (optional).
@@ -29,8 +31,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = _ops.int8_quantize(x)
-        return _ops.int8_mm(xq, xs, self.weight, self.weight_scale, self.bias, out_dtype=x.dtype)
+        return _ops.int8_linear(x, self.weight, self.weight_scale, self.bias)
 
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -1,0 +1,271 @@
+"""Gradients through the low-bit layers: fp8_mm / fp8_grouped_mm / Int8Linear (straight through) / Fp8Experts vs
+float64 references on the dequantized weights, on cpu and through the emulator; frozen weights refused; opcheck's
+autograd tests; a compiled training step; activation checkpointing."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.library import opcheck
+
+import torch_lowbit
+from conftest import backends_for
+from reference import (assert_matmul_close, fp8_weight_f64, random_fp8_bits, ref_fp8_grouped_mm_t, ref_matmul_t)
+from test_fp8_mm import make_scale
+from torch_lowbit.nn import Fp8Linear, Int8Linear
+from torch_lowbit.nn.experts import Fp8Experts
+
+ACC_RTOL = 1e-5
+
+
+def rows(t):
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_mm"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["tensor", "channel", "block_16x32", "block_3x7"])
+@pytest.mark.parametrize("M", [1, 11])
+def test_fp8_mm_grad_x_and_bias(backend, dtype, layout, M):
+    N, K = 37, 70
+    g = torch.Generator().manual_seed(M + len(layout))
+    bits = random_fp8_bits((N, K), g)
+    scale, block = make_scale(layout, N, K, g)
+    x = torch.randn(2, M, K, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(N, generator=g).to(dtype).requires_grad_()
+    go = torch.randn(2, M, N, generator=g).to(dtype)
+    out = backend.op("fp8_mm")(x, bits, scale, bias, block)
+    out.backward(go)
+    assert x.grad.shape == x.shape and x.grad.dtype == dtype
+    ref, absref = ref_matmul_t(rows(go), fp8_weight_f64(bits, scale, block))
+    assert_matmul_close(rows(x.grad), ref, absref, acc_rtol=ACC_RTOL)
+    gb = go.double().sum((0, 1))
+    assert_matmul_close(bias.grad, gb, go.double().abs().sum((0, 1)), acc_rtol=ACC_RTOL)
+
+
+def test_layers_before_a_low_bit_layer_get_gradients():
+    # the issue's example: the layer before an Fp8Linear used to get no gradient (only a warning)
+    torch.manual_seed(0)
+    pre = nn.Linear(16, 64)
+    layer = Fp8Linear.from_float(nn.Linear(64, 40), "channel")
+    x = torch.randn(5, 16)
+    layer(pre(x)).sum().backward()
+    w64 = fp8_weight_f64(layer.weight.view(torch.uint8), layer.weight_scale).to(torch.float64)
+    h_grad = torch.ones(5, 40, dtype=torch.float64) @ w64  # d sum / d pre(x)
+    ref = h_grad.T @ x.double()
+    torch.testing.assert_close(pre.weight.grad.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pre.bias.grad.double(), h_grad.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def _int8_linear_on(backend):
+    from torch_lowbit._autograd import int8_linear
+    ns = "lowbit_emu" if backend.is_metal else "lowbit"
+    return lambda x, wq, ws, b: int8_linear(x, wq, ws, b, ns)
+
+
+@pytest.mark.parametrize("backend", backends_for("int8_mm", emu_rev=False))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 9])
+def test_int8_linear_straight_through(backend, dtype, M):
+    N, K = 37, 70
+    g = torch.Generator().manual_seed(M)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    ws = torch.rand(N, generator=g) / 50
+    x = torch.randn(M, K, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(N, generator=g).to(dtype).requires_grad_()
+    go = torch.randn(M, N, generator=g).to(dtype)
+    out = _int8_linear_on(backend)(x, wq, ws, bias)
+    q, s = backend.op("int8_quantize")(x.detach())
+    assert torch.equal(out.detach(), backend.op("int8_mm")(q, s, wq, ws, bias.detach(), dtype))  # the same forward
+    out.backward(go)
+    ref, absref = ref_matmul_t(go, wq.double() * ws.double()[:, None])
+    assert_matmul_close(x.grad, ref, absref, acc_rtol=ACC_RTOL)
+    assert_matmul_close(bias.grad, go.double().sum(0), go.double().abs().sum(0), acc_rtol=ACC_RTOL)
+
+
+def test_int8_layer_trains_through_int8_linear():
+    torch.manual_seed(1)
+    layer = Int8Linear.from_float(nn.Linear(48, 20))
+    x = torch.randn(3, 48, requires_grad=True)
+    layer(x).sum().backward()
+    ref = torch.ones(3, 20, dtype=torch.float64) @ (layer.weight.double() * layer.weight_scale.double()[:, None])
+    torch.testing.assert_close(x.grad.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_grouped_mm", emu_rev=False))
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_fp8_grouped_mm_grad_x(backend, layout):
+    g = torch.Generator().manual_seed(len(layout))
+    E, N, K, T = 3, 40, 72, 22
+    offsets = torch.tensor([0, 1, 1, 13, 17], dtype=torch.int32)
+    ids = torch.tensor([2, 0, 1, -1], dtype=torch.int32)
+    bits = random_fp8_bits((E, N, K), g)
+    block = [16, 32] if layout == "block" else None
+    scale = torch.rand(E, 3, 3, generator=g) + 0.5 if block else torch.rand(E, N, generator=g) + 0.5
+    x = torch.randn(T, K, generator=g).requires_grad_()
+    go = torch.randn(T, N, generator=g)
+    backend.op("fp8_grouped_mm")(x, bits, scale, offsets, ids, block).backward(go)
+    ref, absref = ref_fp8_grouped_mm_t(go, bits, scale, offsets, ids, block)
+    assert_matmul_close(x.grad, ref, absref, acc_rtol=ACC_RTOL)
+    assert (x.grad[13:] == 0).all()
+
+
+def _experts_f64(x, ids, weights, gu, down):
+    """Differentiable float64 experts, token by token and slot by slot."""
+    I = down.shape[2]
+    out = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e >= 0:
+                h = gu[e] @ x[t]
+                acc = acc + weights[t, j] * (down[e] @ (F.silu(h[:I]) * h[I:]))
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_experts_grads_for_hidden_and_routing_weights(granularity):
+    torch.manual_seed(2)
+    E, H, I, T, k = 4, 40, 24, 9, 2
+    ex = Fp8Experts.from_float(torch.randn(E, 2 * I, H) / 6, torch.randn(E, H, I) / 5, granularity, (16, 16))
+    hidden = torch.randn(T, H, requires_grad=True)
+    ids = torch.randint(0, E - 1, (T, k))  # expert E - 1 idle
+    ids[3, 1] = -1  # a skipped slot
+    weights = torch.rand(T, k, requires_grad=True)
+    go = torch.randn(T, H)
+    ex(hidden, ids, weights).backward(go)
+
+    def deq(w, s):
+        return torch.stack([fp8_weight_f64(w[e].view(torch.uint8), s[e], ex.block_size if s.dim() == 3 else None)
+                            for e in range(E)])
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weights.detach().double().requires_grad_()
+    _experts_f64(h64, ids, w64, deq(ex.gate_up, ex.gate_up_scale), deq(ex.down, ex.down_scale)).backward(go.double())
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(weights.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)
+    assert weights.grad[3, 1] == 0
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_mm", emu_rev=False))
+def test_frozen_weights_and_scales_refuse_gradients(backend):
+    x = torch.randn(3, 8, requires_grad=True)
+    w = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    s = torch.ones(4)
+    for name, args in (("weight", (w.clone().requires_grad_(), s)), ("scale", (w, s.clone().requires_grad_()))):
+        out = backend.op("fp8_mm")(x, *args)
+        with pytest.raises(RuntimeError, match=f"fp8_mm: {name} requires grad, but low-bit weights .* frozen"):
+            out.sum().backward()
+    experts_w = torch.zeros(2, 4, 8, dtype=torch.float8_e4m3fn)
+    out = backend.op("fp8_grouped_mm")(x, experts_w, torch.ones(2, requires_grad=True),
+                                       torch.tensor([0, 3], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="fp8_grouped_mm: scale requires grad"):
+        out.sum().backward()
+    out = _int8_linear_on(backend)(x, torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, requires_grad=True), None)
+    with pytest.raises(RuntimeError, match="int8_linear: w_scale requires grad"):
+        out.sum().backward()
+
+
+def test_int8_ops_alone_are_not_differentiable_and_say_so():
+    x = torch.randn(3, 8, requires_grad=True)
+    q, s = torch_lowbit.int8_quantize(x)
+    out = torch_lowbit.int8_mm(q, s, torch.ones(4, 8, dtype=torch.int8), torch.ones(4), out_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="x_scale requires grad.*torch_lowbit.int8_linear"):
+        out.sum().backward()
+    with pytest.raises(RuntimeError, match="int8_quantize is not differentiable.*int8_linear"):
+        s.sum().backward()
+
+
+def _bits(*shape):
+    return random_fp8_bits(shape, torch.Generator().manual_seed(sum(shape)))
+
+
+@pytest.mark.parametrize("op,args", [
+    ("fp8_mm", lambda: (torch.randn(3, 40, requires_grad=True), _bits(16, 40), torch.rand(16),
+                        torch.randn(16, requires_grad=True), None)),
+    ("fp8_mm", lambda: (torch.randn(2, 40, requires_grad=True), _bits(16, 40), torch.rand(2, 3), None, [8, 16])),
+    ("fp8_grouped_mm", lambda: (torch.randn(7, 40, requires_grad=True), _bits(3, 16, 40), torch.rand(3),
+                                torch.tensor([0, 2, 2, 6], dtype=torch.int32),
+                                torch.tensor([1, -1, 0], dtype=torch.int32), None)),
+    ("int8_mm", lambda: (torch.randint(-127, 128, (3, 40), dtype=torch.int8), torch.rand(3),
+                         torch.randint(-127, 128, (16, 40), dtype=torch.int8), torch.rand(16),
+                         torch.randn(16, requires_grad=True), torch.float32)),
+    ("fp8_mm_t", lambda: (torch.randn(3, 16), _bits(16, 40), torch.rand(16), None)),
+    ("fp8_grouped_mm_t", lambda: (torch.randn(7, 16), _bits(3, 16, 40), torch.rand(3, 16),
+                                  torch.tensor([0, 2, 2, 6], dtype=torch.int32), None, None)),
+    ("int8_weight_mm_t", lambda: (torch.randn(3, 16), torch.randint(-127, 128, (16, 40), dtype=torch.int8),
+                                  torch.rand(16))),
+])
+def test_opcheck_with_gradients(op, args):
+    opcheck(getattr(torch.ops.lowbit, op).default, args())
+
+
+class _Block(nn.Module):
+    """Frozen low-bit layers around a trainable one (what LoRA adds), gated MLP shaped."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.gate = Fp8Linear.from_float(nn.Linear(40, 52, bias=False), "block", (16, 16))
+        self.up = Int8Linear.from_float(nn.Linear(40, 52))
+        self.adapter = nn.Linear(52, 52)
+        self.down = Fp8Linear.from_float(nn.Linear(52, 40), "channel")
+
+    def forward(self, x):
+        return x + self.down(self.adapter(F.silu(self.gate(x)) * self.up(x)))
+
+
+def _train_steps(model, step, n=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for i in range(n):
+        x = torch.randn(2, 5 + i, 40, generator=torch.Generator().manual_seed(i))
+        losses.append(step(model, opt, x))
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_compiled_training_step_matches_eager():
+    torch._dynamo.reset()
+
+    def step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    eager_losses, eager_params = _train_steps(_Block(), step)
+    model = _Block()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    opt_step = None
+
+    def compiled_step(m, opt, x):
+        nonlocal opt_step
+        # torch's optimizers break the graph on purpose inside step(): fullgraph applies to the model's forward and
+        # (AOT autograd) backward graphs; the optimizer step is compiled as torch's docs do it
+        opt_step = opt_step or torch.compile(opt.step, backend="aot_eager")
+        loss = compiled(x).square().mean()
+        loss.backward()
+        opt_step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    losses, params = _train_steps(model, compiled_step)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+    for p, q in zip(params, eager_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    from torch.utils.checkpoint import checkpoint
+    x = torch.randn(2, 6, 40)
+    grads = []
+    for ckpt in (False, True):
+        model = _Block()
+        out = checkpoint(model, x, use_reentrant=False) if ckpt else model(x)
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -1,0 +1,129 @@
+"""Gradients through the low-bit matmul ops, registered for both namespaces (``lowbit`` and ``lowbit_emu``).
+
+The weights and scales are frozen data: the ops are differentiable w.r.t. their activations and bias only, and
+asking for a weight's or scale's gradient raises instead of leaving it silently None. The backward passes
+multiply by the low-bit weights as stored, through the transposed-product ops (``fp8_mm_t``,
+``fp8_grouped_mm_t``, ``int8_weight_mm_t``), never through a dense copy.
+
+W8A8: ``int8_quantize`` rounds its input, so it has no useful derivative. Int8Linear trains through
+:func:`int8_linear`, an autograd function whose backward passes the gradient straight through the activation
+quantization: ``grad_x = grad_out @ (wq * w_scale)``. Differentiating ``int8_quantize`` / ``int8_mm``'s scales
+directly raises and names it.
+"""
+from __future__ import annotations
+
+import torch
+
+_NAMESPACES = ("lowbit", "lowbit_emu")
+
+
+def _transposed(ns: str, name: str):
+    """torch.ops.<ns>.<name>; the emulator's tensors live on the CPU, so until the emulator has a kernel for a
+    transposed op its backward passes use the CPU kernel."""
+    if ns != "lowbit" and not torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{name}", "CPU"):
+        ns = "lowbit"
+    return getattr(getattr(torch.ops, ns), name)
+
+
+def _refuse_frozen(op, ctx, frozen):
+    for i, name in frozen:
+        if ctx.needs_input_grad[i]:
+            raise RuntimeError(
+                f"{op}: {name} requires grad, but low-bit weights and their scales are frozen data and have no "
+                f"gradient here; call {name}.requires_grad_(False) and train the activations' side (biases, "
+                "adapters such as LoRA) instead")
+
+
+def _bias_grad(grad, bias_dtype, N):
+    return grad.to(torch.float32).sum_to_size((N,)).to(bias_dtype)
+
+
+def _fp8_mm_setup(ctx, inputs, output):
+    x, weight, scale, bias, block_size = inputs
+    ctx.save_for_backward(weight, scale)
+    ctx.block_size = block_size
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _fp8_grouped_mm_setup(ctx, inputs, output):
+    x, weight, scale, offsets, expert_ids, block_size = inputs
+    ctx.save_for_backward(weight, scale, offsets, expert_ids)
+    ctx.block_size = block_size
+
+
+def _int8_mm_setup(ctx, inputs, output):
+    xq, x_scale, wq, w_scale, bias, out_dtype = inputs
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.N = wq.shape[0]
+
+
+def _backward_fns(ns):
+    def fp8_mm_backward(ctx, grad):
+        _refuse_frozen("fp8_mm", ctx, ((1, "weight"), (2, "scale")))
+        weight, scale = ctx.saved_tensors
+        gx = _transposed(ns, "fp8_mm_t")(grad, weight, scale, ctx.block_size) if ctx.needs_input_grad[0] else None
+        gb = _bias_grad(grad, ctx.bias_dtype, weight.shape[0]) if ctx.needs_input_grad[3] else None
+        return gx, None, None, gb, None
+
+    def fp8_grouped_mm_backward(ctx, grad):
+        _refuse_frozen("fp8_grouped_mm", ctx, ((1, "weight"), (2, "scale")))
+        weight, scale, offsets, expert_ids = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = _transposed(ns, "fp8_grouped_mm_t")(grad, weight, scale, offsets, expert_ids, ctx.block_size)
+        return gx, None, None, None, None, None
+
+    def int8_mm_backward(ctx, grad):
+        _refuse_frozen("int8_mm", ctx, ((3, "w_scale"),))
+        if ctx.needs_input_grad[1]:
+            raise RuntimeError(
+                "int8_mm: x_scale requires grad, but int8_mm multiplies quantized activations and has no gradient "
+                "w.r.t. them; train through torch_lowbit.int8_linear (what Int8Linear runs), whose backward passes "
+                "the gradient straight through the activation quantization")
+        gb = _bias_grad(grad, ctx.bias_dtype, ctx.N) if ctx.needs_input_grad[4] else None
+        return None, None, None, None, gb, None
+
+    def int8_quantize_backward(ctx, grad_q, grad_scale):
+        raise RuntimeError(
+            "int8_quantize is not differentiable (it rounds to int8); train through torch_lowbit.int8_linear (what "
+            "Int8Linear runs), whose backward passes the gradient straight through the activation quantization")
+
+    return {
+        "fp8_mm": (fp8_mm_backward, _fp8_mm_setup),
+        "fp8_grouped_mm": (fp8_grouped_mm_backward, _fp8_grouped_mm_setup),
+        "int8_mm": (int8_mm_backward, _int8_mm_setup),
+        "int8_quantize": (int8_quantize_backward, None),
+    }
+
+
+def _register_autograd():
+    for ns in _NAMESPACES:
+        for name, (backward, setup) in _backward_fns(ns).items():
+            torch.library.register_autograd(f"{ns}::{name}", backward, setup_context=setup)
+
+
+class _Int8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(x, wq, w_scale, bias, ns):
+        ops = getattr(torch.ops, ns)
+        xq, xs = ops.int8_quantize(x)
+        return ops.int8_mm(xq, xs, wq, w_scale, bias, x.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, wq, w_scale, bias, ns = inputs
+        ctx.save_for_backward(wq, w_scale)
+        ctx.ns = ns
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx, grad):
+        _refuse_frozen("int8_linear", ctx, ((2, "w_scale"),))
+        wq, w_scale = ctx.saved_tensors
+        gx = _transposed(ctx.ns, "int8_weight_mm_t")(grad, wq, w_scale) if ctx.needs_input_grad[0] else None
+        gb = _bias_grad(grad, ctx.bias_dtype, wq.shape[0]) if ctx.needs_input_grad[3] else None
+        return gx, None, None, gb, None
+
+
+def int8_linear(x, wq, w_scale, bias=None, ns="lowbit"):
+    return _Int8Linear.apply(x, wq, w_scale, bias, ns)
