@@ -29,23 +29,24 @@ inline uint2 frag_coord(uint lane) {
   return uint2(((lane >> 3) & 1) * 4 + (lane & 1) * 2, ((lane >> 4) & 1) * 4 + ((lane >> 1) & 3));
 }
 
-// Stage activations x[r, k0 + kk] for the tile's rows r < rows, zeros elsewhere (past rows or the segment).
-template <typename T>
-inline void gemm_stage_x(threadgroup T* xs, device const T* x, uint rows, uint K, uint k0, uint len, bool vector_ok,
+// Stage activations x[r, k0 + kk] for the tile's rows r < rows, zeros elsewhere (past rows or the segment),
+// as S (T itself, or float for kernels that load the tile with simdgroup_load into float matrices).
+template <typename T, typename S = T>
+inline void gemm_stage_x(threadgroup S* xs, device const T* x, uint rows, uint K, uint k0, uint len, bool vector_ok,
                          uint tid) {
   const uint r = tid / 4, kk = (tid % 4) * 8;
-  threadgroup T* dst = xs + r * kGemmXStride + kk;
+  threadgroup S* dst = xs + r * kGemmXStride + kk;
   device const T* src = x + ulong(r) * K + k0 + kk;
   if (vector_ok && r < rows && kk + 8 <= len) {
     const vec<T, 4> lo = *(device const vec<T, 4>*)src;
     const vec<T, 4> hi = *(device const vec<T, 4>*)(src + 4);
     for (uint j = 0; j < 4; j++) {
-      dst[j] = lo[j];
-      dst[4 + j] = hi[j];
+      dst[j] = S(lo[j]);
+      dst[4 + j] = S(hi[j]);
     }
   } else {
     for (uint j = 0; j < 8; j++) {
-      dst[j] = (r < rows && kk + j < len) ? src[j] : T(0.0f);
+      dst[j] = (r < rows && kk + j < len) ? S(src[j]) : S(0.0f);
     }
   }
 }

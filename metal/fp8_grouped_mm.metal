@@ -8,53 +8,12 @@
 //   fp8_grouped_gemm_*  prefill, step 2: grid (ceil(N / 32), ceil(T / 32) + G + 1), 128 threads; threadgroup
 //                       y finds its segment and tile in the step-1 table (a binary search) and computes it,
 //                       so only the row tiles that exist run: ceil(T / 32) + G + 1 at most, not T x G.
-// A group with expert id -1 zeroes its rows; an empty group has no tiles. offsets are clamped to [0, T] and
-// ids outside [0, E) act as -1, so malformed values (validated on the host where the plan can read them, not
-// on mps) never index outside a buffer.
+// A group with expert id -1 zeroes its rows; an empty group has no tiles (clamping: fp8_grouped.h).
 #include <metal_stdlib>
 #include "fp8_gemv.h"
 #include "fp8_gemm.h"
+#include "fp8_grouped.h"
 using namespace metal;
-
-struct GroupSpan {
-  uint begin, end;  // rows [begin, end), 0 <= begin <= end <= T
-  int expert;       // -1: zero rows
-};
-
-inline uint clamp_row(int o, uint T) {
-  return o < 0 ? 0u : min(uint(o), T);
-}
-
-inline GroupSpan group_span(device const int* offsets, device const int* ids, uint g,
-                            constant Fp8GroupedMmParams& p) {
-  GroupSpan s;
-  s.begin = clamp_row(offsets[g], p.T);
-  s.end = max(s.begin, clamp_row(offsets[g + 1], p.T));
-  const int e = ids[g];
-  s.expert = (e >= 0 && uint(e) < p.E) ? e : -1;
-  return s;
-}
-
-// out[r0 .. r1, c0 .. c1) = 0, spread over the threadgroup's threads
-template <typename T>
-inline void zero_rows(device T* out, uint N, uint r0, uint r1, uint c0, uint c1, uint tid, uint nthreads) {
-  if (r0 >= r1 || c0 >= c1) {
-    return;
-  }
-  const uint cols = c1 - c0;
-  for (uint i = tid; i < (r1 - r0) * cols; i += nthreads) {
-    out[ulong(r0 + i / cols) * N + c0 + i % cols] = T(0.0f);
-  }
-}
-
-// Rows in no group: before offsets[0] and from offsets[G] on (groups are contiguous between the two)
-template <typename T>
-inline void zero_rows_in_no_group(device T* out, device const int* offsets, constant Fp8GroupedMmParams& p, uint r0,
-                                  uint r1, uint c0, uint c1, uint tid, uint nthreads) {
-  const uint first = clamp_row(offsets[0], p.T), last = clamp_row(offsets[p.G], p.T);
-  zero_rows<T>(out, p.N, r0, min(r1, first), c0, c1, tid, nthreads);
-  zero_rows<T>(out, p.N, max(r0, last), r1, c0, c1, tid, nthreads);
-}
 
 template <typename T>
 kernel void fp8_grouped_gemv(
@@ -74,7 +33,7 @@ kernel void fp8_grouped_gemv(
   const uint g = tgid.y;
   const uint c0 = tgid.x * kCols, c1 = min(c0 + kCols, p.N);
   if (g == p.G) {
-    zero_rows_in_no_group<T>(out, offsets, p, 0, p.T, c0, c1, tid, kThreads);
+    zero_rows_in_no_group<T>(out, p.N, offsets, p, 0, p.T, c0, c1, tid, kThreads);
     return;
   }
   const GroupSpan s = group_span(offsets, expert_ids, g, p);
@@ -138,26 +97,13 @@ kernel void fp8_grouped_gemm(
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup T xs[kFp8GemmTile * kGemmXStride];
   threadgroup half ws[kFp8GemmTile * kGemmWStride];
-  device const uint* bound = tiles;
-  device const uint* first = tiles + p.G + 3;
-  const uint y = tgid.y;
-  if (y >= first[p.G + 2]) {
+  const GroupTile gt = group_tile(tiles, expert_ids, tgid.y, p);
+  if (gt.rows == 0) {
     return;  // past the tiles that exist; the whole threadgroup
   }
-  uint lo = 0, hi = p.G + 2;  // first[lo] <= y < first[hi]: the last segment starting at or before tile y
-  while (hi - lo > 1) {
-    const uint mid = (lo + hi) / 2;
-    if (first[mid] <= y) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  const uint m0 = bound[lo] + (y - first[lo]) * kFp8GemmTile;
-  const uint rows = min(kFp8GemmTile, bound[lo + 1] - m0);
+  const uint m0 = gt.m0, rows = gt.rows, id = uint(gt.expert);
   const uint n0 = tgid.x * kFp8GemmTile, c1 = min(n0 + kFp8GemmTile, p.N);
-  const int id = lo >= 1 && lo <= p.G ? expert_ids[lo - 1] : -1;  // rows in no group: expert -1
-  if (id < 0 || uint(id) >= p.E) {
+  if (gt.expert < 0) {
     zero_rows<T>(out, p.N, m0, m0 + rows, n0, c1, tid, kFp8GemmThreads);
     return;
   }

@@ -77,6 +77,28 @@ struct Fp8GroupedMmParams {
   ScaleParams scale;
 };
 
+// ---- transposed products (fp8_mm_t, fp8_grouped_mm_t, int8_weight_mm_t): out[M, K] = g[M, N] @ W[N, K] ----
+// The GEMM variant reuses the fp8 GEMM's geometry (kFp8GemmTile, kFp8GemmThreads), so fp8_grouped_tiles'
+// 32-row tile table serves fp8_grouped_mm_t's prefill as well.
+LOWBIT_CONSTANT uint kMmTGemvSimdgroups = 8;  // GEMV: simdgroups per threadgroup, each walking every 8th row of W
+LOWBIT_CONSTANT uint kMmTGemvLaneCols = 4;    // GEMV: output columns per lane (one 4-byte weight load per row)
+LOWBIT_CONSTANT uint kMmTGemvCols = 32 * kMmTGemvLaneCols;  // GEMV: output columns per threadgroup
+LOWBIT_CONSTANT uint kMmTGemvRows = 8;        // small-M GEMV: rows of g per pass
+LOWBIT_CONSTANT uint kMmTWeightVecBytes = 4;  // the weight loads' width (uint: 4 codes)
+LOWBIT_CONSTANT uint kMmTGradVecBytes = 16;   // the GEMM's widest g load (vec<float, 4>)
+// MmTParams::flags / Fp8GroupedMmParams::flags of fp8_grouped_mm_t
+enum MmTFlags : uint {
+  kMmTWeightVec = 1u,  // K % 4 == 0 and W starts 4-byte aligned: 4-byte weight loads
+  kMmTGradVec = 2u,    // N * sizeof(T) % 16 == 0 and g starts 16-byte aligned: vector loads of g's rows
+};
+
+// fp8_mm_t / int8_weight_mm_t: g[M, N], W[N, K] (fp8 or int8 codes) -> out[M, K]
+struct MmTParams {
+  uint M, N, K;
+  uint flags;
+  ScaleParams scale;  // int8: kind 0 (w_scale[0]) or 1 (w_scale[n])
+};
+
 // ---- int8 ----
 // int8_gemv: kInt8GemvSimdgroups x kInt8GemvRows weight rows and kInt8GemvXRows x rows per threadgroup (the same
 // 4 weight rows per threadgroup as the fp8 decode GEMV, for the same reason); K advances kInt8GemvStepK bytes

@@ -17,7 +17,8 @@ import torch_lowbit
 sys.path.insert(0, os.path.dirname(__file__))
 
 # The ops that have Metal kernels: the Metal issues add theirs here.
-METAL_OPS = {"fp8_mm", "fp8_dequantize", "fp8_grouped_mm", "int8_quantize", "int8_mm"}
+METAL_OPS = {"fp8_mm", "fp8_dequantize", "fp8_grouped_mm", "int8_quantize", "int8_mm", "fp8_mm_t", "fp8_grouped_mm_t",
+             "int8_weight_mm_t"}
 
 
 @pytest.fixture(autouse=True, scope="session")

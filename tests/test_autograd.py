@@ -93,6 +93,25 @@ def test_int8_layer_trains_through_int8_linear():
     torch.testing.assert_close(x.grad.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch_lowbit.emulator.available(), reason="the Metal emulator is not built in this install")
+@pytest.mark.parametrize("M", [1, 11])
+def test_emulator_backward_runs_the_metal_transposed_kernels(M):
+    # the emulator's backward multiplies through its own fp8_mm_t (the Metal kernels), not the CPU kernel
+    from torch_lowbit._autograd import _transposed
+    for name in ("fp8_mm_t", "fp8_grouped_mm_t", "int8_weight_mm_t"):
+        assert _transposed("lowbit_emu", name)._qualified_op_name == f"lowbit_emu::{name}"
+    g = torch.Generator().manual_seed(M)
+    N, K = 37, 70
+    bits = random_fp8_bits((N, K), g)
+    scale, block = make_scale("block_16x32", N, K, g)
+    x = torch.randn(M, K, generator=g).requires_grad_()
+    go = torch.randn(M, N, generator=g)
+    torch.ops.lowbit_emu.fp8_mm(x, bits, scale, None, block).backward(go)
+    assert torch.equal(x.grad, torch.ops.lowbit_emu.fp8_mm_t(go, bits, scale, block))
+    ref, absref = ref_matmul_t(go, fp8_weight_f64(bits, scale, block))
+    assert_matmul_close(x.grad, ref, absref, acc_rtol=ACC_RTOL)
+
+
 @pytest.mark.parametrize("backend", backends_for("fp8_grouped_mm", emu_rev=False))
 @pytest.mark.parametrize("layout", ["channel", "block"])
 def test_fp8_grouped_mm_grad_x(backend, layout):

@@ -4,7 +4,8 @@ Every dispatch must cover its output with tight grids, fit Metal's launch limits
 per grid dimension, 1024 threads, 32 KiB threadgroup memory, 4 KiB setBytes) and carry the sizes exactly in
 its 32-bit params. Shapes: Llama-3-70B (K = 8192, N = 28672, lm_head N = 128256), DeepSeek-V3 MoE (hidden
 7168, expert intermediate 2048, 256 experts, top-8) and Qwen3-30B-A3B MoE (hidden 2048, expert intermediate
-768, 128 experts, top-8), decode (M = 1, one token's top-8 rows) and prefill (M = 4096, T = 32768 rows)."""
+768, 128 experts, top-8), decode (M = 1, one token's top-8 rows) and prefill (M = 4096, T = 32768 rows), for the
+forward ops and the backward passes' transposed products."""
 import math
 import struct
 
@@ -22,6 +23,9 @@ POSITIONS = 2 ** 32  # thread_position_in_grid is a 32-bit uint
 # kernels' geometry (metal/*.metal), written out here so a plan that sizes a grid wrongly fails.
 TILES = {"fp8_gemv_rows_": (8, 16), "fp8_gemv_": (1, 4), "fp8_gemm_": (32, 32), "int8_gemv_": (4, 4),
          "int8_gemm_": (32, 64)}
+# the transposed products (out [M, K]): rows of grad_out, columns of out
+for _op in ("fp8_mm_t_", "int8_weight_mm_t_"):
+    TILES.update({_op + "gemv_rows_": (8, 128), _op + "gemv_": (1, 128), _op + "gemm_": (32, 32)})
 
 
 def tile_of(kernel):
@@ -101,6 +105,26 @@ def test_fp8_dequantize_grid_at_llama_70b_sizes(N, K):
     assert r["grid"] == (math.ceil(K / 4 / 64), math.ceil(N / 4), 1) and r["threads"] == (64, 4, 1)
 
 
+@pytest.mark.parametrize("M", [1, 5, 4096])
+@pytest.mark.parametrize("K,N", LLAMA_70B)
+@pytest.mark.parametrize("op", ["fp8_mm_t", "int8_weight_mm_t"])
+def test_transposed_grids_at_llama_70b_sizes(op, M, K, N):
+    # the backward product of the forward's [N, K] weight: grad_out [M, N] -> [M, K]
+    go = torch.empty(M, N, dtype=torch.bfloat16, device=META)
+    if op == "fp8_mm_t":
+        w, s, block = fp8_weight(N, K)
+        out, recs = run(op, go, w, s, block)
+    else:
+        out, recs = run(op, go, torch.empty(N, K, dtype=torch.int8, device=META), torch.empty(N, device=META))
+    assert out.shape == (M, K) and len(recs) == 1
+    r = recs[0]
+    rows, cols = tile_of(r["kernel"])
+    assert r["kernel"].startswith(op) and r["kernel"].endswith("_bfloat")
+    assert r["grid"] == (math.ceil(K / cols), math.ceil(M / rows), 1)
+    assert u32s(r, 4) == (M, N, K, 3)  # flags: 4-byte weight loads, vector loads of grad_out
+    assert r["buffers"]["weight"]["nbytes"] == N * K
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 MOE = {  # hidden, expert intermediate, experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -146,6 +170,39 @@ def test_grouped_decode_is_one_slot_per_group(model, proj):
     assert r["grid"] == (math.ceil(N / 4), E + 1, 1) and r["threads"] == (64, 1, 1)
 
 
+def grouped_t(model, proj, T):
+    """fp8_grouped_mm_t for grouped()'s weights: grad_out [T, N] -> [T, K]"""
+    hidden, inter, E, _ = MOE[model]
+    N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
+    w, s, block = fp8_weight(N, K, E=E)
+    go = torch.empty(T, N, dtype=torch.bfloat16, device=META)
+    out, recs = run("fp8_grouped_mm_t", go, w, s, torch.empty(E + 1, dtype=torch.int32, device=META),
+                    torch.empty(E, dtype=torch.int32, device=META), block)
+    assert out.shape == (T, K)
+    return recs, N, K, E
+
+
+@pytest.mark.parametrize("model", list(MOE))
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_grouped_t_prefill_tiles_only_the_rows_that_exist(model, proj):
+    T = 32768
+    recs, N, K, E = grouped_t(model, proj, T)
+    layout, gemm = recs
+    assert layout["kernel"] == "fp8_grouped_tiles" and layout["buffers"]["tiles"]["shape"] == (2 * (E + 3),)
+    assert gemm["kernel"] == "fp8_grouped_mm_t_gemm_bfloat" and gemm["binding"][3] == "tiles"
+    assert gemm["grid"] == (math.ceil(K / 32), math.ceil(T / 32) + E + 1, 1) and gemm["threads"] == (128, 1, 1)
+    assert u32s(gemm, 6) == (T, N, K, E, E, 3)
+    assert gemm["buffers"]["weight"]["nbytes"] == E * N * K
+
+
+@pytest.mark.parametrize("model", list(MOE))
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_grouped_t_decode_is_one_slot_per_group(model, proj):
+    (r,), N, K, E = grouped_t(model, proj, MOE[model][3])
+    assert r["kernel"] == "fp8_grouped_mm_t_gemv_rows_bfloat"
+    assert r["grid"] == (math.ceil(K / 128), E + 1, 1) and r["threads"] == (256, 1, 1)
+
+
 # ---------------------------------------------------------------------------------------------- vector loads
 def view_at(offset, shape, dtype):
     return torch.empty(math.prod(shape) + offset, dtype=dtype, device=META)[offset:].view(shape)
@@ -184,3 +241,12 @@ def test_plans_refuse_launches_past_metal_limits(grid, threads, tg, values, matc
 
 def test_launch_at_the_limits_passes():
     _C._metal_check_launch_limits("k", [2 ** 25, 2 ** 22, 1], [128, 1024 // 128, 1], 32768, 4096)
+
+
+@pytest.mark.parametrize("g_off,w_off,flags", [(0, 0, 3), (2, 0, 1), (4, 0, 3), (0, 2, 2), (0, 4, 3), (1, 1, 0)])
+def test_transposed_vector_loads_need_aligned_buffers(g_off, w_off, flags):
+    M, N, K = 40, 64, 256
+    go = view_at(g_off, (M, N), torch.float32)  # 16-byte aligned at a multiple of 4 floats
+    w = view_at(w_off, (N, K), torch.uint8)     # 4-byte weight loads at a multiple of 4 bytes
+    _, (r,) = run("fp8_mm_t", go, w, torch.empty(1, device=META), None)
+    assert u32s(r, 4)[3] == flags

@@ -41,6 +41,21 @@ def check_int8_t(backend, g, wq, ws):
     return out
 
 
+def check_grouped_t(backend, go, E, N, K, layout, offsets, ids, g):
+    """fp8_grouped_mm_t of go [T, N] with random weights [E, N, K] and a tensor / channel / [16, 32]-block scale
+    (3 x 3 blocks for N, K <= 48, 96) against float64"""
+    bits = random_fp8_bits((E, N, K), g)
+    block = [16, 32] if layout == "block" else None
+    scale = {"tensor": torch.rand(E, generator=g), "channel": torch.rand(E, N, generator=g),
+             "block": torch.rand(E, 3, 3, generator=g)}[layout] + 0.5
+    out = backend.op("fp8_grouped_mm_t")(backend.to(go), backend.to(bits), backend.to(scale), backend.to(offsets),
+                                         backend.to(ids), block)
+    assert out.shape == (go.shape[0], K) and out.dtype == go.dtype
+    ref, absref = ref_fp8_grouped_mm_t(go, bits, scale, offsets, ids, block)
+    assert_matmul_close(out, ref, absref, acc_rtol=ACC_RTOL)
+    return out
+
+
 @pytest.mark.parametrize("backend", backends_for("fp8_mm_t"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M", [1, 3, 8, 33])
@@ -126,17 +141,74 @@ def test_fp8_grouped_mm_t_matches_reference(backend, dtype, layout):
     E, N, K, T = 3, 40, 72, 22
     offsets = torch.tensor([0, 1, 1, 13, 17], dtype=torch.int32)
     ids = torch.tensor([2, 0, 1, -1], dtype=torch.int32)
-    bits = random_fp8_bits((E, N, K), g)
-    block = [16, 32] if layout == "block" else None
-    scale = {"tensor": torch.rand(E, generator=g), "channel": torch.rand(E, N, generator=g),
-             "block": torch.rand(E, 3, 3, generator=g)}[layout] + 0.5
-    go = torch.randn(T, N, generator=g).to(dtype)
-    out = backend.op("fp8_grouped_mm_t")(backend.to(go), backend.to(bits), backend.to(scale), backend.to(offsets),
-                                         backend.to(ids), block)
-    assert out.shape == (T, K) and out.dtype == dtype
-    ref, absref = ref_fp8_grouped_mm_t(go, bits, scale, offsets, ids, block)
-    assert_matmul_close(out, ref, absref, acc_rtol=ACC_RTOL)
+    out = check_grouped_t(backend, torch.randn(T, N, generator=g).to(dtype), E, N, K, layout, offsets, ids, g)
     assert (out[13:].cpu() == 0).all()  # the -1 group and the rows past offsets[G]
+
+
+def at_offset(t, offset):
+    """t's values in a contiguous view starting `offset` elements into a larger buffer (a misaligned start)."""
+    v = torch.empty(t.numel() + offset, dtype=t.dtype)[offset:].view(t.shape)
+    v.copy_(t)
+    return v
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_mm_t"))
+@pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize("g_off,w_off", [(0, 0), (1, 0), (0, 3), (3, 1)])
+def test_fp8_mm_t_misaligned_views(backend, M, g_off, w_off):
+    # N, K multiples of 16 take the vector loads unless a view's start rules them out; both must be right
+    N, K = 64, 96
+    g = torch.Generator().manual_seed(M * 10 + g_off * 4 + w_off)
+    bits = random_fp8_bits((N, K), g)
+    go = torch.randn(M, N, generator=g)
+    check_fp8_t(backend, at_offset(go, g_off), at_offset(bits, w_off), torch.rand(4, 3, generator=g) + 0.5, [16, 32])
+
+
+@pytest.mark.parametrize("backend", backends_for("int8_weight_mm_t"))
+@pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize("g_off,w_off", [(0, 0), (1, 3)])
+def test_int8_weight_mm_t_misaligned_views(backend, M, g_off, w_off):
+    N, K = 48, 80
+    g = torch.Generator().manual_seed(M + g_off + w_off)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    go = torch.randn(M, N, generator=g).to(torch.bfloat16)
+    check_int8_t(backend, at_offset(go, g_off), at_offset(wq, w_off), torch.rand(N, generator=g))
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_mm_t"))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_mm_t_large_m_several_tiles(backend, dtype):
+    # M = 70: three row tiles of the GEMM (the last of 6 rows); K = 70: three column tiles; N = 45: two N steps
+    N, K, M = 45, 70, 70
+    g = torch.Generator().manual_seed(9)
+    scale, block = make_scale("block_16x32", N, K, g)
+    check_fp8_t(backend, torch.randn(M, N, generator=g).to(dtype), random_fp8_bits((N, K), g), scale, block)
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_grouped_mm_t"))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["tensor", "channel", "block"])
+def test_fp8_grouped_mm_t_prefill(backend, dtype, layout):
+    # more than 8 rows a group on average (the tiled kernel): an empty group, 45 rows (two tiles, the second
+    # partial), a -1 group, rows in no group; N and K tails, partial blocks, a misaligned grad_out view
+    g = torch.Generator().manual_seed(10 + len(layout))
+    E, N, K, T = 3, 45, 70, 60
+    offsets = torch.tensor([0, 0, 45, 50], dtype=torch.int32)
+    ids = torch.tensor([1, 0, -1], dtype=torch.int32)
+    go = at_offset(torch.randn(T, N, generator=g).to(dtype), 1)
+    out = check_grouped_t(backend, go, E, N, K, layout, offsets, ids, g)
+    assert (out[45:].cpu() == 0).all()
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_grouped_mm_t"))
+@pytest.mark.parametrize("T,N,K", [(0, 8, 8), (5, 0, 8), (5, 8, 0)])
+def test_fp8_grouped_mm_t_empty_sizes(backend, T, N, K):
+    g = torch.Generator().manual_seed(11)
+    offsets = torch.tensor([0, min(T, 2), T], dtype=torch.int32)
+    out = backend.op("fp8_grouped_mm_t")(backend.to(torch.randn(T, N, generator=g)),
+                                         backend.to(random_fp8_bits((2, N, K), g)), backend.to(torch.ones(2)),
+                                         backend.to(offsets), None, None)
+    assert out.shape == (T, K) and (out.cpu() == 0).all()
 
 
 @pytest.mark.parametrize("call,match", [

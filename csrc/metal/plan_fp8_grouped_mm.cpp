@@ -1,5 +1,5 @@
 // fp8_grouped_mm on Metal: validate, pick the decode or prefill kernel, size the grid over the groups.
-#include "metal/plans.h"
+#include "metal/plan_grouped.h"
 
 namespace lowbit::metal {
 namespace {
@@ -16,6 +16,46 @@ bool use_decode_kernel(int64_t T, int64_t G) { return T <= kDecodeMaxMeanRowsPer
 
 }  // namespace
 
+Fp8GroupedMmParams grouped_params(const Fp8GroupedMmArgs& a, uint32_t flags) {
+  Fp8GroupedMmParams p{};
+  p.T = checked_u32("T", a.T);
+  p.N = checked_u32("N", a.w.N);
+  p.K = checked_u32("K", a.w.K);
+  p.E = checked_u32("E", a.w.E);
+  p.G = checked_u32("G", a.G);
+  p.flags = flags;
+  const ScaleLayout& l = a.w.layout;
+  p.scale_stride = checked_u32("scale elements per expert",
+                               l.kind == ScaleKind::Tensor ? 1 : l.kind == ScaleKind::Channel ? a.w.N : l.nb * l.kb);
+  p.scale = scale_params(l);
+  return p;
+}
+
+at::Tensor run_grouped_tiles(Target t, const at::Tensor& offsets, const Fp8GroupedMmParams& p) {
+  at::Tensor tiles = at::empty({2 * (int64_t(p.G) + 3)}, offsets.options());
+  Dispatch layout("fp8_grouped_tiles");
+  layout.buffer("offsets", offsets).buffer("tiles", tiles, Access::Write).value("params", p);
+  layout.grid({1, 1, 1}, {1, 1, 1});
+  t.run(layout);
+  return tiles;
+}
+
+void run_grouped(Target t, const std::string& kernel, const char* x_name, const Fp8GroupedMmArgs& a,
+                 const Fp8GroupedMmParams& p, const at::Tensor& out, bool decode, int64_t grid_x, uint32_t threads) {
+  Dispatch d(kernel);
+  d.buffer(x_name, a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
+  if (decode) {
+    d.buffer("offsets", a.offsets);
+  } else {
+    d.buffer("tiles", run_grouped_tiles(t, a.offsets, p));
+  }
+  d.buffer("expert_ids", a.expert_ids).buffer("out", out, Access::Write).value("params", p);
+  // prefill: at most ceil(rows / 32) tiles per segment -- G groups and the rows before and after them
+  const int64_t grid_y = decode ? a.G + 1 : ceil_div(a.T, kFp8GemmTile) + a.G + 1;
+  d.grid({checked_u32("grid x", grid_x), checked_u32("grid y", grid_y), 1}, {threads, 1, 1});
+  t.run(d);
+}
+
 std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype) {
   return kernel_name(use_decode_kernel(T, G) ? "fp8_grouped_gemv" : "fp8_grouped_gemm", dtype);
 }
@@ -26,47 +66,18 @@ at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& 
   // host_visible (emulator): offsets and ids are checked here; on mps the kernels clamp them instead
   const Fp8GroupedMmArgs a =
       check_fp8_grouped_mm(x, weight, scale, offsets, expert_ids, block_size, /*validate_values=*/t.host_visible);
-  const int64_t T = a.T, N = a.w.N, K = a.w.K, E = a.w.E, G = a.G;
+  const int64_t T = a.T, N = a.w.N, K = a.w.K, G = a.G;
   at::Tensor out = at::empty({T, N}, a.x.options());
   if (out.numel() == 0) return out;
   if (K == 0 || G == 0) return out.zero_();  // empty sums, or every row in no group
 
-  Fp8GroupedMmParams p{};
-  p.T = checked_u32("T", T);
-  p.N = checked_u32("N", N);
-  p.K = checked_u32("K", K);
-  p.E = checked_u32("E", E);
-  p.G = checked_u32("G", G);
-  p.flags = vector_access_ok(kFp8VecLoadBytes, K, {a.x, a.w.bits}) ? kFp8VecLoads : 0u;
-  const ScaleLayout& l = a.w.layout;
-  p.scale_stride = checked_u32("scale elements per expert",
-                               l.kind == ScaleKind::Tensor ? 1 : l.kind == ScaleKind::Channel ? N : l.nb * l.kb);
-  p.scale = scale_params(l);
+  const Fp8GroupedMmParams p =
+      grouped_params(a, vector_access_ok(kFp8VecLoadBytes, K, {a.x, a.w.bits}) ? kFp8VecLoads : 0u);
 
   const bool decode = use_decode_kernel(T, G);
-  Dispatch d(fp8_grouped_mm_kernel_name(T, G, a.x.scalar_type()));
-  d.buffer("x", a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
-  if (decode) {
-    d.buffer("offsets", a.offsets);
-  } else {
-    // The tiles that exist, laid out on the device (the plan cannot read offsets on mps without a sync):
-    // fp8_grouped_tiles writes the table, the GEMM's threadgroups look their tile up in it.
-    at::Tensor tiles = at::empty({2 * (G + 3)}, a.offsets.options());
-    Dispatch layout("fp8_grouped_tiles");
-    layout.buffer("offsets", a.offsets).buffer("tiles", tiles, Access::Write).value("params", p);
-    layout.grid({1, 1, 1}, {1, 1, 1});
-    t.run(layout);
-    d.buffer("tiles", tiles);
-  }
-  d.buffer("expert_ids", a.expert_ids).buffer("out", out, Access::Write).value("params", p);
-  if (decode) {  // one grid slot per group, plus one for the rows in no group
-    d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsRows)), checked_u32("G + 1", G + 1), 1},
-           {kFp8GemvSimdgroups * 32, 1, 1});
-  } else {  // at most ceil(rows / 32) tiles per segment: G groups and the rows before and after them
-    d.grid({checked_u32("grid x", ceil_div(N, kFp8GemmTile)), checked_u32("grid y", ceil_div(T, kFp8GemmTile) + G + 1), 1},
-           {kFp8GemmThreads, 1, 1});
-  }
-  t.run(d);
+  const int64_t cols = decode ? kFp8GemvSimdgroups * kFp8GemvColsRows : kFp8GemmTile;
+  run_grouped(t, fp8_grouped_mm_kernel_name(T, G, a.x.scalar_type()), "x", a, p, out, decode, ceil_div(N, cols),
+              decode ? kFp8GemvSimdgroups * 32 : kFp8GemmThreads);
   return out;
 }
 

@@ -1,4 +1,4 @@
-// The five ops as kernels of one dispatch key: each call runs the op's plan through a fresh launcher L.
+// The ops as kernels of one dispatch key: each call runs the op's plan through a fresh launcher L.
 // The emulator registers PlannedOps<EmuLauncher, true> for lowbit_emu/CPU, the MPS backend
 // PlannedOps<MpsLauncher, false> for lowbit/MPS, so both devices run literally the same plan code.
 #pragma once
@@ -39,12 +39,32 @@ struct PlannedOps {
     return plan_int8_mm(Target{l, HostVisible, l.caps()}, xq, x_scale, wq, w_scale, bias, out_dtype);
   }
 
+  static at::Tensor fp8_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
+                             at::OptionalIntArrayRef block_size) {
+    L l;
+    return plan_fp8_mm_t(Target{l, HostVisible, l.caps()}, grad_out, weight, scale, block_size);
+  }
+  static at::Tensor fp8_grouped_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
+                                     const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                     at::OptionalIntArrayRef block_size) {
+    L l;
+    return plan_fp8_grouped_mm_t(Target{l, HostVisible, l.caps()}, grad_out, weight, scale, offsets, expert_ids,
+                                 block_size);
+  }
+  static at::Tensor int8_weight_mm_t(const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale) {
+    L l;
+    return plan_int8_weight_mm_t(Target{l, HostVisible, l.caps()}, grad_out, wq, w_scale);
+  }
+
   static void register_all(torch::Library& m) {
     m.impl("fp8_mm", &fp8_mm);
     m.impl("fp8_dequantize", &fp8_dequantize);
     m.impl("fp8_grouped_mm", &fp8_grouped_mm);
     m.impl("int8_quantize", &int8_quantize);
     m.impl("int8_mm", &int8_mm);
+    m.impl("fp8_mm_t", &fp8_mm_t);
+    m.impl("fp8_grouped_mm_t", &fp8_grouped_mm_t);
+    m.impl("int8_weight_mm_t", &int8_weight_mm_t);
   }
 };
 

@@ -100,6 +100,16 @@ at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target t, const at::Tensor& x);
 
+// The transposed products of the backward passes (shared plan code: plan_mm_t.h)
+at::Tensor plan_fp8_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
+                         at::OptionalIntArrayRef block_size);
+
+at::Tensor plan_fp8_grouped_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& weight,
+                                 const at::Tensor& scale, const at::Tensor& offsets,
+                                 const std::optional<at::Tensor>& expert_ids, at::OptionalIntArrayRef block_size);
+
+at::Tensor plan_int8_weight_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale);
+
 at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq,
                         const at::Tensor& w_scale, const std::optional<at::Tensor>& bias,
                         std::optional<at::ScalarType> out_dtype);

@@ -140,6 +140,10 @@ def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024
         xq, xs, wq, ws, bias, _ = a
         return nbytes(xq) + nbytes(xs) + nbytes(wq) + nbytes(ws) + nbytes(bias)
 
+    def mm_t_ideal(a):
+        go, w, s, _ = a
+        return nbytes(go) + nbytes(w) + nbytes(s)
+
     def dequant_ideal(a):
         w, s, _, _ = a
         return nbytes(w) + nbytes(s)
@@ -173,6 +177,11 @@ def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024
              grouped_ideal, True),
         Case(f"int8_mm M=1 N={N} K={K}", "int8_mm", int8_mm_m1(N), int8_ideal, True),
         Case(f"int8_mm M=1 N={small_N} K={K}", "int8_mm", int8_mm_m1(small_N), int8_ideal, True),
+        # the backward product grad_out [M, N] @ W [N, K]: decode (one row) and one 32-row tile of the GEMM
+        *[Case(f"fp8_mm_t M={M} N={N} K={K} block {bn}x{bk} bf16", "fp8_mm_t",
+               lambda M=M: (torch.randn(M, N, generator=gen).to(torch.bfloat16), _fp8((N, K), gen),
+                            torch.rand(*blocks(N, K), generator=gen) + 0.5, [bn, bk]), mm_t_ideal, M == 1)
+          for M in (1, 32)],
         Case(f"fp8_dequantize N={N} K={K} per-channel -> bf16", "fp8_dequantize",
              lambda: (_fp8((N, K), gen), torch.rand(N, generator=gen) + 0.5, None, torch.bfloat16), dequant_ideal,
              False),

@@ -1,0 +1,15 @@
+// fp8_mm_t on Metal (fp8_mm's backward product): validate, then the shared transposed-product plan.
+#include "metal/plan_mm_t.h"
+
+namespace lowbit::metal {
+
+at::Tensor plan_fp8_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
+                         at::OptionalIntArrayRef block_size) {
+  const Fp8MmArgs a = check_fp8_mm_t(grad_out, weight, scale, block_size);
+  const int64_t M = a.M, N = a.w.N, K = a.w.K;
+  at::Tensor out = at::empty({M, K}, a.x.options());
+  if (!mm_t_empty(out, N)) run_mm_t(t, "fp8_mm_t", a.x, a.w.bits, a.w.scale, scale_params(a.w.layout), out, M, N, K);
+  return out.view(a.out_shape);
+}
+
+}  // namespace lowbit::metal

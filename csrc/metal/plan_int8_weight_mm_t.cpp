@@ -1,0 +1,18 @@
+// int8_weight_mm_t on Metal (Int8Linear's backward product, grad_out @ (wq * w_scale)): validate, then the
+// shared transposed-product plan with int8 weight codes.
+#include "metal/plan_mm_t.h"
+
+namespace lowbit::metal {
+
+at::Tensor plan_int8_weight_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale) {
+  const Int8WeightMmTArgs a = check_int8_weight_mm_t(grad_out, wq, w_scale);
+  at::Tensor out = at::empty({a.M, a.K}, a.grad_out.options());
+  if (!mm_t_empty(out, a.N)) {
+    ScaleLayout l;  // w_scale [N] (per channel) or [1] (per tensor), as int8_mm takes it
+    l.kind = a.w_scale.numel() == a.N ? ScaleKind::Channel : ScaleKind::Tensor;
+    run_mm_t(t, "int8_weight_mm_t", a.grad_out, a.wq, a.w_scale, scale_params(l), out, a.M, a.N, a.K);
+  }
+  return out.view(a.out_shape);
+}
+
+}  // namespace lowbit::metal

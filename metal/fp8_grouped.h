@@ -1,0 +1,85 @@
+// Groups of rows for the grouped (MoE) kernels, shared by fp8_grouped_mm (fp8_grouped_mm.metal) and its
+// transposed product fp8_grouped_mm_t (fp8_grouped_mm_t.metal): group spans, zeroing the rows a kernel does
+// not compute, and the lookup of a prefill threadgroup's row tile in fp8_grouped_tiles' table.
+// offsets are clamped to [0, T] and ids outside [0, E) act as -1, so malformed values (validated on the host
+// where the plan can read them, not on mps) never index outside a buffer.
+#pragma once
+#include <metal_stdlib>
+#include "params.h"
+using namespace metal;
+
+struct GroupSpan {
+  uint begin, end;  // rows [begin, end), 0 <= begin <= end <= T
+  int expert;       // -1: zero rows
+};
+
+inline uint clamp_row(int o, uint T) {
+  return o < 0 ? 0u : min(uint(o), T);
+}
+
+inline GroupSpan group_span(device const int* offsets, device const int* ids, uint g,
+                            constant Fp8GroupedMmParams& p) {
+  GroupSpan s;
+  s.begin = clamp_row(offsets[g], p.T);
+  s.end = max(s.begin, clamp_row(offsets[g + 1], p.T));
+  const int e = ids[g];
+  s.expert = (e >= 0 && uint(e) < p.E) ? e : -1;
+  return s;
+}
+
+// out[r0 .. r1, c0 .. c1) = 0 (row stride `cols`), spread over the threadgroup's threads
+template <typename T>
+inline void zero_rows(device T* out, uint cols, uint r0, uint r1, uint c0, uint c1, uint tid, uint nthreads) {
+  if (r0 >= r1 || c0 >= c1) {
+    return;
+  }
+  const uint w = c1 - c0;
+  for (uint i = tid; i < (r1 - r0) * w; i += nthreads) {
+    out[ulong(r0 + i / w) * cols + c0 + i % w] = T(0.0f);
+  }
+}
+
+// Rows in no group: before offsets[0] and from offsets[G] on (groups are contiguous between the two)
+template <typename T>
+inline void zero_rows_in_no_group(device T* out, uint cols, device const int* offsets,
+                                  constant Fp8GroupedMmParams& p, uint r0, uint r1, uint c0, uint c1, uint tid,
+                                  uint nthreads) {
+  const uint first = clamp_row(offsets[0], p.T), last = clamp_row(offsets[p.G], p.T);
+  zero_rows<T>(out, cols, r0, min(r1, first), c0, c1, tid, nthreads);
+  zero_rows<T>(out, cols, max(r0, last), r1, c0, c1, tid, nthreads);
+}
+
+// Prefill threadgroup y's tile in the table of fp8_grouped_tiles (fp8_grouped_mm.metal): rows m0 .. m0 + rows
+// of one segment and the segment's expert (-1 for the rows in no group, a -1 group or a bad id).
+// rows == 0: y is past the tiles that exist.
+struct GroupTile {
+  uint m0, rows;
+  int expert;
+};
+
+inline GroupTile group_tile(device const uint* tiles, device const int* expert_ids, uint y,
+                            constant Fp8GroupedMmParams& p) {
+  device const uint* bound = tiles;
+  device const uint* first = tiles + p.G + 3;
+  GroupTile t;
+  t.m0 = 0;
+  t.rows = 0;
+  t.expert = -1;
+  if (y >= first[p.G + 2]) {
+    return t;
+  }
+  uint lo = 0, hi = p.G + 2;  // first[lo] <= y < first[hi]: the last segment starting at or before tile y
+  while (hi - lo > 1) {
+    const uint mid = (lo + hi) / 2;
+    if (first[mid] <= y) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  t.m0 = bound[lo] + (y - first[lo]) * kFp8GemmTile;
+  t.rows = min(kFp8GemmTile, bound[lo + 1] - t.m0);
+  const int id = lo >= 1 && lo <= p.G ? expert_ids[lo - 1] : -1;
+  t.expert = (id >= 0 && uint(id) < p.E) ? id : -1;
+  return t;
+}
