@@ -77,7 +77,7 @@ def emulated_layers(monkeypatch):
     if not torch_lowbit.emulator.available():
         pytest.skip("the Metal emulator is not built in this install")
     monkeypatch.setattr(_ops, "fp8_mm", lambda x, w, s, b=None, bs=None: torch.ops.lowbit_emu.fp8_mm(
-        x, w, s, b, _ops._blocks(bs)))
+        x, w, s, b, _ops._blocks("fp8_mm", bs)))
     monkeypatch.setattr(_ops, "int8_linear", lambda x, w, s, b=None: _autograd.int8_linear(x, w, s, b, "lowbit_emu"))
 
 

@@ -82,7 +82,7 @@ def fp8_mm_t(grad_out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     -> ``[..., K]`` in grad_out's dtype (fp32 accumulation), read from the fp8 weight as stored. Same weight and
     scale layouts as :func:`fp8_mm`.
     """
-    return torch.ops.lowbit.fp8_mm_t(grad_out, weight, scale, _blocks(block_size))
+    return torch.ops.lowbit.fp8_mm_t(grad_out, weight, scale, _blocks("fp8_mm_t", block_size))
 
 
 def fp8_grouped_mm_t(grad_out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
@@ -91,7 +91,7 @@ def fp8_grouped_mm_t(grad_out: torch.Tensor, weight: torch.Tensor, scale: torch.
     """The transposed product of :func:`fp8_grouped_mm`: rows of group g of ``grad_out [T, N]`` times expert
     ``expert_ids[g]`` of ``weight [E, N, K]`` (dequantized) -> ``[T, K]``; rows of -1 groups and rows in no group
     are zero."""
-    return torch.ops.lowbit.fp8_grouped_mm_t(grad_out, weight, scale, offsets, expert_ids, _blocks(block_size))
+    return torch.ops.lowbit.fp8_grouped_mm_t(grad_out, weight, scale, offsets, expert_ids, _blocks("fp8_grouped_mm_t", block_size))
 
 
 def int8_weight_mm_t(grad_out: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

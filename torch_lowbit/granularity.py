@@ -106,14 +106,16 @@ def as_granularity(granularity: GranularityLike, block_size: Optional[Sequence[i
                    name: str = "granularity") -> Granularity:
     """A Granularity from one of the three classes or an alias string. ``block_size`` is the block of the alias
     ``"block"`` (default 128 x 128) and is ignored for the other aliases; with a ``PerBlock`` it must agree."""
+    # the block size is named after the caller's granularity argument: "Fp8Experts: block_size", ...
+    bs_name = name[:-len("granularity")] + "block_size" if name.endswith("granularity") else "block_size"
     if isinstance(granularity, Granularity):
         if (isinstance(granularity, PerBlock) and block_size is not None
-                and normalize_block_size(block_size, "block_size") != granularity.block_size):
+                and normalize_block_size(block_size, bs_name) != granularity.block_size):
             raise ValueError(f"{name} is {granularity!r} but block_size is {tuple(block_size)}: give one of them")
         return granularity
     if isinstance(granularity, str) and granularity in _ALIASES:
         if granularity == "block":
-            return PerBlock(*normalize_block_size(DEFAULT_BLOCK if block_size is None else block_size, "block_size"))
+            return PerBlock(*normalize_block_size(DEFAULT_BLOCK if block_size is None else block_size, bs_name))
         return _ALIASES[granularity]()
     raise ValueError(f"{name} must be one of 'tensor', 'channel', 'block' (or PerTensor(), PerChannel(), "
                      f"PerBlock(bn, bk)), got {granularity!r}")
