@@ -5,16 +5,6 @@
 #include <algorithm>
 
 namespace lowbit {
-
-std::string dims_str(at::IntArrayRef dims) {
-  std::string out = "[";
-  for (size_t i = 0; i < dims.size(); i++) {
-    if (i) out += ", ";
-    out += std::to_string(dims[i]);
-  }
-  return out + "]";
-}
-
 namespace {
 
 bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
@@ -53,9 +43,9 @@ Fp8Weight check_fp8_weight(const char* op, const at::Tensor& weight, const at::T
   TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn || weight.scalar_type() == at::kByte, op,
               ": weight must be float8_e4m3fn or uint8 (fp8 e4m3 bits), got ", weight.scalar_type());
   TORCH_CHECK(weight.dim() == wdim, op, ": weight must be ", grouped ? "[E, N, K]" : "[N, K]", ", got shape ",
-              dims_str(weight.sizes()));
+              weight.sizes());
   TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous (rows of K bytes back to back), got strides ",
-              dims_str(weight.strides()), "; call .contiguous() once when loading it");
+              weight.strides(), "; call .contiguous() once when loading it");
   check_device(op, "scale", scale, weight, "weight");
 
   Fp8Weight w;
@@ -83,7 +73,7 @@ Fp8Weight check_fp8_weight(const char* op, const at::Tensor& weight, const at::T
     ScaleLayout l{ScaleKind::Block, bn, bk, ceil_div(N, bn), ceil_div(K, bk)};
     const auto want = shape({l.nb, l.kb});
     TORCH_CHECK(same(want), op, ": with block_size ", bs, " scale must have shape ", at::IntArrayRef(want),
-                " (ceil(N/block_n), ceil(K/block_k)), got ", dims_str(s.sizes()));
+                " (ceil(N/block_n), ceil(K/block_k)), got ", s.sizes());
     w.layout = l;
     w.scale = s;
     return w;
@@ -96,12 +86,12 @@ Fp8Weight check_fp8_weight(const char* op, const at::Tensor& weight, const at::T
     w.layout = ScaleLayout{ScaleKind::Channel};
     w.scale = s.reshape(shape({N}));
   } else {
-    TORCH_CHECK(s.dim() != gdim + 2, op, ": scale of shape ", dims_str(s.sizes()),
+    TORCH_CHECK(s.dim() != gdim + 2, op, ": scale of shape ", s.sizes(),
                 " looks like block scales; pass block_size=[block_n, block_k]");
     TORCH_CHECK(false, op, ": scale must be ",
                 grouped ? "[E] (per tensor), [E, N] (per channel) or [E, ceil(N/bn), ceil(K/bk)] with block_size"
                         : "one element (per tensor), [N] or [N, 1] (per channel) or [ceil(N/bn), ceil(K/bk)] with block_size",
-                ", for weight of shape ", dims_str(weight.sizes()), "; got ", dims_str(s.sizes()));
+                ", for weight of shape ", weight.sizes(), "; got ", s.sizes());
   }
   return w;
 }
@@ -115,12 +105,12 @@ Fp8MmArgs check_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::
   Fp8MmArgs a;
   a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/false);
   TORCH_CHECK(x.size(-1) == a.w.K, op, ": x's last dimension (", x.size(-1), ") must equal weight's K (", a.w.K,
-              "); weight is [N, K] = ", dims_str(weight.sizes()));
+              "); weight is [N, K] = ", weight.sizes());
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
     check_device(op, "bias", b, x, "x");
     TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.w.N, op, ": bias must be [N] = [", a.w.N, "], got ", dims_str(b.sizes()));
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.w.N, op, ": bias must be [N] = [", a.w.N, "], got ", b.sizes());
     a.bias = b.contiguous();  // in its own dtype: Metal kernels read it as it is
   }
   a.x = flatten_rows(x, &a.M);
@@ -143,17 +133,17 @@ Fp8GroupedMmArgs check_grouped(const char* op, const char* xname, bool transpose
                                bool validate_values) {
   TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": ", xname, " must be bfloat16, float16 or float32, got ",
               x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, op, ": ", xname, " must be ", transposed ? "[T, N]" : "[T, K]", ", got shape ", dims_str(x.sizes()));
+  TORCH_CHECK(x.dim() == 2, op, ": ", xname, " must be ", transposed ? "[T, N]" : "[T, K]", ", got shape ", x.sizes());
   check_device(op, "weight", weight, x, xname);
   check_device(op, "offsets", offsets, x, xname);
   Fp8GroupedMmArgs a;
   a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/true);
   const int64_t want = transposed ? a.w.N : a.w.K;
   TORCH_CHECK(x.size(1) == want, op, ": ", xname, "'s last dimension (", x.size(1), ") must equal weight's ",
-              transposed ? "N" : "K", " (", want, "); weight is [E, N, K] = ", dims_str(weight.sizes()));
+              transposed ? "N" : "K", " (", want, "); weight is [E, N, K] = ", weight.sizes());
   TORCH_CHECK(offsets.scalar_type() == at::kInt, op, ": offsets must be int32, got ", offsets.scalar_type());
   TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 1, op, ": offsets must be [G + 1] with G >= 0, got shape ",
-              dims_str(offsets.sizes()));
+              offsets.sizes());
   a.x = x.contiguous();
   a.T = x.size(0);
   a.G = offsets.numel() - 1;
@@ -163,7 +153,7 @@ Fp8GroupedMmArgs check_grouped(const char* op, const char* xname, bool transpose
     check_device(op, "expert_ids", e, x, "x");
     TORCH_CHECK(e.scalar_type() == at::kInt, op, ": expert_ids must be int32, got ", e.scalar_type());
     TORCH_CHECK(e.dim() == 1 && e.numel() == a.G, op, ": expert_ids must be [G] = [", a.G,
-                "] (one per group of offsets), got shape ", dims_str(e.sizes()));
+                "] (one per group of offsets), got shape ", e.sizes());
     a.expert_ids = e.contiguous();
   } else {
     TORCH_CHECK(a.G <= a.w.E, op, ": without expert_ids, group g uses expert g, so G (", a.G,
@@ -193,7 +183,7 @@ at::Tensor int8_weight_scale(const char* op, const at::Tensor& w_scale, int64_t 
   if (ws.numel() == 1) return ws.reshape({1});
   const bool per_channel = ws.dim() == 1 ? ws.size(0) == N : (ws.dim() == 2 && ws.size(0) == N && ws.size(1) == 1);
   TORCH_CHECK(per_channel, op, ": w_scale must be [N] or [N, 1] (per channel) or have one element (per tensor), N = ",
-              N, ", got ", dims_str(ws.sizes()));
+              N, ", got ", ws.sizes());
   return ws.reshape({N});
 }
 
@@ -223,7 +213,7 @@ Fp8MmArgs check_fp8_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, c
   Fp8MmArgs a;
   a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/false);
   TORCH_CHECK(grad_out.size(-1) == a.w.N, op, ": grad_out's last dimension (", grad_out.size(-1),
-              ") must equal weight's N (", a.w.N, "); weight is [N, K] = ", dims_str(weight.sizes()));
+              ") must equal weight's N (", a.w.N, "); weight is [N, K] = ", weight.sizes());
   a.x = flatten_rows(grad_out, &a.M);
   a.out_shape = with_last(grad_out, a.w.K);
   return a;
@@ -235,9 +225,9 @@ Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::T
               grad_out.scalar_type());
   TORCH_CHECK(grad_out.dim() >= 1, op, ": grad_out must have at least one dimension [..., N]");
   TORCH_CHECK(wq.scalar_type() == at::kChar, op, ": wq must be int8, got ", wq.scalar_type());
-  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", dims_str(wq.sizes()));
+  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", wq.sizes());
   TORCH_CHECK(wq.is_contiguous(), op, ": wq must be contiguous (rows of K bytes back to back), got strides ",
-              dims_str(wq.strides()));
+              wq.strides());
   check_device(op, "wq", wq, grad_out, "grad_out");
   check_device(op, "w_scale", w_scale, grad_out, "grad_out");
   Int8WeightMmTArgs a;
@@ -245,7 +235,7 @@ Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::T
   a.N = wq.size(0);
   a.K = wq.size(1);
   TORCH_CHECK(grad_out.size(-1) == a.N, op, ": grad_out's last dimension (", grad_out.size(-1),
-              ") must equal wq's N (", a.N, "); wq is [N, K] = ", dims_str(wq.sizes()));
+              ") must equal wq's N (", a.N, "); wq is [N, K] = ", wq.sizes());
   a.w_scale = int8_weight_scale(op, w_scale, a.N);
   a.grad_out = flatten_rows(grad_out, &a.M);
   a.out_shape = with_last(grad_out, a.K);
@@ -270,9 +260,9 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
   TORCH_CHECK(xq.scalar_type() == at::kChar, op, ": xq must be int8, got ", xq.scalar_type());
   TORCH_CHECK(xq.dim() >= 1, op, ": xq must have at least one dimension [..., K]");
   TORCH_CHECK(wq.scalar_type() == at::kChar, op, ": wq must be int8, got ", wq.scalar_type());
-  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", dims_str(wq.sizes()));
+  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", wq.sizes());
   TORCH_CHECK(wq.is_contiguous(), op, ": wq must be contiguous (rows of K bytes back to back), got strides ",
-              dims_str(wq.strides()));
+              wq.strides());
   check_device(op, "x_scale", x_scale, xq, "xq");
   check_device(op, "wq", wq, xq, "xq");
   check_device(op, "w_scale", w_scale, xq, "xq");
@@ -281,7 +271,7 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
   a.N = wq.size(0);
   a.K = wq.size(1);
   TORCH_CHECK(xq.size(-1) == a.K, op, ": xq's last dimension (", xq.size(-1), ") must equal wq's K (", a.K,
-              "); wq is [N, K] = ", dims_str(wq.sizes()));
+              "); wq is [N, K] = ", wq.sizes());
   TORCH_CHECK(a.K <= kInt8MaxK, op, ": K = ", a.K, " exceeds ", kInt8MaxK,
               ", beyond which the int32 accumulator of xq @ wq^T can overflow");
   a.xq = flatten_rows(xq, &a.M);
@@ -290,14 +280,14 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
   lead1.push_back(1);
   TORCH_CHECK(x_scale.sizes().vec() == lead || x_scale.sizes().vec() == lead1, op,
               ": x_scale must have xq's leading shape ", at::IntArrayRef(lead), " (one scale per row), got ",
-              dims_str(x_scale.sizes()));
+              x_scale.sizes());
   a.x_scale = widen_scale(op, "x_scale", x_scale).reshape({a.M});
   a.w_scale = int8_weight_scale(op, w_scale, a.N);
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
     check_device(op, "bias", b, xq, "xq");
     TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.N, op, ": bias must be [N] = [", a.N, "], got ", dims_str(b.sizes()));
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.N, op, ": bias must be [N] = [", a.N, "], got ", b.sizes());
     a.bias = b.contiguous();  // in its own dtype: Metal kernels read it as it is
   }
   a.out_dtype = out_dtype.value_or(at::kBFloat16);

@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 
 #include <optional>
-#include <string>
 #include <vector>
 
 namespace lowbit {
@@ -105,10 +104,6 @@ constexpr int64_t kInt8MaxK = ((int64_t(1) << 31) - 1) / (int64_t(1) << 14);
 
 // A checked bias widened to fp32 for kernels that take it so (the CPU's); undefined when there is none.
 at::Tensor bias_as_float(const std::optional<at::Tensor>& bias);
-
-// "[2, 3, 4]": sizes or strides for an error message. Streaming an IntArrayRef into TORCH_CHECK crashed the
-// process (SIGSEGV while building the message) with extensions built against torch 2.11; a plain string does not.
-std::string dims_str(at::IntArrayRef dims);
 
 // ceil(a / b) for a >= 0, b > 0; never overflows (a + b - 1 would for a block size near 2^63)
 inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
