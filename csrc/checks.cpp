@@ -219,15 +219,22 @@ Fp8MmArgs check_fp8_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, c
   return a;
 }
 
+namespace {
+// wq of int8_mm and of its transposed product: int8 [N, K], rows back to back.
+void check_int8_weight(const char* op, const at::Tensor& wq) {
+  TORCH_CHECK(wq.scalar_type() == at::kChar, op, ": wq must be int8, got ", wq.scalar_type());
+  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", wq.sizes());
+  TORCH_CHECK(wq.is_contiguous(), op, ": wq must be contiguous (rows of K bytes back to back), got strides ",
+              wq.strides());
+}
+}  // namespace
+
 Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale) {
   const char* op = "int8_weight_mm_t";
   TORCH_CHECK(is_float_dtype(grad_out.scalar_type()), op, ": grad_out must be bfloat16, float16 or float32, got ",
               grad_out.scalar_type());
   TORCH_CHECK(grad_out.dim() >= 1, op, ": grad_out must have at least one dimension [..., N]");
-  TORCH_CHECK(wq.scalar_type() == at::kChar, op, ": wq must be int8, got ", wq.scalar_type());
-  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", wq.sizes());
-  TORCH_CHECK(wq.is_contiguous(), op, ": wq must be contiguous (rows of K bytes back to back), got strides ",
-              wq.strides());
+  check_int8_weight(op, wq);
   check_device(op, "wq", wq, grad_out, "grad_out");
   check_device(op, "w_scale", w_scale, grad_out, "grad_out");
   Int8WeightMmTArgs a;
@@ -259,10 +266,7 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
   const char* op = "int8_mm";
   TORCH_CHECK(xq.scalar_type() == at::kChar, op, ": xq must be int8, got ", xq.scalar_type());
   TORCH_CHECK(xq.dim() >= 1, op, ": xq must have at least one dimension [..., K]");
-  TORCH_CHECK(wq.scalar_type() == at::kChar, op, ": wq must be int8, got ", wq.scalar_type());
-  TORCH_CHECK(wq.dim() == 2, op, ": wq must be [N, K], got shape ", wq.sizes());
-  TORCH_CHECK(wq.is_contiguous(), op, ": wq must be contiguous (rows of K bytes back to back), got strides ",
-              wq.strides());
+  check_int8_weight(op, wq);
   check_device(op, "x_scale", x_scale, xq, "xq");
   check_device(op, "wq", wq, xq, "xq");
   check_device(op, "w_scale", w_scale, xq, "xq");
