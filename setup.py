@@ -28,6 +28,8 @@ GEN = os.path.join("build", "gen")
 
 sys.path.insert(0, os.path.join(ROOT, "csrc", "emu"))
 sys.path.insert(0, os.path.join(ROOT, "csrc", "metal"))
+sys.path.insert(0, os.path.join(ROOT, "csrc"))
+import cxx_runtime  # noqa: E402
 import metallib  # noqa: E402
 import msl_prep  # noqa: E402
 
@@ -134,6 +136,11 @@ class BuildExt(BuildExtension):
         except metallib.MetalBuildError as e:
             raise SystemExit(f"error: {e}")
         super().run()
+
+    def build_extensions(self):
+        for place in cxx_runtime.keep_cxx_runtime_shared(self.compiler, self.extensions):
+            print(f"torch_lowbit: removed {place}: the extensions must share torch's libstdc++ (csrc/cxx_runtime.py)")
+        super().build_extensions()
 
     def build_extension(self, ext):
         if ext.name == TRACE_EXT:

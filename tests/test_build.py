@@ -15,6 +15,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "csrc", "metal"))
+sys.path.insert(0, os.path.join(ROOT, "csrc"))
+import cxx_runtime  # noqa: E402
 import metallib  # noqa: E402
 
 # A stand-in for Apple's xcrun: appends its argv to $FAKE_XCRUN_LOG (one JSON list a line); `metal -c F -o O`
@@ -181,6 +183,67 @@ def test_one_version_number():
     assert "\nversion =" not in pyproject.split("[tool.setuptools.dynamic]")[0]
 
 
+# ---- the C++ runtime: _C shares torch's libstdc++ ----
+
+def elf_needed(path):
+    """The DT_NEEDED entries of an ELF64 little-endian shared object (its .dynamic section, names in .dynstr)."""
+    import struct
+    data = open(path, "rb").read()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path}: not an ELF64 little-endian file"
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    dynamic = next(s for s in sections if s[1] == 6)  # SHT_DYNAMIC
+    strtab = sections[dynamic[6]]  # sh_link: its string table
+    names = []
+    for off in range(dynamic[4], dynamic[4] + dynamic[5], 16):
+        tag, val = struct.unpack_from("<qQ", data, off)
+        if tag == 0:
+            break
+        if tag == 1:  # DT_NEEDED
+            start = strtab[4] + val
+            names.append(data[start:data.index(b"\0", start)].decode())
+    return names
+
+
+class FakeCompiler:
+    def __init__(self, **commands):
+        self.__dict__.update(commands)
+
+
+class FakeExtension:
+    def __init__(self, name, extra_link_args):
+        self.name, self.extra_link_args = name, extra_link_args
+
+
+def test_static_cxx_runtime_flags_removed_from_every_link_command():
+    compiler = FakeCompiler(linker_so=["g++", "-shared", "-static-libstdc++", "-Wl,-O1"],
+                            linker_so_cxx=["g++", "-static-libstdc++", "-shared"], compiler_so=["gcc", "-O2"])
+    exts = [FakeExtension("torch_lowbit._C", ["-fopenmp", "-static-libstdc++"]), FakeExtension("other", ["-ldl"])]
+    where = cxx_runtime.keep_cxx_runtime_shared(compiler, exts)
+    assert compiler.linker_so == ["g++", "-shared", "-Wl,-O1"] and compiler.linker_so_cxx == ["g++", "-shared"]
+    assert compiler.compiler_so == ["gcc", "-O2"]
+    assert exts[0].extra_link_args == ["-fopenmp"] and exts[1].extra_link_args == ["-ldl"]
+    assert where == ["-static-libstdc++ from the compiler's linker_so", "-static-libstdc++ from the compiler's "
+                     "linker_so_cxx", "-static-libstdc++ from torch_lowbit._C's extra_link_args"]
+    assert cxx_runtime.keep_cxx_runtime_shared(FakeCompiler(linker_so=["cc", "-shared"]), []) == []
+
+
+def test_elf_needed_reads_a_known_library():
+    import torch
+    libc10 = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    if not sys.platform.startswith("linux") or not os.path.exists(libc10):
+        pytest.skip("ELF shared objects: Linux")
+    assert any(n.startswith("libc.so") for n in elf_needed(libc10))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libstdc++ and ELF: Linux")
+def test_extension_links_the_shared_libstdcxx():
+    """A _C with its own static libstdc++ crashes or cuts every error message holding a number (cxx_runtime.py)."""
+    from torch_lowbit import _C
+    assert "libstdc++.so.6" in elf_needed(_C.__file__), elf_needed(_C.__file__)
+
+
 CI = os.environ.get("TORCH_LOWBIT_CI") == "1"
 
 SMOKE = """
@@ -195,6 +258,12 @@ ref = x.double() @ (w.double() * s.double()[:, None]).T
 out = torch_lowbit.fp8_mm(x, w, s)
 err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
 assert out.shape == (3, 40) and err < 1e-5, err
+xq, wq = torch.zeros(2, 8, dtype=torch.int8), torch.zeros(4, 16, dtype=torch.int8)
+try:
+    torch.ops.lowbit.int8_mm(xq, torch.ones(2, 1), wq, torch.ones(4, 1), None, torch.float32)
+    raise AssertionError("int8_mm accepted K = 8 against K = 16")
+except RuntimeError as e:  # the numbers in the message: a static libstdc++ in _C cuts it at the first one
+    assert "(8) must equal wq's K (16)" in str(e), str(e)
 print("smoke ok", err)
 """
 
@@ -242,11 +311,14 @@ def test_sdist_round_trip(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     py = str(venv / "bin" / "python")
-    env = dict(os.environ, TORCH_LOWBIT_EMULATOR="0", MAX_JOBS="2")
+    # LDFLAGS as a Python or toolchain that links C++ statically would set it: the build must drop the flag
+    env = dict(os.environ, TORCH_LOWBIT_EMULATOR="0", MAX_JOBS="2", LDFLAGS="-static-libstdc++")
     r = subprocess.run([py, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-cache-dir",
                         str(tarball)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True)
     assert r.returncode == 0, r.stdout[-3000:]
+    (built,) = (venv / "lib").glob("python*/site-packages/torch_lowbit/_C*.so")
+    assert "libstdc++.so.6" in elf_needed(built), elf_needed(built)
     r = subprocess.run([py, "-c", SMOKE], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert r.returncode == 0, r.stdout[-3000:]
     import torch_lowbit
