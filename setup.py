@@ -21,6 +21,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 IS_MAC = sys.platform == "darwin"
+IS_LINUX = sys.platform.startswith("linux")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 BUILD_EMULATOR = os.environ.get("TORCH_LOWBIT_EMULATOR", "1") != "0"
 BUILD_TRACE = BUILD_EMULATOR and os.environ.get("TORCH_LOWBIT_TRACE", "1") != "0"
@@ -140,7 +141,16 @@ class BuildExt(BuildExtension):
     def build_extensions(self):
         for place in cxx_runtime.keep_cxx_runtime_shared(self.compiler, self.extensions):
             print(f"torch_lowbit: removed {place}: the extensions must share torch's libstdc++ (csrc/cxx_runtime.py)")
+        runtime = cxx_runtime.loaded_libstdcxx() if IS_LINUX else None
+        if runtime:
+            for ext in self.extensions:
+                ext.extra_link_args = [runtime] + list(ext.extra_link_args or [])
         super().build_extensions()
+        if IS_LINUX:
+            for ext in self.extensions:
+                error = cxx_runtime.static_runtime_error(self.get_ext_fullpath(ext.name))
+                if error:
+                    raise SystemExit(f"error: {error}")
 
     def build_extension(self, ext):
         if ext.name == TRACE_EXT:

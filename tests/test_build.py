@@ -185,25 +185,7 @@ def test_one_version_number():
 
 # ---- the C++ runtime: _C shares torch's libstdc++ ----
 
-def elf_needed(path):
-    """The DT_NEEDED entries of an ELF64 little-endian shared object (its .dynamic section, names in .dynstr)."""
-    import struct
-    data = open(path, "rb").read()
-    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, f"{path}: not an ELF64 little-endian file"
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    dynamic = next(s for s in sections if s[1] == 6)  # SHT_DYNAMIC
-    strtab = sections[dynamic[6]]  # sh_link: its string table
-    names = []
-    for off in range(dynamic[4], dynamic[4] + dynamic[5], 16):
-        tag, val = struct.unpack_from("<qQ", data, off)
-        if tag == 0:
-            break
-        if tag == 1:  # DT_NEEDED
-            start = strtab[4] + val
-            names.append(data[start:data.index(b"\0", start)].decode())
-    return names
+elf_needed = cxx_runtime.elf_needed
 
 
 class FakeCompiler:
@@ -235,6 +217,23 @@ def test_elf_needed_reads_a_known_library():
     if not sys.platform.startswith("linux") or not os.path.exists(libc10):
         pytest.skip("ELF shared objects: Linux")
     assert any(n.startswith("libc.so") for n in elf_needed(libc10))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libstdc++ and ELF: Linux")
+def test_build_check_refuses_an_object_without_the_shared_libstdcxx():
+    import _json  # a C extension of the standard library: needs no libstdc++
+    import torch
+    assert cxx_runtime.static_runtime_error(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")) is None
+    error = cxx_runtime.static_runtime_error(_json.__file__)
+    assert error and _json.__file__ in error and "static copy of libstdc++" in error
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libstdc++ and ELF: Linux")
+def test_loaded_libstdcxx_is_the_one_torch_mapped():
+    import torch  # noqa: F401
+    path = cxx_runtime.loaded_libstdcxx()
+    assert path and os.path.basename(path).startswith("libstdc++.so") and os.path.exists(path)
+    assert cxx_runtime.loaded_libstdcxx("/nonexistent/maps") is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libstdc++ and ELF: Linux")
@@ -311,8 +310,12 @@ def test_sdist_round_trip(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     py = str(venv / "bin" / "python")
-    # LDFLAGS as a Python or toolchain that links C++ statically would set it: the build must drop the flag
-    env = dict(os.environ, TORCH_LOWBIT_EMULATOR="0", MAX_JOBS="2", LDFLAGS="-static-libstdc++")
+    # A toolchain that links libstdc++ statically by default (a compiler wrapper adding -static-libstdc++ to
+    # every link, out of the build's reach), and LDFLAGS asking for it: the build must still link the shared one
+    cxx = tmp_path / "static-cxx"
+    cxx.write_text('#!/bin/sh\nexec g++ "$@" -static-libstdc++\n')
+    cxx.chmod(0o755)
+    env = dict(os.environ, TORCH_LOWBIT_EMULATOR="0", MAX_JOBS="2", LDFLAGS="-static-libstdc++", CXX=str(cxx))
     r = subprocess.run([py, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-cache-dir",
                         str(tarball)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True)
