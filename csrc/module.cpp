@@ -5,6 +5,7 @@
 #include "cpu/brgemm.h"
 #include "cpu/isa.h"
 #include "cpu/read_bandwidth.h"
+#include "cpu/transposed_matmul.h"
 #include "cpu/workspace.h"
 #include "metal/dry_run_launcher.h"
 #include "metal/emu_launcher.h"
@@ -128,6 +129,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "cap the instruction set of the CPU kernels ('portable', 'avx2', 'best'); returns the previous cap");
   m.def("_cpu_isa", [] { return std::string(lowbit::cpu::isa_name(lowbit::cpu::isa())); },
         "the instruction set the CPU kernels use now");
+  m.def("_cpu_transposed_gemm_min_rows", &lowbit::cpu::transposed_gemm_min_rows,
+        "rows of grad_out from which the transposed products run their GEMM regime");
+  m.def("_cpu_transposed_panels_bf16", &lowbit::cpu::transposed_panels_bf16,
+        "whether that regime multiplies bf16 grad_out by the bf16-dequantized weight now (AMX)");
   m.def("_cpu_amx_gemm", &lowbit::cpu::amx_gemm_available,
         "whether the GEMM regimes of fp8_mm and int8_mm run on oneDNN's AMX brgemm now");
   m.def(

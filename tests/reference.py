@@ -199,6 +199,8 @@ def ref_matmul_t(g, w64):
     return gd @ w64, gd.abs() @ w64.abs()
 
 
-def ref_fp8_grouped_mm_t(g, bits, scale, offsets, expert_ids=None, block_size=None):
-    return _grouped(g, offsets, expert_ids, bits.shape[2],
-                    lambda rows, e: ref_matmul_t(rows, fp8_weight_f64(bits[e], scale[e], block_size)))
+def ref_fp8_grouped_mm_t(g, bits, scale, offsets, expert_ids=None, block_size=None, weight_for=None):
+    """weight_for(rows, w64): the weight a group's rows are multiplied by (conftest's Backend.transposed_weight)."""
+    weight_for = weight_for or (lambda rows, w64: w64)
+    return _grouped(g, offsets, expert_ids, bits.shape[2], lambda rows, e: ref_matmul_t(
+        rows, weight_for(rows, fp8_weight_f64(bits[e], scale[e], block_size))))

@@ -38,7 +38,8 @@ def test_fp8_mm_grad_x_and_bias(backend, dtype, layout, M):
     out = backend.op("fp8_mm")(x, bits, scale, bias, block)
     out.backward(go)
     assert x.grad.shape == x.shape and x.grad.dtype == dtype
-    ref, absref = ref_matmul_t(rows(go), fp8_weight_f64(bits, scale, block))
+    w64 = backend.transposed_weight(fp8_weight_f64(bits, scale, block), rows(go).shape[0], dtype)
+    ref, absref = ref_matmul_t(rows(go), w64)
     assert_matmul_close(rows(x.grad), ref, absref, acc_rtol=ACC_RTOL)
     gb = go.double().sum((0, 1))
     assert_matmul_close(bias.grad, gb, go.double().abs().sum((0, 1)), acc_rtol=ACC_RTOL)
@@ -79,7 +80,7 @@ def test_int8_linear_straight_through(backend, dtype, M):
     q, s = backend.op("int8_quantize")(x.detach())
     assert torch.equal(out.detach(), backend.op("int8_mm")(q, s, wq, ws, bias.detach(), dtype))  # the same forward
     out.backward(go)
-    ref, absref = ref_matmul_t(go, wq.double() * ws.double()[:, None])
+    ref, absref = ref_matmul_t(go, backend.transposed_weight(wq.double() * ws.double()[:, None], M, dtype))
     assert_matmul_close(x.grad, ref, absref, acc_rtol=ACC_RTOL)
     assert_matmul_close(bias.grad, go.double().sum(0), go.double().abs().sum(0), acc_rtol=ACC_RTOL)
 

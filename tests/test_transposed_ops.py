@@ -26,7 +26,8 @@ def check_fp8_t(backend, g, bits, scale, block=None, as_fp8=False):
     out = backend.op("fp8_mm_t")(backend.to(g), backend.to(w), backend.to(scale), block)
     N, K = bits.shape
     assert out.shape == (*g.shape[:-1], K) and out.dtype == g.dtype and out.device == backend.device
-    ref, absref = ref_matmul_t(rows(g), fp8_weight_f64(bits, scale, block))
+    w64 = backend.transposed_weight(fp8_weight_f64(bits, scale, block), rows(g).shape[0], g.dtype)
+    ref, absref = ref_matmul_t(rows(g), w64)
     assert_matmul_close(rows(out), ref, absref, acc_rtol=ACC_RTOL)
     return out
 
@@ -35,7 +36,7 @@ def check_int8_t(backend, g, wq, ws):
     out = backend.op("int8_weight_mm_t")(backend.to(g), backend.to(wq), backend.to(ws))
     N, K = wq.shape
     assert out.shape == (*g.shape[:-1], K) and out.dtype == g.dtype
-    w64 = wq.double() * ws.double().reshape(-1, 1)
+    w64 = backend.transposed_weight(wq.double() * ws.double().reshape(-1, 1), rows(g).shape[0], g.dtype)
     ref, absref = ref_matmul_t(rows(g), w64)
     assert_matmul_close(rows(out), ref, absref, acc_rtol=ACC_RTOL)
     return out
@@ -51,7 +52,8 @@ def check_grouped_t(backend, go, E, N, K, layout, offsets, ids, g):
     out = backend.op("fp8_grouped_mm_t")(backend.to(go), backend.to(bits), backend.to(scale), backend.to(offsets),
                                          backend.to(ids), block)
     assert out.shape == (go.shape[0], K) and out.dtype == go.dtype
-    ref, absref = ref_fp8_grouped_mm_t(go, bits, scale, offsets, ids, block)
+    ref, absref = ref_fp8_grouped_mm_t(go, bits, scale, offsets, ids, block,
+                                       weight_for=lambda r, w64: backend.transposed_weight(w64, r.shape[0], go.dtype))
     assert_matmul_close(out, ref, absref, acc_rtol=ACC_RTOL)
     return out
 

@@ -1,13 +1,14 @@
 #include "cpu/transposed_matmul.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/bit_cast.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <type_traits>
 
-#include "cpu/bf16_terms.h"
 #include "cpu/brgemm.h"
 #include "cpu/fp8_kernels.h"
 #include "cpu/fp8_simd.h"
@@ -27,10 +28,6 @@ constexpr int64_t kGemmMinRows = 8;
 // read at least kWalkMinCols bytes at a time (whole cache lines, a prefetcher-friendly stream).
 constexpr int64_t kWalkMinCols = 256;
 constexpr int64_t kWalkMaxCols = 2048;
-// Panel GEMM: columns of out per work item (its fp32 accumulators are M x kPanelCols) and weight rows decoded per
-// GEMM call (a kPanelRows x kPanelCols panel: 128 KB in bf16, 256 KB in fp32, kept in L2).
-constexpr int64_t kPanelCols = 256;
-constexpr int64_t kPanelRows = 256;
 
 // Codes [0, n) of one weight row, decoded exactly (unscaled): fp8 through the fp8 kernels' dequantize_run with
 // scale 1 (NaN codes give NaN), int8 by conversion (every int8 is exact in bf16 and fp32).
@@ -41,11 +38,6 @@ struct RowDecoder {
     if (code == WeightCode::Fp8) return fp8.dequantize_run(c, n, 1.f, dst, DequantOut::F32);
     const auto* q = reinterpret_cast<const int8_t*>(c);
     for (int64_t k = 0; k < n; k++) dst[k] = float(q[k]);
-  }
-  void operator()(const uint8_t* c, int64_t n, c10::BFloat16* dst) const {
-    if (code == WeightCode::Fp8) return fp8.dequantize_run(c, n, 1.f, dst, DequantOut::BF16);
-    const auto* q = reinterpret_cast<const int8_t*>(c);
-    for (int64_t k = 0; k < n; k++) dst[k] = c10::BFloat16(float(q[k]));
   }
 };
 
@@ -144,137 +136,100 @@ void row_walk(const RowDecoder& decode, const T* g, int64_t M, const TransposedO
   });
 }
 
-// fp32 panels (CPUs without AMX): g with channel scales folded in, times decoded weight panels in torch's fp32
-// GEMM (MKL), accumulating into fp32 [M, kPanelCols] tiles; a block scale is the GEMM's alpha for its block.
-template <typename T>
-void panel_gemm_f32(const RowDecoder& decode, const T* g, int64_t M, const TransposedOperand& op, T* out,
-                    int64_t ldo) {
-  const int64_t N = op.N, K = op.K, group = rows_per_scale(op);
+// int8 codes times one scale, rounded once to `kind` (F32 or BF16, round to nearest even): written so that the
+// compiler vectorizes it (a quiet NaN stays NaN through the bf16 rounding: its top mantissa bit is kept).
+void dequantize_int8_run(const int8_t* q, int64_t n, float scale, void* out, DequantOut kind) {
+  if (kind == DequantOut::F32) {
+    auto* o = static_cast<float*>(out);
+    for (int64_t k = 0; k < n; k++) o[k] = float(q[k]) * scale;
+    return;
+  }
+  auto* o = static_cast<uint16_t*>(out);
+  for (int64_t k = 0; k < n; k++) {
+    const uint32_t b = c10::bit_cast<uint32_t>(float(q[k]) * scale);
+    o[k] = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  }
+}
+
+// GEMM regime: K in column panels; each panel of the weight (all N rows, kw columns) is dequantized -- every
+// scale applied, one rounding to the GEMM's element type -- and multiplied with g in a torch GEMM (oneDNN's bf16
+// GEMM where the CPU has AMX and g is bf16; MKL's fp32 GEMM otherwise). With bf16 panels the product is the one
+// the bf16 layer computes on the dequantized weight (fp8_dequantize's bits); fp16 g runs in fp32 (a dequantized
+// weight may not fit fp16's range).
+//
+// One panel at a time: all threads decode it into a shared buffer (in the last-level cache), then one GEMM over
+// all threads multiplies it (panels of whole rows: the GEMM library blocks them well). Per-thread panels, each
+// thread decoding and multiplying its own, measured slower at 2 and at 16 threads.
+constexpr int64_t kPanelBytes = int64_t(8) << 20;
+constexpr int64_t kMinPanelCols = 256;  // a narrower B makes the GEMM library's blocking poor
+constexpr int64_t kPanelAlign = 64;     // widths in steps of whole cache lines of fp32 output
+constexpr int64_t kPrefetchRows = 8;
+
+// Columns [k0, k0 + kw) of every weight row, dequantized to `kind` into dst[n * kw + j], rows in parallel.
+void dequantize_panel(const RowDecoder& decode, const TransposedOperand& op, int64_t k0, int64_t kw, DequantOut kind,
+                      uint8_t* dst) {
+  const int64_t N = op.N, K = op.K, es = element_size(kind), group = rows_per_scale(op);
   const bool block = op.layout.kind == ScaleKind::Block;
-  float* G = scratch<float>(Slot::Activations, size_t(M * N));
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++)
-      for (int64_t n = 0; n < N; n++) G[m * N + n] = float(g[m * N + n]) * channel_scale(op, n);
-  });
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::parallel_for(0, ceil_div(K, kPanelCols), 1, [&](int64_t i0, int64_t i1) {
-    float* acc = scratch<float>(Slot::Tile, size_t(M * kPanelCols));
-    float* panel = scratch<float>(Slot::Panel, size_t(kPanelRows * kPanelCols));
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t k0 = i * kPanelCols, kw = std::min(kPanelCols, K - k0);
-      std::fill(acc, acc + M * kPanelCols, 0.f);
-      for (int64_t nb = 0; nb < N; nb += group)
-        for (int64_t n0 = nb; n0 < std::min(N, nb + group); n0 += kPanelRows) {
-          const int64_t rows = std::min({kPanelRows, N - n0, nb + group - n0});
-          for (int64_t r = 0; r < rows; r++) decode(op.w + (n0 + r) * K + k0, kw, panel + r * kPanelCols);
-          const at::Tensor A = at::from_blob(G + n0, {M, rows}, {N, 1}, f32);
-          auto product = [&](int64_t ka, int64_t kb, float alpha) {
-            at::Tensor C = at::from_blob(acc + (ka - k0), {M, kb - ka}, {kPanelCols, 1}, f32);
-            C.addmm_(A, at::from_blob(panel + (ka - k0), {rows, kb - ka}, {kPanelCols, 1}, f32), 1.f, alpha);
-          };
-          if (!block) product(k0, k0 + kw, 1.f);
-          else
-            for_k_blocks(op, k0, kw, [&](int64_t ka, int64_t kb, int64_t b) {
-              product(ka, kb, op.scale[(nb / op.layout.bn) * op.layout.kb + b]);
-            });
-        }
-      write_out(acc, kPanelCols, M, k0, kw, tensor_scale(op), out, ldo);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+      const uint8_t* row = op.w + n * K;
+      uint8_t* o = dst + n * kw * es;
+      // a row gives only kw bytes, a page from the next: too short a run for the hardware prefetchers
+      if (n + kPrefetchRows < n1)
+        for (int64_t c = 0; c < kw; c += 64) __builtin_prefetch(row + kPrefetchRows * K + k0 + c);
+      auto run = [&](int64_t ka, int64_t kb, float sc) {
+        if (decode.code == WeightCode::Fp8) decode.fp8.dequantize_run(row + ka, kb - ka, sc, o + (ka - k0) * es, kind);
+        else dequantize_int8_run(reinterpret_cast<const int8_t*>(row) + ka, kb - ka, sc, o + (ka - k0) * es, kind);
+      };
+      if (!block) run(k0, k0 + kw, tensor_scale(op) * channel_scale(op, n));
+      else
+        for_k_blocks(op, k0, kw, [&](int64_t ka, int64_t kb, int64_t b) {
+          run(ka, kb, op.scale[(n / group) * op.layout.kb + b]);
+        });
     }
   });
 }
 
-// AMX blocking of the bf16 panels (see fp8_matmul.cpp's): rows of g and columns of out per brgemm call, and
-// weight rows (the reduced dimension) per decoded panel.
-constexpr int64_t kAmxRows = 64;
-constexpr int64_t kAmxCols = 64;
-constexpr int64_t kAmxDepth = 512;
-constexpr int64_t kAmxPad = 32;  // each scale group of weight rows padded to whole steps of the brgemm's depth
-
-// bf16 panels on AMX: g (channel scales folded in) as bf16 terms is the brgemm's A, row-major, each group of
-// weight rows sharing a scale padded with zeros to whole kAmxPad steps; decoded weight rows are its B in VNNI
-// pairs (brgemm.h), kAmxCols columns per sub-panel. Block scales multiply each group's partial sums.
 template <typename T>
-void panel_gemm_bf16(const RowDecoder& decode, const T* g, int64_t M, const TransposedOperand& op, T* out,
-                     int64_t ldo) {
+void panel_gemm(const RowDecoder& decode, const T* g, int64_t M, const TransposedOperand& op, T* out, int64_t ldo) {
   const int64_t N = op.N, K = op.K;
-  const bool block = op.layout.kind == ScaleKind::Block;
-  const KSegments seg = k_segments_for(block, op.layout.bn, N, kAmxPad);  // along N, the reduced dimension
-  const int64_t Np = seg.packed_size(), P = seg.padded;
-  const int terms = std::max(kBf16Terms<T>, op.layout.kind == ScaleKind::Channel ? 2 : 1);
-  auto* G = scratch<c10::BFloat16>(Slot::Activations, size_t(terms * M * Np));
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++)
-      for (int64_t s = 0; s < seg.count; s++)
-        for (int64_t j = 0; j < P; j++) {
-          const int64_t n = seg.begin(s) + j;
-          uint16_t bits[3] = {};
-          if (j < seg.size(s)) split_float_bf16(float(g[m * N + n]) * channel_scale(op, n), terms, bits);
-          for (int t = 0; t < terms; t++) G[(t * M + m) * Np + s * P + j].x = bits[t];
-        }
-  });
-  at::parallel_for(0, ceil_div(K, kPanelCols), 1, [&](int64_t i0, int64_t i1) {
-    AmxTileScope amx;
-    float* acc = scratch<float>(Slot::Tile, size_t((block ? 2 : 1) * M * kPanelCols));
-    float* part = acc + M * kPanelCols;  // one scale group's sums (block scales)
-    auto* panel = scratch<c10::BFloat16>(Slot::Panel, size_t(kAmxDepth * kPanelCols + 2 * kPanelCols));
-    auto* rowbuf = panel + kAmxDepth * kPanelCols;  // two decoded rows, interleaved into VNNI pairs
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t k0 = i * kPanelCols, kw = std::min(kPanelCols, K - k0);
-      std::fill(acc, acc + M * kPanelCols, 0.f);
-      for (int64_t s = 0; s < seg.count; s++) {
-        for (int64_t d0 = 0; d0 < P; d0 += kAmxDepth) {
-          const int64_t depth = std::min(kAmxDepth, P - d0);
-          // rows d0 .. d0 + depth of this group (zero past its end) as VNNI sub-panels of kAmxCols columns
-          for (int64_t r = 0; r < depth; r += 2) {
-            for (int64_t h = 0; h < 2; h++) {
-              c10::BFloat16* dst = rowbuf + h * kPanelCols;
-              if (d0 + r + h < seg.size(s)) decode(op.w + (seg.begin(s) + d0 + r + h) * K + k0, kw, dst);
-              else std::fill(dst, dst + kw, c10::BFloat16(0.f));
-            }
-            for (int64_t c = 0; c * kAmxCols < kw; c++) {
-              const int64_t cw = std::min(kAmxCols, kw - c * kAmxCols);
-              c10::BFloat16* sub = panel + c * kAmxDepth * kAmxCols + r * cw;
-              for (int64_t j = 0; j < cw; j++) {
-                sub[2 * j] = rowbuf[c * kAmxCols + j];
-                sub[2 * j + 1] = rowbuf[kPanelCols + c * kAmxCols + j];
-              }
-            }
-          }
-          for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
-            const int64_t mw = std::min(kAmxRows, M - m0);
-            for (int64_t c = 0; c * kAmxCols < kw; c++) {
-              const int64_t cw = std::min(kAmxCols, kw - c * kAmxCols);
-              float* C = (block ? part : acc) + m0 * kPanelCols + c * kAmxCols;
-              for (int t = 0; t < terms; t++)
-                at::native::cpublas::brgemm(mw, cw, depth, Np, cw, kPanelCols, !block || t > 0 || d0 > 0,
-                                            G + (t * M + m0) * Np + s * P + d0, panel + c * kAmxDepth * kAmxCols, C,
-                                            true);
-            }
-          }
-        }
-        if (block)
-          for_k_blocks(op, k0, kw, [&](int64_t ka, int64_t kb, int64_t b) {
-            const float sc = op.scale[s * op.layout.kb + b];
-            for (int64_t m = 0; m < M; m++)
-              for (int64_t k = ka - k0; k < kb - k0; k++) acc[m * kPanelCols + k] += sc * part[m * kPanelCols + k];
-          });
-      }
-      write_out(acc, kPanelCols, M, k0, kw, tensor_scale(op), out, ldo);
-    }
-  });
+  const at::TensorOptions t_opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  const at::Tensor out_all = at::from_blob(out, {M, K}, {ldo, 1}, t_opts);
+  if (N == 0) {
+    out_all.zero_();
+    return;
+  }
+  const bool bf16 = std::is_same_v<T, c10::BFloat16> && transposed_panels_bf16();
+  const DequantOut kind = bf16 ? DequantOut::BF16 : DequantOut::F32;
+  const auto gemm_opts = at::TensorOptions().dtype(bf16 ? at::kBFloat16 : at::kFloat);
+  const int64_t es = element_size(kind);
+  const at::Tensor A = at::from_blob(const_cast<T*>(g), {M, N}, t_opts).to(gemm_opts.dtype());  // g if types agree
+  auto multiply = [&](uint8_t* panel, int64_t k0, int64_t kw) {
+    const at::Tensor B = at::from_blob(panel, {N, kw}, gemm_opts);
+    at::Tensor C = out_all.narrow(1, k0, kw);
+    if (C.scalar_type() == A.scalar_type()) at::mm_out(C, A, B);
+    else C.copy_(at::mm(A, B));
+  };
+  const int64_t kc = std::min(std::max(kPanelBytes / (N * es) / kPanelAlign * kPanelAlign, kMinPanelCols), K);
+  const at::Tensor panel = at::empty({N * kc * es}, at::TensorOptions().dtype(at::kByte));
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t kw = std::min(kc, K - k0);
+    dequantize_panel(decode, op, k0, kw, kind, panel.data_ptr<uint8_t>());
+    multiply(panel.data_ptr<uint8_t>(), k0, kw);
+  }
 }
 
 }  // namespace
 
 int64_t transposed_gemm_min_rows() { return kGemmMinRows; }
+bool transposed_panels_bf16() { return amx_gemm_available(); }
 
 template <typename T>
 void transposed_matmul(const T* g, int64_t M, const TransposedOperand& op, T* out, int64_t ldo) {
   if (M == 0 || op.K == 0) return;
   const RowDecoder decode{fp8_kernels(isa()), op.code};
   if (M < kGemmMinRows) return row_walk(decode, g, M, op, out, ldo);
-  if (amx_gemm_available()) return panel_gemm_bf16(decode, g, M, op, out, ldo);
-  panel_gemm_f32(decode, g, M, op, out, ldo);
+  panel_gemm(decode, g, M, op, out, ldo);
 }
 
 template void transposed_matmul<float>(const float*, int64_t, const TransposedOperand&, float*, int64_t);

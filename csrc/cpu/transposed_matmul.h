@@ -4,12 +4,12 @@
 //
 // Regimes (chosen from M): few rows -> each thread owns a range of K and walks every weight row once, decoding
 // it exactly to fp32 and adding it, times g[m, n], into fp32 accumulators that stay in L1 (the weight is read
-// once, at memory bandwidth); more rows -> panels of weight rows decoded exactly (bf16 on CPUs with AMX, fp32
-// otherwise) and multiplied with g in an optimized GEMM with fp32 accumulation (torch's cpublas: oneDNN's AMX
-// bf16 GEMM or MKL's fp32 GEMM).
+// once, at memory bandwidth); more rows -> column panels of the weight dequantized (every scale applied, one
+// rounding: to bf16 where the CPU has AMX and g is bf16, else fp32) into a bounded buffer and multiplied with g
+// in torch's GEMM (oneDNN's AMX bf16 GEMM or MKL's fp32 GEMM), as the same layer on its dequantized weight would.
 //
-// Scales: per tensor, times the result; per channel (along N, the reduced dimension), folded into g in fp32;
-// per block, times each block's fp32 partial sum over its rows.
+// Scales: in the row walk, per tensor times the result, per channel (along N, the reduced dimension) folded into
+// g in fp32, per block times each block's fp32 partial sum over its rows; in the panels, times each code.
 #pragma once
 #include <cstdint>
 
@@ -29,6 +29,9 @@ struct TransposedOperand {
 
 // From this many rows of g the GEMM regime runs (below it the row walk); see transposed_matmul.cpp.
 int64_t transposed_gemm_min_rows();
+// Whether the GEMM regime dequantizes to bf16 panels for bf16 g now (else fp32): where the CPU runs bf16 GEMMs
+// on AMX. Then out is the product of g and the bf16-dequantized weight (fp8_dequantize's bits), not the exact one.
+bool transposed_panels_bf16();
 
 // out[m * ldo + k] for m < M, k < K, rounded once to T; g is [M, N] contiguous.
 template <typename T>
