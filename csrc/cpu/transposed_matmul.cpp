@@ -158,9 +158,12 @@ void dequantize_int8_run(const int8_t* q, int64_t n, float scale, void* out, Deq
 // weight may not fit fp16's range).
 //
 // One panel at a time: all threads decode it into a shared buffer (in the last-level cache), then one GEMM over
-// all threads multiplies it (panels of whole rows: the GEMM library blocks them well). Per-thread panels, each
-// thread decoding and multiplying its own, measured slower at 2 and at 16 threads.
-constexpr int64_t kPanelBytes = int64_t(8) << 20;
+// all threads multiplies it (panels of whole rows: the GEMM library blocks them well). The panel grows with the
+// threads so that each has enough of the GEMM's output (at 16 threads 8 MB panels ran at half the speed of
+// 32 MB ones; at 2 threads 32 MB ones were slower). Per-thread panels, each thread decoding and multiplying its
+// own, measured slower at 2 and at 16 threads.
+constexpr int64_t kPanelBytesPerThread = int64_t(2) << 20;
+constexpr int64_t kMinPanelBytes = int64_t(8) << 20;
 constexpr int64_t kMinPanelCols = 256;  // a narrower B makes the GEMM library's blocking poor
 constexpr int64_t kPanelAlign = 64;     // widths in steps of whole cache lines of fp32 output
 constexpr int64_t kPrefetchRows = 8;
@@ -210,7 +213,8 @@ void panel_gemm(const RowDecoder& decode, const T* g, int64_t M, const Transpose
     if (C.scalar_type() == A.scalar_type()) at::mm_out(C, A, B);
     else C.copy_(at::mm(A, B));
   };
-  const int64_t kc = std::min(std::max(kPanelBytes / (N * es) / kPanelAlign * kPanelAlign, kMinPanelCols), K);
+  const int64_t bytes = std::max(kMinPanelBytes, kPanelBytesPerThread * int64_t(at::get_num_threads()));
+  const int64_t kc = std::min(std::max(bytes / (N * es) / kPanelAlign * kPanelAlign, kMinPanelCols), K);
   const at::Tensor panel = at::empty({N * kc * es}, at::TensorOptions().dtype(at::kByte));
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
     const int64_t kw = std::min(kc, K - k0);
