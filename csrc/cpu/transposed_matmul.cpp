@@ -159,9 +159,9 @@ void dequantize_int8_run(const int8_t* q, int64_t n, float scale, void* out, Deq
 //
 // One panel at a time: all threads decode it into a shared buffer (in the last-level cache), then one GEMM over
 // all threads multiplies it (panels of whole rows: the GEMM library blocks them well). The panel grows with the
-// threads so that each has enough of the GEMM's output (at 16 threads 8 MB panels ran at half the speed of
-// 32 MB ones; at 2 threads 32 MB ones were slower). Per-thread panels, each thread decoding and multiplying its
-// own, measured slower at 2 and at 16 threads.
+// threads so that each gets enough of the GEMM's output, but no more than that: a larger panel falls out of the
+// cache between its decode and its GEMM. Per-thread panels (each thread decoding and multiplying its own)
+// measured slower at 2 and at 16 threads.
 constexpr int64_t kPanelBytesPerThread = int64_t(2) << 20;
 constexpr int64_t kMinPanelBytes = int64_t(8) << 20;
 constexpr int64_t kMinPanelCols = 256;  // a narrower B makes the GEMM library's blocking poor
@@ -177,7 +177,7 @@ void dequantize_panel(const RowDecoder& decode, const TransposedOperand& op, int
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* row = op.w + n * K;
       uint8_t* o = dst + n * kw * es;
-      // a row gives only kw bytes, a page from the next: too short a run for the hardware prefetchers
+      // a row gives only kw bytes, K bytes from the next: too short a run for the hardware prefetchers
       if (n + kPrefetchRows < n1)
         for (int64_t c = 0; c < kw; c += 64) __builtin_prefetch(row + kPrefetchRows * K + k0 + c);
       auto run = [&](int64_t ka, int64_t kb, float sc) {
