@@ -6,24 +6,28 @@ import pytest
 pytest.importorskip("peft")
 
 from torch_lowbit.bench import __main__ as bench_main  # noqa: E402
-from torch_lowbit.bench import layer, train  # noqa: E402
+from torch_lowbit.bench import train  # noqa: E402
 
 
 def test_train_suite_runs_and_writes_json(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(layer, "LLAMA3_8B", [("q_proj,o_proj", 64, 64, 2), ("k_proj,v_proj", 16, 64, 2),
+    # train.py holds its own reference to the shapes (from .layer import LLAMA3_8B): patch that one
+    monkeypatch.setattr(train, "LLAMA3_8B", [("q_proj,o_proj", 64, 64, 2), ("k_proj,v_proj", 16, 64, 2),
                                              ("gate_proj,up_proj", 96, 64, 2), ("down_proj", 64, 96, 1)])
     monkeypatch.setattr(train, "HEADS", 4)
     monkeypatch.setattr(train, "KV_HEADS", 1)
     path = tmp_path / "train.json"
     assert bench_main.main(["--suite", "train", "--tokens", "12", "--batch", "2", "--rank", "2", "--steps", "1",
                             "--json", str(path)]) == 0
-    assert "step / bf16" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step / bf16" in out
     rows = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
     assert set(rows) == {"bf16", "fp8", "int8"}
     for r in rows.values():
         assert r["step_ms"] > 0 and r["bwd_ms"] > 0 and r["train_state_mb"] > 0
     # one byte per weight plus fp32 scales against two bytes per weight
     assert rows["bf16"]["weights_vs_bf16"] == 1 and 0.5 < rows["fp8"]["weights_vs_bf16"] < 0.55
+    # the small shapes ran: 28672 weights of two bytes, not a Llama-3-8B layer's 416 MB
+    assert rows["bf16"]["weights_mb"] * 2 ** 20 == 2 * 28672, rows["bf16"]["weights_mb"]
 
 
 @pytest.mark.parametrize("argv,match", [(["--tokens", "0"], "--tokens must be >= 1"),
