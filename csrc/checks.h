@@ -23,6 +23,11 @@ struct Fp8Weight {
   at::Tensor scale;  // float32, contiguous: [1] | [N] | [nb, kb]; grouped: [E] | [E, N] | [E, nb, kb]
   int64_t E = 1, N = 0, K = 0;
   ScaleLayout layout;
+  // Expert e's [N, K] codes and its scales (e = 0 for an ungrouped weight).
+  const uint8_t* expert_bits(int64_t e) const { return bits.data_ptr<uint8_t>() + e * N * K; }
+  const float* expert_scale(int64_t e) const {
+    return scale.data_ptr<float>() + e * (scale.numel() / (E > 0 ? E : 1));
+  }
 };
 
 struct Fp8MmArgs {

@@ -30,10 +30,8 @@ at::Tensor fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const a
   if (N == 0) return out;
   const int32_t* off = a.offsets.data_ptr<int32_t>();
   const int32_t* ids = a.expert_ids.data_ptr<int32_t>();
-  const int64_t scale_per_expert = a.w.scale.numel() / std::max<int64_t>(a.w.E, 1);
   auto operand = [&](int64_t e) {
-    return Fp8Operand{a.w.bits.data_ptr<uint8_t>() + e * N * K, a.w.scale.data_ptr<float>() + e * scale_per_expert,
-                      a.w.layout, N, K, nullptr};
+    return Fp8Operand{a.w.expert_bits(e), a.w.expert_scale(e), a.w.layout, N, K, nullptr};
   };
   std::vector<Group> small;
   int64_t small_rows = 0;

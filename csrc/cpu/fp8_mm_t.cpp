@@ -10,9 +10,7 @@ namespace lowbit::cpu {
 namespace {
 
 TransposedOperand fp8_operand(const Fp8Weight& w, int64_t e) {
-  const int64_t scale_per_expert = w.scale.numel() / std::max<int64_t>(w.E, 1);
-  return TransposedOperand{w.bits.data_ptr<uint8_t>() + e * w.N * w.K, WeightCode::Fp8,
-                           w.scale.data_ptr<float>() + e * scale_per_expert, w.layout, w.N, w.K};
+  return TransposedOperand{w.expert_bits(e), WeightCode::Fp8, w.expert_scale(e), w.layout, w.N, w.K};
 }
 
 at::Tensor fp8_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
