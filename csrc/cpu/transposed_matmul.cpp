@@ -29,15 +29,29 @@ constexpr int64_t kGemmMinRows = 8;
 constexpr int64_t kWalkMinCols = 256;
 constexpr int64_t kWalkMaxCols = 2048;
 
-// Codes [0, n) of one weight row, decoded exactly (unscaled): fp8 through the fp8 kernels' dequantize_run with
-// scale 1 (NaN codes give NaN), int8 by conversion (every int8 is exact in bf16 and fp32).
+// int8 codes times one scale, rounded once to `kind` (F32 or BF16, round to nearest even): written so that the
+// compiler vectorizes it (a quiet NaN stays NaN through the bf16 rounding: its top mantissa bit is kept).
+void dequantize_int8_run(const int8_t* q, int64_t n, float scale, void* out, DequantOut kind) {
+  if (kind == DequantOut::F32) {
+    auto* o = static_cast<float*>(out);
+    for (int64_t k = 0; k < n; k++) o[k] = float(q[k]) * scale;
+    return;
+  }
+  auto* o = static_cast<uint16_t*>(out);
+  for (int64_t k = 0; k < n; k++) {
+    const uint32_t b = c10::bit_cast<uint32_t>(float(q[k]) * scale);
+    o[k] = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  }
+}
+
+// A run of one weight row's codes times one scale, rounded once to `kind`: fp8 through the fp8 kernels'
+// dequantize_run (NaN codes give NaN), int8 through dequantize_int8_run. With scale 1 and fp32 the decode is exact.
 struct RowDecoder {
   const Fp8Kernels& fp8;
   WeightCode code;
-  void operator()(const uint8_t* c, int64_t n, float* dst) const {
-    if (code == WeightCode::Fp8) return fp8.dequantize_run(c, n, 1.f, dst, DequantOut::F32);
-    const auto* q = reinterpret_cast<const int8_t*>(c);
-    for (int64_t k = 0; k < n; k++) dst[k] = float(q[k]);
+  void operator()(const uint8_t* c, int64_t n, float scale, void* dst, DequantOut kind) const {
+    if (code == WeightCode::Fp8) return fp8.dequantize_run(c, n, scale, dst, kind);
+    dequantize_int8_run(reinterpret_cast<const int8_t*>(c), n, scale, dst, kind);
   }
 };
 
@@ -120,7 +134,7 @@ void row_walk(const RowDecoder& decode, const T* g, int64_t M, const TransposedO
         float* sums = block ? part : acc;
         if (block) std::fill(part, part + M * kc, 0.f);
         for (int64_t n = n0; n < n1; n++) {
-          decode(op.w + n * K + k0, kw, row);
+          decode(op.w + n * K + k0, kw, 1.f, row, DequantOut::F32);
           for (int64_t m = 0; m < M; m++) coef[m] = float(g[m * N + n]) * channel_scale(op, n);
           axpy(M, coef, row, kw, sums, kc);
         }
@@ -134,21 +148,6 @@ void row_walk(const RowDecoder& decode, const T* g, int64_t M, const TransposedO
       write_out(acc, kc, M, k0, kw, tensor_scale(op), out, ldo);
     }
   });
-}
-
-// int8 codes times one scale, rounded once to `kind` (F32 or BF16, round to nearest even): written so that the
-// compiler vectorizes it (a quiet NaN stays NaN through the bf16 rounding: its top mantissa bit is kept).
-void dequantize_int8_run(const int8_t* q, int64_t n, float scale, void* out, DequantOut kind) {
-  if (kind == DequantOut::F32) {
-    auto* o = static_cast<float*>(out);
-    for (int64_t k = 0; k < n; k++) o[k] = float(q[k]) * scale;
-    return;
-  }
-  auto* o = static_cast<uint16_t*>(out);
-  for (int64_t k = 0; k < n; k++) {
-    const uint32_t b = c10::bit_cast<uint32_t>(float(q[k]) * scale);
-    o[k] = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-  }
 }
 
 // GEMM regime: K in column panels; each panel of the weight (all N rows, kw columns) is dequantized -- every
@@ -180,10 +179,7 @@ void dequantize_panel(const RowDecoder& decode, const TransposedOperand& op, int
       // a row gives only kw bytes, K bytes from the next: too short a run for the hardware prefetchers
       if (n + kPrefetchRows < n1)
         for (int64_t c = 0; c < kw; c += 64) __builtin_prefetch(row + kPrefetchRows * K + k0 + c);
-      auto run = [&](int64_t ka, int64_t kb, float sc) {
-        if (decode.code == WeightCode::Fp8) decode.fp8.dequantize_run(row + ka, kb - ka, sc, o + (ka - k0) * es, kind);
-        else dequantize_int8_run(reinterpret_cast<const int8_t*>(row) + ka, kb - ka, sc, o + (ka - k0) * es, kind);
-      };
+      auto run = [&](int64_t ka, int64_t kb, float sc) { decode(row + ka, kb - ka, sc, o + (ka - k0) * es, kind); };
       if (!block) run(k0, k0 + kw, tensor_scale(op) * channel_scale(op, n));
       else
         for_k_blocks(op, k0, kw, [&](int64_t ka, int64_t kb, int64_t b) {
