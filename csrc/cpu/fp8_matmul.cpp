@@ -6,6 +6,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -53,11 +54,13 @@ void pack(const T* x, int64_t M, const KSegments& seg, float* dst, int64_t row_s
   });
 }
 
-// The GEMM regimes go through K in windows. Each window's activations (all rows of an M block) are packed once;
-// then every thread decodes its weight panels' slice of the window and multiplies it into fp32 sums that persist
-// across windows, and the last window writes the output. A window's packed activations and one decoded panel
-// slice stay in L2 together, and the scratch is bounded by the window and the tiles -- never by K, nor by the
-// chunk padding of short K blocks (block_size [.., 1] pads each code to a chunk: a window then holds few codes).
+// The GEMM regimes go through K in windows, and the windows in groups. A group's activations (all rows of an M
+// block, every window of the group) are packed at once; then, in one parallel region, every thread runs through
+// the group's windows, decoding its own weight panels' slice of each window and multiplying it into fp32 sums that
+// persist across windows, and the last window writes the output. A thread's current window of activations and
+// one decoded panel slice stay in L2 together; the threads meet once per group, not once per window. Scratch is
+// bounded by the group and the tiles -- never by K, nor by the chunk padding of short K blocks (block_size
+// [.., 1] pads each code to a chunk: a window then holds few codes).
 struct KWindow {
   int64_t s0, s1;  // segments
   int64_t p0, p1;  // positions of each of them (chunk multiples): all of a segment's, or a slice of one segment
@@ -118,12 +121,18 @@ void decode_window(const Fp8Operand& op, const KSegments& seg, const KWindow& w,
   }
 }
 
+// Bytes of packed activations a group of windows may take (shared by all threads: in L3, not L2). At M = 64 bf16
+// x a whole K of 14336 is one group (1.8 MB); so is float x (three terms: 5.5 MB), where smaller groups measured
+// slower.
+constexpr int64_t kGroupBytes = 8 << 20;
+
 // The windowed GEMM (see KWindow) over an engine that packs, decodes and multiplies: Fp32Engine (fp32 panels in
 // torch's fp32 GEMM) or Bf16Engine (bf16 panels in oneDNN's AMX brgemm). sums [N][mb] holds each output column's
 // fp32 sums for the rows of the M block; nan [N] the columns that met a NaN code (engines whose decode does not
 // produce NaN).
 template <class Engine, typename T>
 void windowed_gemm(const Engine& eng, const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo) {
+  using Act = typename Engine::Act;
   const KSegments seg = k_segments_for(op.layout.kind == ScaleKind::Block, op.layout.bk, op.K, Engine::kChunkLen);
   const int64_t N = op.N, R = Engine::kRows, panels = ceil_div(N, R);
   const int64_t blocks = ceil_div(M * N * 4, kSumsBytes);
@@ -133,24 +142,45 @@ void windowed_gemm(const Engine& eng, const T* x, int64_t M, const Fp8Operand& o
   for (int64_t m0 = 0; m0 < M; m0 += Mb) {
     const int64_t mb = std::min(Mb, M - m0);
     const std::vector<KWindow> windows = k_windows(seg, eng.max_width(mb, seg), Engine::kChunkLen);
-    for (size_t wi = 0; wi < windows.size(); wi++) {
-      const KWindow& w = windows[wi];
-      const bool first = wi == 0, last = wi + 1 == windows.size();
-      auto* xp = scratch<typename Engine::Act>(Slot::Activations, size_t(eng.act_elems(mb, w)));
-      eng.pack(x + m0 * op.K, mb, seg, w, xp);
+    const size_t nw = windows.size();
+    int64_t max_width = 0;
+    for (const KWindow& w : windows) max_width = std::max(max_width, w.width());
+    // act_at[i]: where window i's packed activations start in its group's buffer
+    std::vector<int64_t> act_at(nw + 1, 0);
+    for (size_t g0 = 0, g1; g0 < nw; g0 = g1) {
+      act_at[g0] = 0;
+      for (g1 = g0; g1 < nw; g1++) {  // at least one window
+        const int64_t end = act_at[g1] + eng.act_elems(mb, windows[g1]);
+        if (g1 > g0 && end * int64_t(sizeof(Act)) > kGroupBytes) break;
+        act_at[g1 + 1] = end;
+      }
+      Act* xp = scratch<Act>(Slot::Activations, size_t(act_at[g1]));
+      std::vector<int64_t> items_at(g1 - g0 + 1, 0);  // the group's pack items, window by window
+      for (size_t i = g0; i < g1; i++) items_at[i - g0 + 1] = items_at[i - g0] + eng.pack_items(mb, windows[i]);
+      at::parallel_for(0, items_at.back(), 1, [&](int64_t i0, int64_t i1) {
+        size_t wi = g0;
+        for (int64_t i = i0; i < i1; i++) {
+          while (items_at[wi - g0 + 1] <= i) wi++;
+          eng.pack_item(x + m0 * op.K, mb, seg, windows[wi], i - items_at[wi - g0], xp + act_at[wi]);
+        }
+      });
       at::parallel_for(0, panels, 1, [&](int64_t b0, int64_t b1) {
         [[maybe_unused]] typename Engine::Worker worker;  // AMX: releases the tile state after this thread's calls
-        auto* panel = scratch<typename Engine::Elem>(Slot::Panel, size_t(R * w.width()));
-        for (int64_t b = b0; b < b1; b++) {
-          const int64_t r0 = b * R, nr = std::min(R, N - r0);
-          float* s = sums + r0 * mb;
-          if (first) std::fill(nan + r0, nan + r0 + nr, false);
-          eng.decode(op, seg, w, r0, nr, panel, nan + r0);
-          eng.multiply(op, seg, w, r0, nr, panel, xp, mb, first, s);
-          if (last)
-            for (int64_t m = 0; m < mb; m++)
-              for (int64_t r = 0; r < nr; r++)
-                out[(m0 + m) * ldo + r0 + r] = T(finish(op, r0 + r, s[r * mb + m], nan[r0 + r]));
+        auto* panel = scratch<typename Engine::Elem>(Slot::Panel, size_t(R * max_width));
+        for (size_t wi = g0; wi < g1; wi++) {
+          const KWindow& w = windows[wi];
+          const bool first = wi == 0, last = wi + 1 == nw;
+          for (int64_t b = b0; b < b1; b++) {
+            const int64_t r0 = b * R, nr = std::min(R, N - r0);
+            float* s = sums + r0 * mb;
+            if (first) std::fill(nan + r0, nan + r0 + nr, false);
+            eng.decode(op, seg, w, r0, nr, panel, nan + r0);
+            eng.multiply(op, seg, w, r0, nr, panel, xp + act_at[wi], mb, first, s);
+            if (last)
+              for (int64_t m = 0; m < mb; m++)
+                for (int64_t r = 0; r < nr; r++)
+                  out[(m0 + m) * ldo + r0 + r] = T(finish(op, r0 + r, s[r * mb + m], nan[r0 + r]));
+          }
         }
         release_scratch_above_cap(Slot::Panel);
         release_scratch_above_cap(Slot::Tile);
@@ -185,16 +215,15 @@ struct Fp32Engine {
   }
   // [mb][width] without block scales (one segment); [segment][mb][segment width] with
   int64_t act_elems(int64_t mb, const KWindow& w) const { return mb * w.width(); }
-  void pack(const T* x, int64_t mb, const KSegments& seg, const KWindow& w, float* dst) const {
+  // a pack item is one activation row (each writes its own runs of positions)
+  int64_t pack_items(int64_t mb, const KWindow&) const { return mb; }
+  void pack_item(const T* x, int64_t mb, const KSegments& seg, const KWindow& w, int64_t m, float* dst) const {
     const int64_t sw = w.seg_width();
-    at::parallel_for(0, mb, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; m++)
-        for (int64_t s = w.s0; s < w.s1; s++) {
-          int64_t k0;
-          const int64_t n = w.codes(seg, s, &k0);
-          pack_segment(x + m * seg.K + k0, n, sw, kChunkOrder, dst + (s - w.s0) * mb * sw + m * sw);
-        }
-    });
+    for (int64_t s = w.s0; s < w.s1; s++) {
+      int64_t k0;
+      const int64_t n = w.codes(seg, s, &k0);
+      pack_segment(x + m * seg.K + k0, n, sw, kChunkOrder, dst + (s - w.s0) * mb * sw + m * sw);
+    }
   }
   void decode(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr, float* panel,
               bool* nan) const {
@@ -262,26 +291,38 @@ struct Bf16Engine {
   }
   int64_t act_elems(int64_t mb, const KWindow& w) const { return kBf16Terms<T> * mb * w.width(); }
   // term t at dst + t * mb * width; for each block of kBf16Cols rows, the block of rows c0.. (width cw) at
-  // + c0 * width in VNNI pairs (brgemm.h), positions segment by segment in kBf16ChunkOrder, zero padded
-  void pack(const T* x, int64_t mb, const KSegments& seg, const KWindow& w, uint16_t* dst) const {
-    const int64_t width = w.width(), sw = w.seg_width(), chunks = sw / kBf16Chunk, per_row = (w.s1 - w.s0) * chunks;
-    // work items are (row, chunk): with few rows, all threads still share the packing
-    at::parallel_for(0, mb * per_row, 256, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; i++) {
-        const int64_t m = i / per_row, s = w.s0 + i % per_row / chunks, c = i % chunks * kBf16Chunk;
-        const int64_t c0 = m / kBf16Cols * kBf16Cols, cw = std::min(kBf16Cols, mb - c0);
-        uint16_t* d = dst + c0 * width;
-        int64_t k0;
-        const int64_t n = w.codes(seg, s, &k0);
-        const T* src = x + m * seg.K + k0;
-        for (int q = 0; q < kBf16Chunk; q++) {
-          const int64_t k = c + kBf16ChunkOrder[q], at = vnni_offset<2>((s - w.s0) * sw + c + q, m - c0, cw);
-          uint16_t terms[kBf16Terms<T>] = {};
-          if (k < n) split_bf16(src[k], terms);
-          for (int t = 0; t < kBf16Terms<T>; t++) d[t * mb * width + at] = terms[t];
+  // + c0 * width in VNNI pairs (brgemm.h), positions segment by segment in kBf16ChunkOrder, zero padded.
+  // A pack item is one chunk of positions for all rows: a VNNI row interleaves the rows, so items split by row
+  // would share every cache line they write.
+  int64_t pack_items(int64_t, const KWindow& w) const { return w.width() / kBf16Chunk; }
+  void pack_item(const T* x, int64_t mb, const KSegments& seg, const KWindow& w, int64_t item, uint16_t* dst) const {
+    const int64_t width = w.width(), sw = w.seg_width(), chunks = sw / kBf16Chunk;
+    const int64_t s = w.s0 + item / chunks, c = item % chunks * kBf16Chunk, p = (s - w.s0) * sw + c;
+    int64_t k0;
+    const int64_t n = w.codes(seg, s, &k0);
+    for (int64_t m = 0; m < mb; m++) {
+      const int64_t c0 = m / kBf16Cols * kBf16Cols, cw = std::min(kBf16Cols, mb - c0);
+      const T* src = x + m * seg.K + k0;
+      // positions q, q + 1 (one VNNI pair) hold consecutive codes (kBf16ChunkOrder): for bf16 x one 32-bit copy
+      uint16_t* row = dst + c0 * width + p * cw + (m - c0) * 2;
+      for (int q = 0; q < kBf16Chunk; q += 2) {
+        const int64_t k = c + kBf16ChunkOrder[q];
+        uint16_t* at = row + q * cw;
+        if constexpr (kBf16Terms<T> == 1) {
+          if (k + 1 < n) {
+            std::memcpy(at, src + k, 4);
+            continue;
+          }
+        }
+        uint16_t lo[kBf16Terms<T>] = {}, hi[kBf16Terms<T>] = {};
+        if (k < n) split_bf16(src[k], lo);
+        if (k + 1 < n) split_bf16(src[k + 1], hi);
+        for (int t = 0; t < kBf16Terms<T>; t++) {
+          at[t * mb * width] = lo[t];
+          at[t * mb * width + 1] = hi[t];
         }
       }
-    });
+    }
   }
   void decode(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr, uint16_t* panel,
               bool*) const {

@@ -42,6 +42,13 @@ constexpr std::array<uint8_t, kBf16Chunk> make_bf16_chunk_order() {
   return o;
 }
 inline constexpr std::array<uint8_t, kBf16Chunk> kBf16ChunkOrder = make_bf16_chunk_order();
+// Positions 2i and 2i + 1 hold consecutive codes (the bf16 GEMM packs x in such pairs).
+constexpr bool bf16_chunk_pairs_consecutive() {
+  for (int p = 0; p < kBf16Chunk; p += 2)
+    if (kBf16ChunkOrder[p + 1] != kBf16ChunkOrder[p] + 1) return false;
+  return true;
+}
+static_assert(bf16_chunk_pairs_consecutive(), "kBf16ChunkOrder");
 
 constexpr std::array<float, 256> make_fp8_table_unscaled() {
   std::array<float, 256> t{};
