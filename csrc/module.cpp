@@ -2,6 +2,8 @@
 // registrars); this file only adds the few host functions Python calls directly.
 #include <torch/extension.h>
 
+#include "autograd.h"
+
 #include "cpu/brgemm.h"
 #include "cpu/isa.h"
 #include "cpu/read_bandwidth.h"
@@ -59,6 +61,9 @@ py::list dry_run_take() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_load_emulator", &lowbit::metal::load_emulator, "load torch_lowbit/_msl_emu*.so (the MSL emulator)");
+  m.def("_register_autograd", &lowbit::register_autograd, py::arg("ns"), py::arg("name"), py::arg("impl"),
+        "route ns::name's Autograd key through the C++ kernel of csrc/autograd.h; impl(*args) runs when a gradient "
+        "is needed");
   m.def("_emulator_loaded", &lowbit::metal::emulator_loaded);
   m.def(
       "_mps_info",

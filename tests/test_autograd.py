@@ -2,6 +2,7 @@
 float64 references on the dequantized weights, on cpu and through the emulator; frozen weights refused; opcheck's
 autograd tests; a compiled training step; activation checkpointing."""
 import math
+import sys
 
 import pytest
 import torch
@@ -196,6 +197,49 @@ def test_int8_ops_alone_are_not_differentiable_and_say_so():
         out.sum().backward()
     with pytest.raises(RuntimeError, match="int8_quantize is not differentiable.*int8_linear"):
         s.sum().backward()
+
+
+def _python_frames(fn):
+    """The files of the Python functions that run during fn()."""
+    files = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            files.add(frame.f_code.co_filename.replace("\\", "/"))
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return files
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_mm", emu_rev=False))
+def test_calls_without_gradients_stay_in_cpp(backend):
+    # the ops' Autograd kernel (csrc/autograd.h) goes to Python only when a gradient is needed: a Python autograd
+    # kernel (torch.library.register_autograd) made every inference call cross into Python and back
+    g = torch.Generator().manual_seed(5)
+    fp8_mm, int8_mm, int8_quantize = (backend.op(n) for n in ("fp8_mm", "int8_mm", "int8_quantize"))
+    x = backend.to(torch.randn(3, 40, generator=g))
+    bits, scale = backend.to(_bits(16, 40)), backend.to(torch.rand(16, generator=g))
+    wq = backend.to(torch.randint(-127, 128, (16, 40), dtype=torch.int8, generator=g))
+    autograd_files = ("torch_lowbit/_autograd.py", "torch/_library/autograd.py")
+
+    def grad_python(files):
+        return {f for f in files if f.endswith(autograd_files)}
+
+    def inference():
+        fp8_mm(x, bits, scale, None, None)
+        int8_mm(*int8_quantize(x), wq, scale, None, torch.float32)
+    assert not grad_python(_python_frames(inference))
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert not grad_python(_python_frames(lambda: fp8_mm(xg, bits, scale, None, None)))
+    out = []
+    assert grad_python(_python_frames(lambda: out.append(fp8_mm(xg, bits, scale, None, None))))
+    assert out[0].grad_fn is not None
+    with pytest.raises(RuntimeError, match=r"\(40\).*\(39\)|\(39\).*\(40\)"):  # the message comes through whole
+        fp8_mm(xg, bits[:, :39].contiguous(), scale, None, None)
 
 
 def _bits(*shape):

@@ -101,10 +101,30 @@ def _backward_fns(ns):
     }
 
 
+def _grad_impl(op, backward, setup):
+    """What op's Autograd kernel (csrc/autograd.h: calls that need no gradient never reach Python) runs when a
+    gradient is needed: an autograd.Function that runs op below autograd and keeps what `setup` saves for
+    `backward`."""
+    def forward(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    def setup_context(ctx, inputs, output):
+        if setup is not None:
+            setup(ctx, inputs, output)
+
+    fn = type(f"{op._namespace}_{op._opname}_backward", (torch.autograd.Function,),
+              {"forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+               "backward": staticmethod(backward)})
+    return fn.apply
+
+
 def _register_autograd():
+    from . import _C
     for ns in _NAMESPACES:
         for name, (backward, setup) in _backward_fns(ns).items():
-            torch.library.register_autograd(f"{ns}::{name}", backward, setup_context=setup)
+            op = getattr(getattr(torch.ops, ns), name).default
+            _C._register_autograd(ns, name, _grad_impl(op, backward, setup))
 
 
 class _Int8Linear(torch.autograd.Function):
