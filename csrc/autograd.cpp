@@ -3,7 +3,6 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/DynamicTypes.h>
-#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/library.h>
 
 #include <memory>
@@ -27,14 +26,34 @@ bool requires_grad(const c10::IValue& v) {
   return false;
 }
 
-// A boxed ScalarType is an int; Python's op call wants a torch.dtype there.
+// The argument as Python's op call takes it (what the schemas of these ops hold: tensors, optional tensors,
+// int lists, dtypes). Converted here rather than through torch's generic IValue conversion, whose header costs
+// this file most of its build time.
 py::object to_python(const c10::Argument& a, const c10::IValue& v) {
-  c10::TypePtr t = a.real_type();
-  if (const auto* opt = t->castRaw<c10::OptionalType>()) t = opt->getElementType();
-  if (v.isInt() && t->kind() == c10::TypeKind::ScalarTypeType)
-    return py::reinterpret_borrow<py::object>(
-        reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()))));
-  return torch::jit::toPyObject(v);
+  if (v.isNone()) return py::none();
+  if (v.isTensor()) return py::cast(v.toTensor());
+  if (v.isInt()) {
+    c10::TypePtr t = a.real_type();
+    if (const auto* opt = t->castRaw<c10::OptionalType>()) t = opt->getElementType();
+    if (t->kind() == c10::TypeKind::ScalarTypeType)  // a boxed ScalarType is an int; Python wants a torch.dtype
+      return py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(v.toInt()))));
+    return py::int_(v.toInt());
+  }
+  if (v.isList()) {
+    py::list out;
+    for (const c10::IValue& e : v.toListRef()) {
+      if (e.isInt()) out.append(py::int_(e.toInt()));
+      else if (e.isSymInt()) out.append(py::cast(e.toSymInt()));
+      else if (e.isTensor()) out.append(py::cast(e.toTensor()));
+      else TORCH_CHECK(false, "autograd kernel: argument ", a.name(), " holds a list element it cannot convert");
+    }
+    return out;
+  }
+  if (v.isSymInt()) return py::cast(v.toSymInt());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isBool()) return py::bool_(v.toBool());
+  TORCH_CHECK(false, "autograd kernel: argument ", a.name(), " has a kind it cannot convert (", v.tagKind(), ")");
 }
 
 void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {

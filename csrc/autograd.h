@@ -4,7 +4,7 @@
 // requires grad, it runs the op below autograd; otherwise it calls the op's Python function, which records the
 // backward.
 #pragma once
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 
