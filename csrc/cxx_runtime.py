@@ -49,9 +49,9 @@ def loaded_libstdcxx(maps="/proc/self/maps"):
     try:
         with open(maps) as f:
             for line in f:
-                path = line.split()[-1] if len(line.split()) >= 6 else ""
-                if "/libstdc++.so" in path:
-                    return path
+                fields = line.split(None, 5)  # address, perms, offset, dev, inode[, path: may hold spaces]
+                if len(fields) == 6 and "/libstdc++.so" in fields[5]:
+                    return fields[5].rstrip("\n")
     except OSError:
         pass
     return None

@@ -236,6 +236,13 @@ def test_loaded_libstdcxx_is_the_one_torch_mapped():
     assert cxx_runtime.loaded_libstdcxx("/nonexistent/maps") is None
 
 
+def test_loaded_libstdcxx_reads_paths_with_spaces(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f10-7f20 r--p 00000000 00:2a 41   /home/u/My Env/lib/libc10.so\n"
+                    "7f20-7f30 r-xp 00000000 00:2a 42   /home/u/My Env/lib/libstdc++.so.6.0.33\n")
+    assert cxx_runtime.loaded_libstdcxx(str(maps)) == "/home/u/My Env/lib/libstdc++.so.6.0.33"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libstdc++ and ELF: Linux")
 def test_extension_links_the_shared_libstdcxx():
     """A _C with its own static libstdc++ crashes or cuts every error message holding a number (cxx_runtime.py)."""
