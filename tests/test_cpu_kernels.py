@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -350,6 +351,29 @@ def test_int8_gemv_tiles_exact(isa, M, K):
     out = ops.int8_mm(xq, torch.ones(M), wq, torch.ones(N), None, torch.float32)
     _, acc = ref_int8_mm(xq, torch.ones(M), wq, torch.ones(N))
     assert torch.equal(out, acc.float())
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("N", [17, 203, 1029])  # fewer chunks than threads, some, many; chunk tails
+def test_gemv_rows_shared_out_in_chunks(isa, threads, N):
+    # batch-1 GEMVs hand weight rows out in chunks to whichever thread asks next (parallel.h): every output
+    # column is computed once, from its own row, whatever the thread count (more threads than chunks included)
+    g = torch.Generator().manual_seed(N + threads)
+    K = 200
+    xq = torch.randint(-128, 128, (1, K), dtype=torch.int8, generator=g)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    x = torch.randn(1, K, generator=g).to(torch.bfloat16)
+    bits = random_fp8_bits((N, K), g)
+    scale = torch.rand(N, generator=g) + 0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out8 = ops.int8_mm(xq, torch.ones(1), wq, torch.ones(N), None, torch.float32)
+        outf = ops.fp8_mm(x, bits, scale, None, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out8, ref_int8_mm(xq, torch.ones(1), wq, torch.ones(N))[1].float())
+    assert_matmul_close(outf, *ref_fp8_mm(x, bits, scale), acc_rtol=1e-5)
 
 
 def test_int8_gemv_largest_sum(isa):

@@ -15,6 +15,7 @@
 #include "cpu/bf16_terms.h"
 #include "cpu/brgemm.h"
 #include "cpu/fp8_simd.h"
+#include "cpu/parallel.h"
 #include "cpu/workspace.h"
 
 namespace lowbit::cpu {
@@ -449,7 +450,8 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);
   void* xp = scratch<uint8_t>(Slot::Activations, size_t(M * acts.row_bytes()));
   pack_rows(acts, x, M, xp);
-  at::parallel_for(0, op.N, 16, [&](int64_t n0, int64_t n1) { gemv_rows(kern, acts, xp, M, op, n0, n1, out, ldo); });
+  parallel_chunks(op.N, stream_chunk(op.N, kMaxTileRows, 16),
+                  [&](int64_t n0, int64_t n1) { gemv_rows(kern, acts, xp, M, op, n0, n1, out, ldo); });
   release_scratch_above_cap(Slot::Activations);
 }
 

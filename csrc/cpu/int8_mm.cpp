@@ -11,6 +11,7 @@
 #include "cpu/brgemm.h"
 #include "cpu/dispatch.h"
 #include "cpu/int8_kernels.h"
+#include "cpu/parallel.h"
 #include "cpu/workspace.h"
 
 namespace lowbit::cpu {
@@ -40,7 +41,7 @@ template <typename T>
 void gemv(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
           const Epilogue& ep, T* out) {
   const int64_t rows_per_pass = M == 1 ? 4 : 2;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(N, stream_chunk(N, kInt8TileRows, 16), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1;) {
       const int nr = int(std::min(rows_per_pass, n1 - n));
       for (int64_t m = 0; m < M; m += kInt8TileRows) {

@@ -1,0 +1,38 @@
+// Work sharing for the kernels that stream a weight (batch-1 GEMVs) and for the read-bandwidth baseline.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace lowbit::cpu {
+
+// Chunks per thread of a streamed range: enough that the threads that finish early take over the work of a
+// slow one, few enough that each chunk is a long run of memory (a quarter MB of a Llama-3-8B projection at
+// 16 threads).
+constexpr int64_t kChunksPerThread = 16;
+
+// Chunk length for n items over the current threads: a multiple of `multiple`, at least `min_len`.
+inline int64_t stream_chunk(int64_t n, int64_t multiple, int64_t min_len) {
+  const int64_t per = (n + kChunksPerThread * at::get_num_threads() - 1) / (kChunksPerThread * at::get_num_threads());
+  return std::max(min_len, (per + multiple - 1) / multiple * multiple);
+}
+
+// Runs fn(i0, i1) over [0, n) in chunks of `chunk`, each taken by whichever thread asks next (an atomic
+// counter), instead of one fixed share per thread: a streaming kernel takes as long as its slowest thread, and
+// on cores shared with other work a fixed split waits for it (at 16 threads a batch-1 GEMV read 15-20 % faster
+// this way). Inside a parallel region, or with one thread, the chunks run in order on the calling thread.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
+  if (n <= 0) return;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
+
+}  // namespace lowbit::cpu
