@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "checks.h"
 #include "cpu/brgemm.h"
@@ -132,6 +133,7 @@ void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
 constexpr int64_t kAmxRows = 64;
 constexpr int64_t kAmxCols = 64;
 constexpr int64_t kAmxDepth = 1024;
+constexpr int64_t kAmxPackQuads = 64;  // per pack item: 64 rows x 64 quads = 16 KB of packed x, in L1
 
 // int8 x int8 in AMX tiles, exact int32 sums (AMX adds int32 modulo 2^32, like the other paths). K is padded to
 // whole VNNI quads: x with zeros when packed; when K % 4 != 0, the brgemm reads w from a copy with rows K4 apart.
@@ -139,11 +141,24 @@ template <typename T>
 void gemm_amx(const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K, const Epilogue& ep, T* out) {
   const int64_t K4 = ceil_div(K, 4) * 4;
   int8_t* xp = scratch<int8_t>(Slot::Activations, size_t(M * K4));
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++) {
-      const int64_t b0 = m / kAmxCols * kAmxCols, mw = std::min(kAmxCols, M - b0);
+  // x in VNNI quads, block by block of kAmxCols rows (width mw): quad q of row b0 + j at xp + b0 * K4 + (q * mw
+  // + j) * 4. A work item is kAmxPackQuads quads of one block for all of its rows: the rows interleave in every
+  // cache line, so items split by row (as before) had threads writing the same lines, and at M = 64 only 4 of
+  // 16 threads had work.
+  const int64_t quads = K4 / 4, items_per_block = ceil_div(quads, kAmxPackQuads);
+  at::parallel_for(0, ceil_div(M, kAmxCols) * items_per_block, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t b0 = i / items_per_block * kAmxCols, mw = std::min(kAmxCols, M - b0);
+      const int64_t q0 = i % items_per_block * kAmxPackQuads, q1 = std::min(quads, q0 + kAmxPackQuads);
       int8_t* d = xp + b0 * K4;
-      for (int64_t k = 0; k < K4; k++) d[vnni_offset<4>(k, m - b0, mw)] = k < K ? x[m * K + k] : int8_t(0);
+      for (int64_t j = 0; j < mw; j++) {
+        const int8_t* src = x + (b0 + j) * K;
+        for (int64_t q = q0; q < q1; q++) {
+          int8_t quad[4] = {0, 0, 0, 0};  // past K: zeros, which meet the weight's padding
+          std::memcpy(quad, src + 4 * q, size_t(std::min<int64_t>(4, K - 4 * q)));
+          std::memcpy(d + (q * mw + j) * 4, quad, 4);
+        }
+      }
     }
   });
   at::parallel_for(0, ceil_div(N, kAmxRows), 1, [&](int64_t b0, int64_t b1) {

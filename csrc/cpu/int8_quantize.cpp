@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "checks.h"
@@ -12,6 +13,8 @@
 
 namespace lowbit::cpu {
 namespace {
+
+constexpr int64_t kGrainValues = 16384;
 
 // A row as fp32: float rows as they are, bf16 / half rows widened (exactly) into `buf`.
 inline const float* as_float(const float* x, int64_t, float*) { return x; }
@@ -31,7 +34,8 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x) {
     const scalar_t* xp = a.x.data_ptr<scalar_t>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* sp = scale.data_ptr<float>();
-    at::parallel_for(0, a.M, 16, [&](int64_t m0, int64_t m1) {
+    // rows per task: at least kGrainValues values (K = 4096: 4 rows, so M = 64 keeps 16 threads busy)
+    at::parallel_for(0, a.M, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
       float* row = std::is_same_v<scalar_t, float> ? nullptr : scratch<float>(Slot::Tile, size_t(K));
       for (int64_t m = m0; m < m1; m++) sp[m] = kern.quantize_row(as_float(xp + m * K, K, row), K, qp + m * K);
     });
