@@ -376,6 +376,22 @@ def test_gemv_rows_shared_out_in_chunks(isa, threads, N):
     assert_matmul_close(outf, *ref_fp8_mm(x, bits, scale), acc_rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("words", [1, 4095, 4096 * 16 + 8 * 3 + 5, 1 << 20])
+def test_stream_read_reads_every_word_once(threads, words):
+    # the benchmark's bandwidth baseline reads in chunks like the GEMVs: the XOR of all 64-bit words tells a
+    # skipped chunk and one read twice (x ^ x = 0) alike
+    t = torch.randint(-2 ** 62, 2 ** 62, (words,), dtype=torch.int64, generator=torch.Generator().manual_seed(words))
+    want = int(np.bitwise_xor.reduce(t.numpy().view(np.uint64)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _C._cpu_stream_read(t) & (2 ** 64 - 1)
+    finally:
+        torch.set_num_threads(before)
+    assert got == want
+
+
 def test_int8_gemv_largest_sum(isa):
     # K = 131071, the bound: (-128) * (-128) * K is the largest sum, 2^31 - 16384; the byte dot products' offset
     # (128 * sum x) is far past int32 on the way and must cancel exactly

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cpu/isa.h"
+#include "cpu/parallel.h"
 
 #if LOWBIT_X86
 #include <immintrin.h>
@@ -51,7 +52,8 @@ int64_t stream_read(const at::Tensor& t) {
   auto* fn = &xor_words;
 #endif
   std::vector<uint64_t> partial(size_t(at::get_num_threads()) + 1, 0);
-  at::parallel_for(0, words, 1 << 15, [&](int64_t b0, int64_t b1) {
+  // shared out like the GEMVs' rows (parallel.h): a fixed split would make the baseline wait for the slowest core
+  parallel_chunks(words, stream_chunk(words, 8, 1 << 12), [&](int64_t b0, int64_t b1) {
     partial[size_t(at::get_thread_num())] ^= fn(p + b0, b1 - b0);
   });
   uint64_t r = 0;

@@ -12,7 +12,8 @@ Batch-1 decode reads weights that are not in any cache (a model's layers are far
 cache), so the M=1 cases cycle through copies of their weight adding up to a working set beyond the last-level
 cache (``--working-set-mb``, default max(512 MB, 2 x L3)): each call reads its weight from memory, as in real
 decode. The bandwidth baseline is a plain parallel read (``_C._cpu_stream_read``) of those same copies, in the
-same order, so both see the same bytes in the same cache state.
+same order, so both see the same bytes in the same cache state; it shares the bytes out among the threads the way
+the GEMVs share their rows (chunks taken by whichever thread is free), so neither waits on a fixed split.
 """
 from __future__ import annotations
 
