@@ -1,7 +1,8 @@
 // fp8_grouped_mm on the CPU: the dense fp8 product per group; rows outside live groups are zero.
 // Groups big enough for the GEMM run one after the other, each parallel inside. Small groups (the decode case:
 // many groups of one row) are scheduled together: their rows are packed once and (group, column range) work
-// items run in one parallel loop, so a handful of 1-row groups still keeps every thread streaming weights.
+// items run in one parallel loop, taken by whichever thread is free (parallel.h), so a handful of 1-row groups
+// still keeps every thread streaming weights.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -10,6 +11,7 @@
 #include "checks.h"
 #include "cpu/dispatch.h"
 #include "cpu/fp8_matmul.h"
+#include "cpu/parallel.h"
 #include "cpu/workspace.h"
 
 namespace lowbit::cpu {
@@ -57,7 +59,7 @@ at::Tensor fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const a
     uint8_t* packed = scratch<uint8_t>(Slot::Activations, size_t(small_rows * ld));
     for (const Group& g : small) pack_rows(acts, xp + g.r0 * K, g.r1 - g.r0, packed + g.packed_row * ld);
     const int64_t per_group = ceil_div(N, kColumnsPerItem);
-    at::parallel_for(0, int64_t(small.size()) * per_group, 1, [&](int64_t i0, int64_t i1) {
+    parallel_chunks(int64_t(small.size()) * per_group, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; i++) {
         const Group& g = small[i / per_group];
         const int64_t n0 = (i % per_group) * kColumnsPerItem, n1 = std::min(N, n0 + kColumnsPerItem);
