@@ -143,8 +143,7 @@ void gemm_amx(const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K,
   int8_t* xp = scratch<int8_t>(Slot::Activations, size_t(M * K4));
   // x in VNNI quads, block by block of kAmxCols rows (width mw): quad q of row b0 + j at xp + b0 * K4 + (q * mw
   // + j) * 4. A work item is kAmxPackQuads quads of one block for all of its rows: the rows interleave in every
-  // cache line, so items split by row (as before) had threads writing the same lines, and at M = 64 only 4 of
-  // 16 threads had work.
+  // cache line, so items of whole rows would have threads writing the same lines, and too few items at M = 64.
   const int64_t quads = K4 / 4, items_per_block = ceil_div(quads, kAmxPackQuads);
   at::parallel_for(0, ceil_div(M, kAmxCols) * items_per_block, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {

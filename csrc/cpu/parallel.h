@@ -21,8 +21,8 @@ inline int64_t stream_chunk(int64_t n, int64_t multiple, int64_t min_len) {
 
 // Runs fn(i0, i1) over [0, n) in chunks of `chunk`, each taken by whichever thread asks next (an atomic
 // counter), instead of one fixed share per thread: a streaming kernel takes as long as its slowest thread, and
-// on cores shared with other work a fixed split waits for it (at 16 threads a batch-1 GEMV read 15-20 % faster
-// this way). Inside a parallel region, or with one thread, the chunks run in order on the calling thread.
+// on cores shared with other work a fixed split waits for it while the others idle. Inside a parallel region,
+// or with one thread, the chunks run in order on the calling thread.
 template <typename F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
   if (n <= 0) return;
