@@ -25,7 +25,9 @@ constexpr int64_t kAmxGemmMinRows = 2;
 constexpr int64_t kMBlock = 256;     // activation rows packed at a time; their strips of one K chunk stay in L2
 constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (a whole number of panels)
 constexpr int64_t kKChunk = 512;     // k per panel: a panel of up to 6 x 512 int16 stays in L1
-static_assert(kNBlock % 4 == 0 && kNBlock % 6 == 0 && kMBlock % 32 == 0 && kKChunk % 4 == 0, "blocking");
+constexpr int64_t kPackK = 256;     // k positions per pack item (a multiple of every group size)
+static_assert(kNBlock % 4 == 0 && kNBlock % 6 == 0 && kMBlock % 32 == 0 && kKChunk % 4 == 0 && kPackK % 4 == 0,
+              "blocking");
 
 struct Epilogue {
   const float* xs;
@@ -58,22 +60,30 @@ void gemv(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
 }
 
 // Rows m0 .. m0 + mb of x as strips of W rows in groups of G consecutive k (zero beyond K and beyond mb):
-// element (row i of strip j, k) at ((j * Kr + k - k % G) * W + G * i + k % G). sums[m] = sum_k x[m0 + m, k].
+// element (row i of strip j, k) at ((j * Kr + k - k % G) * W + G * i + k % G). Unless null, sums[m] = sum_k
+// x[m0 + m, k]. A work item is kPackK positions of one strip (its own stretch of dst), so that a 64-row block
+// still gives every thread work; the row sums are a second, row-parallel pass.
 template <typename XT, int G>
 void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr, int64_t W, XT* dst, int32_t* sums) {
-  at::parallel_for(0, ceil_div(mb, W), 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; j++)
+  const int64_t items_per_strip = ceil_div(Kr, kPackK);
+  at::parallel_for(0, ceil_div(mb, W) * items_per_strip, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; it++) {
+      const int64_t j = it / items_per_strip, k0 = it % items_per_strip * kPackK, k1 = std::min(Kr, k0 + kPackK);
       for (int64_t i = 0; i < W; i++) {
         const int64_t m = j * W + i;
         XT* d = dst + j * Kr * W + G * i;
-        int32_t sum = 0;
-        for (int64_t k = 0; k < Kr; k++) {
-          const int8_t v = m < mb && k < K ? x[(m0 + m) * K + k] : int8_t(0);
-          d[(k - k % G) * W + k % G] = XT(v);
-          sum += v;
-        }
-        if (m < mb) sums[m] = sum;
+        for (int64_t k = k0; k < k1; k++)
+          d[(k - k % G) * W + k % G] = m < mb && k < K ? XT(x[(m0 + m) * K + k]) : XT(0);
       }
+    }
+  });
+  if (!sums) return;
+  at::parallel_for(0, mb, std::max<int64_t>(1, kPackK * 16 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
+    for (int64_t m = r0; m < r1; m++) {
+      int32_t sum = 0;
+      for (int64_t k = 0; k < K; k++) sum += x[(m0 + m) * K + k];
+      sums[m] = sum;
+    }
   });
 }
 
@@ -87,7 +97,7 @@ void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
     const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, W);
     XT* xs = scratch<XT>(Slot::Activations, size_t(S * Kr * W));
     int32_t xsum[kMBlock];
-    pack_strips<XT, G>(x, m0, mb, K, Kr, W, xs, xsum);
+    pack_strips<XT, G>(x, m0, mb, K, Kr, W, xs, kOffsetW ? xsum : nullptr);
     at::parallel_for(0, ceil_div(N, kNBlock), 1, [&](int64_t b0, int64_t b1) {
       const int64_t P = kNBlock / R;
       int32_t* ct = scratch<int32_t>(Slot::Tile, size_t(P * S * tile_size));
