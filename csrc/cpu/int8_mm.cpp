@@ -26,6 +26,7 @@ constexpr int64_t kMBlock = 256;     // activation rows packed at a time; their 
 constexpr int64_t kNBlock = 48;      // weight rows per parallel work item (a whole number of panels)
 constexpr int64_t kKChunk = 512;     // k per panel: a panel of up to 6 x 512 int16 stays in L1
 constexpr int64_t kPackK = 256;     // k positions per pack item (a multiple of every group size)
+constexpr int64_t kSumGrainValues = 4096;  // values per task of the row sums
 static_assert(kNBlock % 4 == 0 && kNBlock % 6 == 0 && kMBlock % 32 == 0 && kKChunk % 4 == 0 && kPackK % 4 == 0,
               "blocking");
 
@@ -78,7 +79,7 @@ void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr,
     }
   });
   if (!sums) return;
-  at::parallel_for(0, mb, std::max<int64_t>(1, kPackK * 16 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, mb, rows_grain(K, kSumGrainValues), [&](int64_t r0, int64_t r1) {
     for (int64_t m = r0; m < r1; m++) {
       int32_t sum = 0;
       for (int64_t k = 0; k < K; k++) sum += x[(m0 + m) * K + k];

@@ -3,12 +3,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <type_traits>
 
 #include "checks.h"
 #include "cpu/dispatch.h"
 #include "cpu/int8_kernels.h"
+#include "cpu/parallel.h"
 #include "cpu/workspace.h"
 
 namespace lowbit::cpu {
@@ -35,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x) {
     int8_t* qp = q.data_ptr<int8_t>();
     float* sp = scale.data_ptr<float>();
     // rows per task: at least kGrainValues values (K = 4096: 4 rows, so M = 64 keeps 16 threads busy)
-    at::parallel_for(0, a.M, std::max<int64_t>(1, kGrainValues / std::max<int64_t>(1, K)), [&](int64_t m0, int64_t m1) {
+    at::parallel_for(0, a.M, rows_grain(K, kGrainValues), [&](int64_t m0, int64_t m1) {
       float* row = std::is_same_v<scalar_t, float> ? nullptr : scratch<float>(Slot::Tile, size_t(K));
       for (int64_t m = m0; m < m1; m++) sp[m] = kern.quantize_row(as_float(xp + m * K, K, row), K, qp + m * K);
     });

@@ -1,4 +1,5 @@
-// Work sharing for the kernels that stream a weight (batch-1 GEMVs) and for the read-bandwidth baseline.
+// Work sharing of the CPU kernels: chunks handed out to the threads of the kernels that stream a weight (batch-1
+// GEMVs) and of the read-bandwidth baseline, and the grain of row loops.
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -17,6 +18,11 @@ constexpr int64_t kChunksPerThread = 16;
 inline int64_t stream_chunk(int64_t n, int64_t multiple, int64_t min_len) {
   const int64_t per = (n + kChunksPerThread * at::get_num_threads() - 1) / (kChunksPerThread * at::get_num_threads());
   return std::max(min_len, (per + multiple - 1) / multiple * multiple);
+}
+
+// Grain of an at::parallel_for over rows of row_len values: enough rows that a task holds min_values values.
+inline int64_t rows_grain(int64_t row_len, int64_t min_values) {
+  return std::max<int64_t>(1, min_values / std::max<int64_t>(1, row_len));
 }
 
 // Runs fn(i0, i1) over [0, n) in chunks of `chunk`, each taken by whichever thread asks next (an atomic
