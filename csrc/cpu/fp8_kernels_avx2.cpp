@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "cpu/fp8_simd.h"
+#include "cpu/gemv_prefetch.h"
 
 namespace lowbit::cpu {
 namespace {
@@ -52,9 +53,9 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* 
       for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < full; k += kChunk) {
       // Each weight row is its own stream, and a row of K = 4096 codes is one 4 KB page, where the hardware
-      // prefetchers stop: fetch the same offset of the next tile's rows (in memory just after these) ahead.
+      // prefetchers stop: fetch ahead along each stream (gemv_prefetch.h).
       if ((k & 63) == 0)
-        for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), _MM_HINT_T1);
+        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k0 + k), _MM_HINT_T1);
       for (int r = 0; r < NR; r++) {
         __m256 d[4];
         avx2::decode_chunk(w + r * K + k0 + k, d, nan_acc);

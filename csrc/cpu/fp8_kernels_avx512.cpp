@@ -11,11 +11,12 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "cpu/fp8_simd.h"
+#include "cpu/gemv_prefetch.h"
 
 namespace lowbit::cpu {
 namespace {
 
-// Prefetch the next tile's rows into L1, not L2: at batch 1 on a Sapphire Rapids (2 threads, weights from DRAM)
+// Prefetch (gemv_prefetch.h) into L1, not L2: at batch 1 on a Sapphire Rapids (2 threads, weights from DRAM)
 // this streamed 18-20 GB/s against 15-18 with the L2 hint, in alternating runs. A tile's rows are used within a
 // few microseconds, long before L1 would evict them.
 constexpr auto kPrefetchHint = _MM_HINT_T0;
@@ -64,8 +65,8 @@ LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t
     for (int m = 0; m < MR; m++)
       for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += kChunk) {
-      if ((k & 63) == 0)  // the next tile's rows: see the AVX2 tile, and kPrefetchHint
-        for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), kPrefetchHint);
+      if ((k & 63) == 0)  // see the AVX2 tile, and kPrefetchHint
+        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k0 + k), kPrefetchHint);
       for (int r = 0; r < NR; r++) {
         __m512 d[2];
         decode_chunk(w + r * K + k0 + k, d, nan_acc[r]);
@@ -153,8 +154,8 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
     for (int m = 0; m < MR; m++)
       for (int r = 0; r < NR; r++) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; k += kBf16Chunk) {
-      for (int r = 0; r < NR; r++)  // the next tile's rows: see the AVX2 tile, and kBf16GemvPrefetchHint
-        _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k0 + k), kBf16GemvPrefetchHint);
+      for (int r = 0; r < NR; r++)  // see gemv_prefetch.h, and kBf16GemvPrefetchHint
+        _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k0 + k), kBf16GemvPrefetchHint);
       for (int r = 0; r < NR; r++) {
         __m512i d[2];
         decode_bf16(w + r * K + k0 + k, n - k, t, d);

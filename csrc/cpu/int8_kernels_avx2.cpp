@@ -2,6 +2,7 @@
 // multiply-add (vpmaddubsw: unsigned x signed, saturating) cannot do exactly; values are sign-extended to
 // int16 and multiplied with vpmaddwd, whose pair sums (at most 2 * 128 * 128) are exact in int32.
 #include "cpu/int8_kernels.h"
+#include "cpu/gemv_prefetch.h"
 
 #if LOWBIT_X86
 // GCC 12 warns about the undefined pass-through operand inside its own AVX-512 intrinsics headers
@@ -261,9 +262,9 @@ static LOWBIT_TARGET_AVX512VNNI void gemm_micro_avx512(const void* panel_, int64
 // made unsigned by flipping its sign bit (w + 128) and x is the signed operand, so the sums hold 128 * sum_k x[m, k]
 // too, which the same instruction counts (against ones) and the tile subtracts, modulo 2^32 (exact: the true sum
 // fits). One load, one xor and one dot product per 64 weight bytes and x row leave the loop bound by memory;
-// each weight row is its own stream of whole 4 KB pages (K = 4096), where the hardware prefetchers stop, so the
-// next tile's rows (just after these in memory) are fetched ahead, a line per row per step, with the outer-level
-// hint: it streamed a few percent closer to the read bandwidth than the L1 hint at 2 and at 16 threads.
+// each weight row is its own stream of whole 4 KB pages (K = 4096), where the hardware prefetchers stop, so each
+// stream is fetched ahead (gemv_prefetch.h), a line per row per step, with the outer-level hint: it streamed a few
+// percent closer to the read bandwidth than the L1 hint at 2 and at 16 threads.
 // acc[m][r] += the 64 products at k of x row m and weight row r (w + 128), xsum[m] += x's 64 values; bytes off
 // `mask` load as 0 (weights then flip to 128, against x's zeros: no product)
 template <int MR, int NR>
@@ -290,7 +291,7 @@ static LOWBIT_TARGET_AVX512VNNI void gemv_tile_vnni_t(const int8_t* x, const int
   }
   const int64_t full = K / 64 * 64;
   for (int64_t k = 0; k < full; k += 64) {
-    for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + k), _MM_HINT_T2);
+    for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k), _MM_HINT_T2);
     gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, k, ~__mmask64(0));
   }
   if (full < K) gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, full, (__mmask64(1) << (K - full)) - 1);

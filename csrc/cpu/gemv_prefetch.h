@@ -1,0 +1,23 @@
+// Where the batch-1 GEMV tiles prefetch. A tile reads its nr weight rows side by side, each row a stream of K
+// bytes, and the next tile's rows follow in memory; the stream of row r goes on in row r of the next tile. The
+// tiles fetch a fixed distance ahead along each stream, whatever K is. The same offset of the next tile's rows (a
+// distance of K) is too far ahead for long rows (K = 14336: a slower stream on many threads); a distance that stops
+// at the end of the row leaves the first lines of every next tile to the hardware prefetchers, which stop at 4 KB
+// pages.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+namespace lowbit::cpu {
+
+constexpr int64_t kGemvPrefetchBytes = 2048;
+
+// The address kGemvPrefetchBytes ahead of byte p of row r, in a tile of nr rows of K bytes at w: in the same row,
+// or past its end in row r of the next tile (at the same offset p where rows are shorter than the distance).
+inline const char* gemv_prefetch_target(const void* w, int64_t K, int r, int nr, int64_t p) {
+  const char* b = static_cast<const char*>(w);
+  const int64_t q = p + kGemvPrefetchBytes;
+  return q < K ? b + r * K + q : b + (nr + r) * K + std::min(q - K, p);
+}
+
+}  // namespace lowbit::cpu
