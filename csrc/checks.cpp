@@ -26,7 +26,7 @@ at::Tensor flatten_rows(const at::Tensor& x, int64_t* M) {
   int64_t m = 1;
   for (const auto i : c10::irange(x.dim() - 1)) m *= x.size(i);
   *M = m;
-  return x.reshape({m, K}).contiguous();
+  return shaped(x, {m, K}).contiguous();
 }
 
 std::vector<int64_t> with_last(const at::Tensor& x, int64_t last) {
@@ -81,10 +81,10 @@ Fp8Weight check_fp8_weight(const char* op, const at::Tensor& weight, const at::T
   const int64_t gdim = grouped ? 1 : 0;  // leading dims of the scale before the per-weight part
   if (grouped ? (same({E}) || (E == 1 && s.numel() == 1)) : s.numel() == 1) {
     w.layout = ScaleLayout{ScaleKind::Tensor};
-    w.scale = s.reshape(shape({}).empty() ? std::vector<int64_t>{1} : shape({}));
+    w.scale = shaped(s, shape({}).empty() ? std::vector<int64_t>{1} : shape({}));
   } else if (same(shape({N})) || same(shape({N, 1}))) {
     w.layout = ScaleLayout{ScaleKind::Channel};
-    w.scale = s.reshape(shape({N}));
+    w.scale = shaped(s, shape({N}));
   } else {
     TORCH_CHECK(s.dim() != gdim + 2, op, ": scale of shape ", s.sizes(),
                 " looks like block scales; pass block_size=[block_n, block_k]");
@@ -180,11 +180,11 @@ Fp8GroupedMmArgs check_grouped(const char* op, const char* xname, bool transpose
 // w_scale of an int8 weight [N, K]: [N] / [N, 1] per channel or one element per tensor -> fp32 [N] or [1].
 at::Tensor int8_weight_scale(const char* op, const at::Tensor& w_scale, int64_t N) {
   const at::Tensor ws = widen_scale(op, "w_scale", w_scale);
-  if (ws.numel() == 1) return ws.reshape({1});
+  if (ws.numel() == 1) return shaped(ws, {1});
   const bool per_channel = ws.dim() == 1 ? ws.size(0) == N : (ws.dim() == 2 && ws.size(0) == N && ws.size(1) == 1);
   TORCH_CHECK(per_channel, op, ": w_scale must be [N] or [N, 1] (per channel) or have one element (per tensor), N = ",
               N, ", got ", ws.sizes());
-  return ws.reshape({N});
+  return shaped(ws, {N});
 }
 
 }  // namespace
@@ -285,7 +285,7 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
   TORCH_CHECK(x_scale.sizes().vec() == lead || x_scale.sizes().vec() == lead1, op,
               ": x_scale must have xq's leading shape ", at::IntArrayRef(lead), " (one scale per row), got ",
               x_scale.sizes());
-  a.x_scale = widen_scale(op, "x_scale", x_scale).reshape({a.M});
+  a.x_scale = shaped(widen_scale(op, "x_scale", x_scale), {a.M});
   a.w_scale = int8_weight_scale(op, w_scale, a.N);
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
@@ -299,6 +299,8 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
   a.out_shape = with_last(xq, a.N);
   return a;
 }
+
+at::Tensor shaped(const at::Tensor& t, at::IntArrayRef shape) { return t.sizes().equals(shape) ? t : t.reshape(shape); }
 
 at::Tensor bias_as_float(const std::optional<at::Tensor>& bias) {
   return bias ? bias->to(at::kFloat).contiguous() : at::Tensor();

@@ -110,6 +110,10 @@ constexpr int64_t kInt8MaxK = ((int64_t(1) << 31) - 1) / (int64_t(1) << 14);
 // A checked bias widened to fp32 for kernels that take it so (the CPU's); undefined when there is none.
 at::Tensor bias_as_float(const std::optional<at::Tensor>& bias);
 
+// t reshaped to `shape`, or t itself where it has that shape already: a view costs a TensorImpl and autograd's
+// view metadata, which a batch-1 decode pays on every call of every op.
+at::Tensor shaped(const at::Tensor& t, at::IntArrayRef shape);
+
 // ceil(a / b) for a >= 0, b > 0; never overflows (a + b - 1 would for a block size near 2^63)
 inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 

@@ -18,7 +18,7 @@ at::Tensor fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "fp8_mm", [&] {
     fp8_matmul<scalar_t>(a.x.data_ptr<scalar_t>(), a.M, op, out.data_ptr<scalar_t>(), a.w.N);
   });
-  return out.view(a.out_shape);
+  return shaped(out, a.out_shape);
 }
 
 }  // namespace

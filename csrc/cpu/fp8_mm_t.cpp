@@ -20,7 +20,7 @@ at::Tensor fp8_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const 
   LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "fp8_mm_t", [&] {
     transposed_matmul<scalar_t>(a.x.data_ptr<scalar_t>(), a.M, fp8_operand(a.w, 0), out.data_ptr<scalar_t>(), a.w.K);
   });
-  return out.reshape(a.out_shape);
+  return shaped(out, a.out_shape);
 }
 
 // Groups one after the other, each parallel inside; rows of -1 groups and rows in no group stay zero.

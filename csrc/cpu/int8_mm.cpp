@@ -203,7 +203,7 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
                    const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
   const Int8MmArgs a = check_int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype);
   at::Tensor out = at::empty({a.M, a.N}, a.xq.options().dtype(a.out_dtype));
-  if (a.M == 0 || a.N == 0) return out.view(a.out_shape);
+  if (a.M == 0 || a.N == 0) return shaped(out, a.out_shape);
   const at::Tensor bias_f32 = bias_as_float(a.bias);
   const Epilogue ep{a.x_scale.data_ptr<float>(), a.w_scale.data_ptr<float>(), a.w_scale.numel() == 1 ? 0 : 1,
                     bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
@@ -218,7 +218,7 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
     else if (kern.group == 4) gemm<int8_t, uint8_t, 4>(kern, x, a.M, w, a.N, a.K, ep, o);
     else gemm<int16_t, int16_t, 2>(kern, x, a.M, w, a.N, a.K, ep, o);
   });
-  return out.view(a.out_shape);
+  return shaped(out, a.out_shape);
 }
 
 }  // namespace

@@ -40,7 +40,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x) {
       for (int64_t m = m0; m < m1; m++) sp[m] = kern.quantize_row(as_float(xp + m * K, K, row), K, qp + m * K);
     });
   });
-  return {q.view(a.q_shape), scale.view(a.scale_shape)};
+  return {shaped(q, a.q_shape), shaped(scale, a.scale_shape)};
 }
 
 }  // namespace

@@ -19,7 +19,7 @@ at::Tensor int8_weight_mm_t(const at::Tensor& grad_out, const at::Tensor& wq, co
   LOWBIT_DISPATCH_FLOAT_TYPES(a.grad_out.scalar_type(), "int8_weight_mm_t", [&] {
     transposed_matmul<scalar_t>(a.grad_out.data_ptr<scalar_t>(), a.M, op, out.data_ptr<scalar_t>(), a.K);
   });
-  return out.reshape(a.out_shape);
+  return shaped(out, a.out_shape);
 }
 
 }  // namespace
