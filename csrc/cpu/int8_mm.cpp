@@ -6,7 +6,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "checks.h"
 #include "cpu/brgemm.h"
@@ -60,21 +59,30 @@ void gemv(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
   });
 }
 
-// Rows m0 .. m0 + mb of x as strips of W rows in groups of G consecutive k (zero beyond K and beyond mb):
-// element (row i of strip j, k) at ((j * Kr + k - k % G) * W + G * i + k % G). Unless null, sums[m] = sum_k
-// x[m0 + m, k]. A work item is kPackK positions of one strip (its own stretch of dst), so that a 64-row block
-// still gives every thread work; the row sums are a second, row-parallel pass.
+// Rows m0 .. m0 + mb of x as strips of W rows in groups of G consecutive k (zero beyond K): element (row i of
+// strip j, k) at (j * Kr * W + (k - k % G) * w_j + G * i + k % G), where w_j = W, or, with narrow_last, the rows
+// left for the last strip (an operand of that width, as AMX's brgemm takes it); a full last strip is zero beyond
+// mb. Unless null, sums[m] = sum_k x[m0 + m, k]. A work item is kPackK positions of one strip (its own stretch of
+// dst), so that a 64-row block still gives every thread work; the row sums are a second, row-parallel pass.
 template <typename XT, int G>
-void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr, int64_t W, XT* dst, int32_t* sums) {
+void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr, int64_t W, bool narrow_last,
+                 XT* dst, int32_t* sums) {
+  static_assert(kPackK % G == 0, "pack items start on a group");
   const int64_t items_per_strip = ceil_div(Kr, kPackK);
   at::parallel_for(0, ceil_div(mb, W) * items_per_strip, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; it++) {
       const int64_t j = it / items_per_strip, k0 = it % items_per_strip * kPackK, k1 = std::min(Kr, k0 + kPackK);
-      for (int64_t i = 0; i < W; i++) {
+      const int64_t wj = narrow_last ? std::min(W, mb - j * W) : W;
+      for (int64_t i = 0; i < wj; i++) {
         const int64_t m = j * W + i;
         XT* d = dst + j * Kr * W + G * i;
-        for (int64_t k = k0; k < k1; k++)
-          d[(k - k % G) * W + k % G] = m < mb && k < K ? XT(x[(m0 + m) * K + k]) : XT(0);
+        const int8_t* src = m < mb ? x + (m0 + m) * K : nullptr;
+        for (int64_t k = k0; k < k1; k += G) {
+          if (src && k + G <= K)
+            for (int e = 0; e < G; e++) d[k * wj + e] = XT(src[k + e]);
+          else  // past K or past the rows: zeros, which meet the weight's padding
+            for (int e = 0; e < G; e++) d[k * wj + e] = src && k + e < K ? XT(src[k + e]) : XT(0);
+        }
       }
     }
   });
@@ -98,7 +106,7 @@ void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
     const int64_t mb = std::min(kMBlock, M - m0), S = ceil_div(mb, W);
     XT* xs = scratch<XT>(Slot::Activations, size_t(S * Kr * W));
     int32_t xsum[kMBlock];
-    pack_strips<XT, G>(x, m0, mb, K, Kr, W, xs, kOffsetW ? xsum : nullptr);
+    pack_strips<XT, G>(x, m0, mb, K, Kr, W, /*narrow_last=*/false, xs, kOffsetW ? xsum : nullptr);
     at::parallel_for(0, ceil_div(N, kNBlock), 1, [&](int64_t b0, int64_t b1) {
       const int64_t P = kNBlock / R;
       int32_t* ct = scratch<int32_t>(Slot::Tile, size_t(P * S * tile_size));
@@ -144,33 +152,16 @@ void gemm(const Int8Kernels& kern, const int8_t* x, int64_t M, const int8_t* w, 
 constexpr int64_t kAmxRows = 64;
 constexpr int64_t kAmxCols = 64;
 constexpr int64_t kAmxDepth = 1024;
-constexpr int64_t kAmxPackQuads = 64;  // per pack item: 64 rows x 64 quads = 16 KB of packed x, in L1
 
 // int8 x int8 in AMX tiles, exact int32 sums (AMX adds int32 modulo 2^32, like the other paths). K is padded to
 // whole VNNI quads: x with zeros when packed; when K % 4 != 0, the brgemm reads w from a copy with rows K4 apart.
 template <typename T>
 void gemm_amx(const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K, const Epilogue& ep, T* out) {
   const int64_t K4 = ceil_div(K, 4) * 4;
+  // x in VNNI quads, block by block of kAmxCols rows (width mw, the brgemm's N and ldb): quad q of row b0 + j at
+  // xp + b0 * K4 + (q * mw + j) * 4
   int8_t* xp = scratch<int8_t>(Slot::Activations, size_t(M * K4));
-  // x in VNNI quads, block by block of kAmxCols rows (width mw): quad q of row b0 + j at xp + b0 * K4 + (q * mw
-  // + j) * 4. A work item is kAmxPackQuads quads of one block for all of its rows: the rows interleave in every
-  // cache line, so items of whole rows would have threads writing the same lines, and too few items at M = 64.
-  const int64_t quads = K4 / 4, items_per_block = ceil_div(quads, kAmxPackQuads);
-  at::parallel_for(0, ceil_div(M, kAmxCols) * items_per_block, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t b0 = i / items_per_block * kAmxCols, mw = std::min(kAmxCols, M - b0);
-      const int64_t q0 = i % items_per_block * kAmxPackQuads, q1 = std::min(quads, q0 + kAmxPackQuads);
-      int8_t* d = xp + b0 * K4;
-      for (int64_t j = 0; j < mw; j++) {
-        const int8_t* src = x + (b0 + j) * K;
-        for (int64_t q = q0; q < q1; q++) {
-          int8_t quad[4] = {0, 0, 0, 0};  // past K: zeros, which meet the weight's padding
-          std::memcpy(quad, src + 4 * q, size_t(std::min<int64_t>(4, K - 4 * q)));
-          std::memcpy(d + (q * mw + j) * 4, quad, 4);
-        }
-      }
-    }
-  });
+  pack_strips<int8_t, 4>(x, 0, M, K, K4, kAmxCols, /*narrow_last=*/true, xp, nullptr);
   at::parallel_for(0, ceil_div(N, kAmxRows), 1, [&](int64_t b0, int64_t b1) {
     AmxTileScope amx;
     int8_t* padded = K4 != K ? scratch<int8_t>(Slot::Panel, size_t(kAmxRows * K4)) : nullptr;
