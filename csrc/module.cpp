@@ -6,6 +6,7 @@
 
 #include "cpu/brgemm.h"
 #include "cpu/isa.h"
+#include "cpu/int8_mm.h"
 #include "cpu/read_bandwidth.h"
 #include "cpu/transposed_matmul.h"
 #include "cpu/workspace.h"
@@ -152,4 +153,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_cpu_scratch_high_water", &lowbit::cpu::scratch_high_water_and_reset,
         "the most bytes of CPU kernel scratch held at once (all threads) since the last call; restarts the count");
   m.def("_cpu_stream_read", &lowbit::cpu::stream_read, "read a tensor's bytes in parallel (bandwidth baseline)");
+  m.def("_cpu_int8_pack_strips", &lowbit::cpu::int8_pack_strips, py::arg("xq"), py::arg("W"), py::arg("G"),
+        py::arg("narrow_last"), "int8_mm's activation pack of xq [M, K]: (packed elements, row sums), for tests");
 }

@@ -392,6 +392,41 @@ def test_stream_read_reads_every_word_once(threads, words):
     assert got == want
 
 
+def ref_pack_strips(xq, W, G, narrow_last):
+    # int8_mm's activation layout, from its definition: element (row i of strip j, k) at
+    # j * Kr * W + (k - k % G) * w_j + G * i + k % G, w_j = W or (narrow_last) the rows left for the last strip
+    M, K = xq.shape
+    Kr, S = -(-K // G) * G, -(-M // W)
+    widths = [min(W, M - j * W) if narrow_last else W for j in range(S)]
+    x = np.zeros((S * W, Kr), np.int64)
+    x[:M, :K] = xq.numpy()
+    out = np.full(sum(Kr * w for w in widths), -1, np.int64)
+    k = np.arange(Kr)[None, :]
+    for j, wj in enumerate(widths):
+        i = np.arange(wj)[:, None]
+        out[j * Kr * W + (k - k % G) * wj + G * i + k % G] = x[j * W + i, k]
+    return out, xq.numpy().astype(np.int64).sum(1)
+
+
+@pytest.mark.parametrize("G", [2, 4])  # int16 pairs (AVX2, portable), byte quads (VNNI, AMX)
+@pytest.mark.parametrize("W", [16, 64])  # the AVX2 strip, the AMX block
+@pytest.mark.parametrize("narrow_last", [False, True])  # zero-padded last strip (micro-kernels), narrowed (AMX)
+@pytest.mark.parametrize("M", [1, 5, 65, 130])
+@pytest.mark.parametrize("K", [1, 3, 257, 600])  # K tails, one and several pack items of 256 positions
+def test_int8_pack_strips_layout(G, W, narrow_last, M, K):
+    # the layout the GEMMs read (their results are checked on the CPUs that run them); -1 marks what the pack
+    # did not write, and x holds no -1; the hook's slack past the layout must stay -1
+    xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=torch.Generator().manual_seed(M * K + W + G))
+    xq[xq == -1] = -128
+    packed, sums = _C._cpu_int8_pack_strips(xq, W, G, narrow_last)
+    want, want_sums = ref_pack_strips(xq, W, G, narrow_last)
+    assert packed.dtype == (torch.int16 if G == 2 else torch.int8)
+    got = packed.numpy().astype(np.int64)
+    assert np.array_equal(got[:want.size], want)
+    assert (got[want.size:] == -1).all() and got.size - want.size == (-(-K // G) * G) * W
+    assert np.array_equal(sums.numpy().astype(np.int64), want_sums)
+
+
 def test_int8_gemv_largest_sum(isa):
     # K = 131071, the bound: (-128) * (-128) * K is the largest sum, 2^31 - 16384; the byte dot products' offset
     # (128 * sum x) is far past int32 on the way and must cancel exactly

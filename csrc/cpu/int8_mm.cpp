@@ -11,6 +11,7 @@
 #include "cpu/brgemm.h"
 #include "cpu/dispatch.h"
 #include "cpu/int8_kernels.h"
+#include "cpu/int8_mm.h"
 #include "cpu/parallel.h"
 #include "cpu/workspace.h"
 
@@ -213,6 +214,23 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
 }
 
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> int8_pack_strips(const at::Tensor& xq, int64_t W, int64_t G, bool narrow_last) {
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2 && xq.is_contiguous() && xq.device().is_cpu(),
+              "int8_pack_strips: xq must be a contiguous int8 [M, K] CPU tensor");
+  TORCH_CHECK(G == 2 || G == 4, "int8_pack_strips: G must be 2 or 4, got ", G);
+  TORCH_CHECK(W > 0, "int8_pack_strips: W must be positive, got ", W);
+  const int64_t M = xq.size(0), K = xq.size(1), Kr = ceil_div(K, G) * G, S = ceil_div(M, W);
+  const int64_t size = M == 0 ? 0 : narrow_last ? (S - 1) * Kr * W + Kr * (M - (S - 1) * W) : S * Kr * W;
+  // -1: unwritten; a full strip of slack past the layout shows a write beyond it instead of corrupting the heap
+  at::Tensor packed = at::full({size + Kr * W}, -1, xq.options().dtype(G == 2 ? at::kShort : at::kChar));
+  at::Tensor sums = at::empty({M}, xq.options().dtype(at::kInt));
+  const int8_t* x = xq.data_ptr<int8_t>();
+  if (G == 2) pack_strips<int16_t, 2>(x, 0, M, K, Kr, W, narrow_last, packed.data_ptr<int16_t>(), sums.data_ptr<int32_t>());
+  else pack_strips<int8_t, 4>(x, 0, M, K, Kr, W, narrow_last, packed.data_ptr<int8_t>(), sums.data_ptr<int32_t>());
+  return {packed, sums};
+}
+
 }  // namespace lowbit::cpu
 
 TORCH_LIBRARY_IMPL(lowbit, CPU, m) {
