@@ -86,6 +86,35 @@ def test_int8_linear_straight_through(backend, dtype, M):
     assert_matmul_close(bias.grad, go.double().sum(0), go.double().abs().sum(0), acc_rtol=ACC_RTOL)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
+def test_int8_linear_without_gradient_skips_the_autograd_function(monkeypatch, mode):
+    # torch's Function.apply binds default arguments through inspect.signature on every call: in decode, where no
+    # gradient is needed, that cost several times the op pair itself. Such calls run the ops directly.
+    from torch_lowbit import _autograd
+
+    def refuse(*args):
+        raise AssertionError("int8_linear went through the autograd.Function")
+
+    monkeypatch.setattr(_autograd._Int8Linear, "apply", refuse)
+    g = torch.Generator().manual_seed(5)
+    wq = torch.randint(-128, 128, (6, 40), dtype=torch.int8, generator=g)
+    ws, bias = torch.rand(6, generator=g) / 50, torch.randn(6, generator=g)
+    x = torch.randn(3, 40, generator=g).bfloat16()
+    q, s = torch.ops.lowbit.int8_quantize(x)
+    want = torch.ops.lowbit.int8_mm(q, s, wq, ws, bias, torch.bfloat16)
+    if mode == "nothing_requires_grad":
+        out = _autograd.int8_linear(x, wq, ws, bias)
+    else:
+        with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+            out = _autograd.int8_linear(x.requires_grad_(), wq, ws, bias)
+    assert torch.equal(out, want)
+    # a gradient wanted through any argument still takes the Function (which records, or refuses w_scale)
+    for args in ((x.detach().requires_grad_(), wq, ws, bias), (x.detach(), wq, ws, bias.requires_grad_()),
+                 (x.detach(), wq, ws.requires_grad_(), None)):
+        with pytest.raises(AssertionError, match="went through"):
+            _autograd.int8_linear(*args)
+
+
 def test_int8_layer_trains_through_int8_linear():
     torch.manual_seed(1)
     layer = Int8Linear.from_float(nn.Linear(48, 20))

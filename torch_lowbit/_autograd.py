@@ -151,4 +151,8 @@ class _Int8Linear(torch.autograd.Function):
 
 
 def int8_linear(x, wq, w_scale, bias=None, ns="lowbit"):
+    # Without a gradient to record (inference, every decode step) the ops run directly: Function.apply binds its
+    # default arguments through inspect.signature on every call, which costs several times the op pair.
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, w_scale, bias)):
+        return _Int8Linear.forward(x, wq, w_scale, bias, ns)
     return _Int8Linear.apply(x, wq, w_scale, bias, ns)
