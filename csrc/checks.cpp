@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include <ATen/ops/arange.h>
+
 #include <c10/util/irange.h>
 
 #include <algorithm>

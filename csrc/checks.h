@@ -2,7 +2,7 @@
 // Each check_* names the op and the argument in its errors and returns the arguments normalised to what
 // kernels take: uint8 weight bits, fp32 contiguous scales, 2-D contiguous activations.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>

@@ -1,5 +1,6 @@
 // fp8_dequantize on the CPU: rows in parallel, each cut into runs of one scale for the vectorized decode.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

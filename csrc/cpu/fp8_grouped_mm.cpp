@@ -4,6 +4,7 @@
 // items run in one parallel loop, taken by whichever thread is free (parallel.h), so a handful of 1-row groups
 // still keeps every thread streaming weights.
 #include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <vector>

@@ -1,6 +1,9 @@
 #include "cpu/fp8_matmul.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/bit_cast.h>
 #include <c10/util/Half.h>

@@ -6,7 +6,7 @@
 // AMX brgemm where amx_gemm_available() (brgemm.h), fp32 panels and torch's fp32 GEMM otherwise. No dequantized
 // copy of the weight exists; scratch memory is per-thread and reused across calls (workspace.h).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

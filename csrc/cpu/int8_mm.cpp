@@ -3,6 +3,8 @@
 // across threads. More rows: a cache-blocked GEMM over sign-extended weight panels and packed activation strips,
 // or on CPUs with AMX, oneDNN's int8 brgemm (brgemm.h) over the weight rows as they are.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <torch/library.h>
 
 #include <algorithm>

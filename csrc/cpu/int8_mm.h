@@ -1,6 +1,6 @@
 // int8_mm's activation pack as a test hook: the layout its GEMMs (the AVX micro-kernels, the AMX brgemm) read.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <tuple>
 

@@ -1,6 +1,7 @@
 // int8_quantize on the CPU: per-row absmax, scale = absmax / 127, q = round_half_even(x / scale), one row at a
 // time through Int8Kernels::quantize_row (vectorized where the CPU allows).
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <type_traits>

@@ -1,5 +1,5 @@
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace lowbit::cpu {
 // xor of all 8-byte words of t (read in parallel); the value only keeps the compiler from skipping the reads

@@ -1,7 +1,10 @@
 #include "cpu/transposed_matmul.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/bit_cast.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -3,7 +3,7 @@
 // encodes it on PyTorch's current MPS stream, the emulator launcher (emu_launcher.cpp) runs the same kernel
 // in the MSL emulator on CPU tensors. Nothing here knows which one runs.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <cstdint>

@@ -1,5 +1,7 @@
 #include "metal/plans.h"
 
+#include <ATen/ops/empty.h>
+
 namespace lowbit::metal {
 
 at::Tensor plan_fp8_dequantize(Target t, const at::Tensor& weight, const at::Tensor& scale,

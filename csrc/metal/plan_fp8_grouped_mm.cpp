@@ -1,6 +1,8 @@
 // fp8_grouped_mm on Metal: validate, pick the decode or prefill kernel, size the grid over the groups.
 #include "metal/plan_grouped.h"
 
+#include <ATen/ops/empty.h>
+
 namespace lowbit::metal {
 namespace {
 

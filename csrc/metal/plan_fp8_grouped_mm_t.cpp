@@ -1,6 +1,8 @@
 // fp8_grouped_mm_t on Metal (fp8_grouped_mm's backward product): validate, pick the decode or prefill kernel by
 // the mean rows per group (as fp8_grouped_mm does: on mps the offsets are not read), size the grid over the
 // groups. The prefill kernel runs over fp8_grouped_tiles' table of the row tiles that exist.
+#include <ATen/ops/empty.h>
+
 #include "metal/plan_grouped.h"
 #include "metal/plan_mm_t.h"
 

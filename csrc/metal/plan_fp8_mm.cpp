@@ -1,6 +1,8 @@
 // fp8_mm on Metal: validate, pick the kernel for M, size the grid.
 #include "metal/plans.h"
 
+#include <ATen/ops/empty.h>
+
 namespace lowbit::metal {
 namespace {
 

@@ -1,6 +1,8 @@
 // fp8_mm_t on Metal (fp8_mm's backward product): validate, then the shared transposed-product plan.
 #include "metal/plan_mm_t.h"
 
+#include <ATen/ops/empty.h>
+
 namespace lowbit::metal {
 
 at::Tensor plan_fp8_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,

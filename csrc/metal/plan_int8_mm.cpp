@@ -1,5 +1,7 @@
 #include "metal/plan_int8_mm.h"
 
+#include <ATen/ops/empty.h>
+
 #include "metal/plans.h"
 
 namespace lowbit::metal {

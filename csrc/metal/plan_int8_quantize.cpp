@@ -1,3 +1,5 @@
+#include <ATen/ops/empty.h>
+
 #include <algorithm>
 
 #include "metal/plans.h"

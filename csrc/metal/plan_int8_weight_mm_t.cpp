@@ -2,6 +2,8 @@
 // shared transposed-product plan with int8 weight codes.
 #include "metal/plan_mm_t.h"
 
+#include <ATen/ops/empty.h>
+
 namespace lowbit::metal {
 
 at::Tensor plan_int8_weight_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale) {

@@ -2,7 +2,7 @@
 // inputs' device, picks the kernel variant, computes the grid, and runs it through a Launcher. The same
 // plan serves the mps device (MpsLauncher) and the emulator (EmuLauncher).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>
