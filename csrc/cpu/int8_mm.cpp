@@ -223,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor> int8_pack_strips(const at::Tensor& xq, int64_
   TORCH_CHECK(G == 2 || G == 4, "int8_pack_strips: G must be 2 or 4, got ", G);
   TORCH_CHECK(W > 0, "int8_pack_strips: W must be positive, got ", W);
   const int64_t M = xq.size(0), K = xq.size(1), Kr = ceil_div(K, G) * G, S = ceil_div(M, W);
-  const int64_t size = M == 0 ? 0 : narrow_last ? (S - 1) * Kr * W + Kr * (M - (S - 1) * W) : S * Kr * W;
+  const int64_t size = (narrow_last ? M : S * W) * Kr;  // a narrowed last strip holds just the rows left
   // -1: unwritten; a full strip of slack past the layout shows a write beyond it instead of corrupting the heap
   at::Tensor packed = at::full({size + Kr * W}, -1, xq.options().dtype(G == 2 ? at::kShort : at::kChar));
   at::Tensor sums = at::empty({M}, xq.options().dtype(at::kInt));
