@@ -1,6 +1,5 @@
 // fp8_mm on the CPU: validation (checks.h), then the shared product (fp8_matmul.h).
 #include <ATen/ops/empty.h>
-
 #include <torch/library.h>
 
 #include "checks.h"

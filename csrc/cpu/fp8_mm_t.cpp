@@ -1,7 +1,6 @@
 // fp8_mm_t and fp8_grouped_mm_t on the CPU: the transposed products of fp8_mm's and fp8_grouped_mm's backward
 // passes (grad_x = grad_out @ (dec(W) * scale)), through transposed_matmul.h.
 #include <ATen/ops/zeros.h>
-
 #include <torch/library.h>
 
 #include "checks.h"

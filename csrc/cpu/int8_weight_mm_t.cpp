@@ -1,7 +1,6 @@
 // int8_weight_mm_t on the CPU: grad_out @ (wq * w_scale), the transposed product of Int8Linear's backward pass
 // (straight through the activation quantization), through transposed_matmul.h.
 #include <ATen/ops/zeros.h>
-
 #include <torch/library.h>
 
 #include "checks.h"
