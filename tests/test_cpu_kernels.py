@@ -248,9 +248,10 @@ def test_fp8_gemm_scratch_bounded_for_one_code_k_blocks(amx, dtype):
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("layout", ["channel", "block128", "block7x1000"])
 def test_fp8_gemm_window_groups(amx, layout, threads):
-    # packed float x (fp32 panels: 4 bytes a value; AMX: three bf16 terms of 2) is 9.5 MiB or more, past the 8 MiB
-    # a group of K windows may take: several groups, each packed and then run through by every thread over its
-    # own panels; the sums carry over from group to group. A K tail, an N tail, and an odd thread count.
+    # packed float x (fp32 panels: 4 bytes a value; AMX: three bf16 terms of 2) is 9.5 MiB or more, past what a
+    # group of K windows may take (8 MiB with fp32 panels, 1 MiB on AMX): several groups, each packed and then run
+    # through panel by panel, the panels handed out to the threads; the sums carry over from group to group. A K
+    # tail, an N tail, and an odd thread count.
     g = torch.Generator().manual_seed(17 + threads)
     M, N, K = 600, 72, 4160 + 33
     x = torch.randn(M, K, generator=g)
