@@ -17,7 +17,7 @@ from torch import nn
 from .._ops import fp8_grouped_mm
 from .._storage import as_fp8_dtype, fp8_storage_dtype, to_fp8_storage
 from ..granularity import Granularity, GranularityLike, PerBlock, as_granularity, granularity_with_block_hint
-from ..quantize import quantize_fp8
+from ..quantize import Fp8WeightOnly, quantize_fp8, register_quantize_experts_handler
 from ._format_buffers import FormatBuffers
 
 def check_inputs(layer: nn.Module, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -199,3 +199,9 @@ class Fp8Experts(FormatBuffers):
         bs = f", block_size={self.block_size}" if self.block_size is not None else ""
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, {gran}{bs}")
+
+
+@register_quantize_experts_handler(Fp8WeightOnly)
+def _quantize_fp8_experts(experts: nn.Module, config: Fp8WeightOnly) -> Fp8Experts:
+    return Fp8Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach(), config.granularity,
+                                 config.block_size)
