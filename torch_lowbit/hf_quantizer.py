@@ -5,9 +5,9 @@ transformers' public extension point (``register_quantization_config`` / ``regis
                                                  quantization_config=torch_lowbit.TorchLowbitConfig("fp8"))
 
 transformers loads the dense checkpoint as usual, then the quantizer runs ``quantize_`` on it (which also turns fused
-MoE experts into ``Fp8Experts`` / ``Int8Experts``): peak memory is the dense model's, for a moment. (Quantizing each
-tensor as it is read would need transformers' internal conversion-op API; this uses only the stable hooks.) Such a model is
-saved with ``torch_lowbit.save_quantized`` (a compressed-tensors checkpoint), not ``save_pretrained``.
+MoE experts into ``Fp8Experts`` / ``Int8Experts``): peak memory is the dense model's, for a moment. (Quantizing
+each tensor as it is read would need transformers' internal conversion-op API; this uses only the stable hooks.) Such
+a model is saved with ``torch_lowbit.save_quantized`` (a compressed-tensors checkpoint), not ``save_pretrained``.
 
 Importing this module imports transformers and registers the method ``torch_lowbit`` once.
 """

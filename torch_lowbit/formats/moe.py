@@ -80,7 +80,8 @@ def unconvertible_reason(m: nn.Module) -> Optional[str]:
     SwiGLU of its weights, which also catches a forward signature the quantized layers do not share."""
     for flag, want in _SWIGLU_FLAGS.items():
         if hasattr(m, flag) and bool(getattr(m, flag)) != want:
-            return f"{flag}={getattr(m, flag)!r} (the quantized experts compute the [gate; up] SwiGLU layout, {flag}={want})"
+            return (f"{flag}={getattr(m, flag)!r} (the quantized experts compute the [gate; up] SwiGLU layout, "
+                    f"{flag}={want})")
     gu, dn = m.gate_up_proj, m.down_proj
     E, I2, H = gu.shape
     if I2 % 2 or tuple(dn.shape) != (E, H, I2 // 2):
@@ -91,7 +92,8 @@ def unconvertible_reason(m: nn.Module) -> Optional[str]:
         return f"it holds {', '.join(extra)} besides gate_up_proj / down_proj, which the quantized layer would drop"
     act = getattr(m, "act_fn", None)
     if act is not None and not computes_silu(act):
-        return f"its activation {act!r} does not compute x * sigmoid(x) (the quantized experts implement SwiGLU with SiLU)"
+        return (f"its activation {act!r} does not compute x * sigmoid(x) (the quantized experts implement SwiGLU "
+                f"with SiLU)")
     return _probe_reason(m)
 
 
@@ -120,8 +122,8 @@ def _probe_reason(m: nn.Module) -> Optional[str]:
     tol = 1e-4 if gu.dtype in (torch.float32, torch.float64) else 5e-2
     err = (got.double().cpu() - want).abs().max().item()
     if not err <= tol * max(want.abs().max().item(), 1e-30):
-        return (f"its forward differs from the SwiGLU of its gate_up_proj / down_proj on a probe (max error {err:.3g}): "
-                f"it computes something else")
+        return (f"its forward differs from the SwiGLU of its gate_up_proj / down_proj on a probe (max error "
+                f"{err:.3g}): it computes something else")
     return None
 
 
