@@ -1,5 +1,6 @@
 """Fp8Experts: vs a float64 loop over tokens; skipped slots (-1), idle experts, every scale granularity with
-partial blocks, torch.compile(fullgraph=True), bad input; and the loader building it from per-expert tensors."""
+partial blocks, torch.compile(fullgraph=True), bad input; and the loader building it from per-expert tensors. Int8Experts: vs a
+float64 W8A8 token loop, straight-through gradients, compressed-tensors' int8 experts, the save_quantized round trip."""
 import math
 
 import pytest

@@ -1,5 +1,6 @@
 """quantize_fp8 / quantize_int8 against numpy references: scales, codes, saturation, zero blocks, partial edge
-blocks, round-trip error bounds, bad input."""
+blocks, round-trip error bounds, bad input; quantize_ on MoE models (fused and per-expert experts, the experts it must
+leave dense, filter_fn, the report, progress, TorchLowbitConfig through the same walker)."""
 import re
 
 import numpy as np
