@@ -1,5 +1,6 @@
 """Fp8Experts: vs a float64 loop over tokens; skipped slots (-1), idle experts, every scale granularity with
-partial blocks, torch.compile(fullgraph=True), bad input; and the loader building it from per-expert tensors."""
+partial blocks, torch.compile(fullgraph=True), bad input; and the loader building it from per-expert tensors. Int8Experts: vs a
+float64 W8A8 token loop, straight-through gradients, compressed-tensors' int8 experts, the save_quantized round trip."""
 import math
 
 import pytest
@@ -289,3 +290,184 @@ def test_module_dtype_conversion_keeps_fp8_codes_and_fp32_scales(convert):
     x = torch.randn(6, 24)
     _check(layer(x, ids, w), ref_experts(x, ids, w, gu, down), torch.float32)
     assert layer.state_dict()["gate_up"].dtype == torch.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------------ Int8Experts
+def _int8_layer(E, H, I, seed=0):
+    from torch_lowbit.nn import Int8Experts
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randint(-127, 128, (E, 2 * I, H), generator=g, dtype=torch.int8)
+    dn = torch.randint(-127, 128, (E, H, I), generator=g, dtype=torch.int8)
+    gs, ds = torch.rand(E, 2 * I, generator=g) * 2e-3 + 1e-3, torch.rand(E, H, generator=g) * 2e-3 + 1e-3
+    return Int8Experts.from_quantized(gu, gs, dn, ds), (gu, gs, dn, ds)
+
+
+def _w8a8_f64(x, wq, ws, dtype):
+    """One int8_linear in float64: x per row by the int8_quantize reference, exact integer products, the product
+    rounded once to the activation dtype (what int8_mm returns)."""
+    from reference import ref_int8_quantize
+    q, s, _ = ref_int8_quantize(x)
+    acc = q.to(torch.int64) @ wq.to(torch.int64).T
+    return (acc.double() * s.double()[:, None] * ws.double()[None, :]).to(dtype)
+
+
+def ref_int8_experts(x, ids, weights, tensors, st=False):
+    """Token by token, slot by slot: W8A8 in float64, rounded where the layer rounds (each projection's output, the
+    SwiGLU). st=True: values as computed, gradients straight through each activation quantization, i.e. of
+    x @ (wq * ws)^T (what Int8Linear's backward promises), in float64 autograd."""
+    gu, gs, dn, ds = tensors
+    dtype = x.dtype
+    I = dn.shape[2]
+    out = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+
+            def proj(a, wq, ws):
+                value = _w8a8_f64(a.detach().to(dtype)[None], wq, ws, dtype)[0].double()
+                if not st:
+                    return value
+                lin = a.double() @ (wq.double() * ws.double()[:, None]).T
+                return value + lin - lin.detach()
+            h = proj(x[t], gu[e], gs[e])
+            a = (F.silu(h[:I].float().double()) * h[I:].double())
+            a = a + (a.to(torch.float32).to(dtype).double() - a).detach()  # rounded as the layer rounds, in value only
+            acc = acc + weights[t, j].double() * proj(a, dn[e], ds[e])
+        out.append(acc)
+    return torch.stack(out) if out else torch.zeros(0, x.shape[1], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("T,k,skip", [(1, 1, 0.0), (5, 2, 0.0), (23, 3, 0.3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_experts_match_float64_w8a8_token_loop(T, k, skip, dtype):
+    E, H, I = 6, 40, 24
+    layer, tensors = _int8_layer(E, H, I, seed=T)
+    ids, w = _routing(T, k, E, seed=T, skip_frac=skip, only=[0, 2, 3, 5] if T > 5 else None)  # idle experts
+    x = (torch.randn(T, H) * 3).to(dtype)
+    out = layer(x, ids, w)
+    ref = ref_int8_experts(x, ids, w, tensors)
+    assert out.dtype == dtype and out.shape == (T, H)
+    # fp32: the W8A8 arithmetic itself (W8A16 would be off by ~1e-2); bf16: its output rounding
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol * ref.abs().max().item(), err
+
+
+def test_int8_experts_skipped_slots_and_empty_batch():
+    layer, tensors = _int8_layer(4, 16, 8)
+    ids = torch.tensor([[-1, -1], [1, -1], [3, 1]])
+    w = torch.tensor([[float("nan"), 1.0], [0.5, float("inf")], [0.25, 0.75]])  # skipped weights are never read
+    x = torch.randn(3, 16)
+    out = layer(x, ids, w)
+    assert torch.equal(out[0], torch.zeros(16))
+    ref = ref_int8_experts(x, ids, torch.nan_to_num(w, posinf=0.0), tensors)
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert layer(torch.randn(0, 16), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)).shape == (0, 16)
+    with pytest.raises(RuntimeError, match="topk_ids must be < num_experts"):
+        layer(torch.randn(1, 16), torch.tensor([[4]]), torch.ones(1, 1))
+    with pytest.raises(ValueError, match=r"Int8Experts: hidden must be \[\.\.\., hidden_size\] = \[\.\.\., 16\]"):
+        layer(torch.randn(2, 12), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1))
+
+
+def test_int8_experts_gradients_pass_straight_through_activation_quantization():
+    layer, tensors = _int8_layer(4, 16, 8, seed=3)
+    ids, w = _routing(7, 2, 4, seed=2, skip_frac=0.2)
+    x = torch.randn(7, 16, requires_grad=True)
+    w = w.clone().requires_grad_(True)
+    g = torch.randn(7, 16)
+    (layer(x, ids, w) * g).sum().backward()
+    x64, w64 = x.detach().clone().requires_grad_(True), w.detach().double().clone().requires_grad_(True)
+    (ref_int8_experts(x64, ids, w64, tensors, st=True) * g.double()).sum().backward()
+    assert x.grad.abs().max() > 0
+    assert (x.grad.double() - x64.grad).abs().max() <= 1e-4 * x64.grad.abs().max()
+    assert (w.grad.double() - w64.grad).abs().max() <= 1e-4 * w64.grad.abs().max()
+
+
+def test_int8_experts_from_float_quantizes_each_expert_per_channel():
+    from reference import ref_quantize_int8
+    from torch_lowbit.nn import Int8Experts
+    torch.manual_seed(0)
+    gate_up, down = torch.randn(3, 2 * 12, 20, dtype=torch.bfloat16), torch.randn(3, 20, 12)
+    gate_up[1, 5] = 0  # a zero row: scale 0, codes 0
+    layer = Int8Experts.from_float(gate_up, down)
+    for e in range(3):
+        for got_q, got_s, w in ((layer.gate_up[e], layer.gate_up_scale[e], gate_up[e]),
+                                (layer.down[e], layer.down_scale[e], down[e])):
+            q, s = ref_quantize_int8(w)
+            assert torch.equal(got_q, q) and torch.equal(got_s, s)
+    assert layer.dtype == torch.bfloat16
+    layer.half()  # module-wide conversions keep int8 codes and fp32 scales
+    assert layer.gate_up.dtype == torch.int8 and layer.gate_up_scale.dtype == torch.float32
+    fresh = Int8Experts(3, 20, 12)
+    fresh.load_state_dict(layer.state_dict())
+    x, (ids, w) = torch.randn(4, 20), _routing(4, 2, 3, seed=1)
+    assert torch.equal(fresh(x, ids, w), layer(x, ids, w))
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(gate_up=torch.zeros(2, 8, 4)), "gate_up must be a 3-D int8 tensor, got torch.float32"),
+    (dict(gate_up_scale=torch.ones(2, 7)), r"gate_up_scale must be \[E, N\] = \[2, 8\] \(per channel\)"),
+    (dict(down=torch.zeros(2, 4, 5, dtype=torch.int8), down_scale=torch.ones(2, 4)), r"down must be \[E, H, I\]"),
+    (dict(down_scale=torch.ones(2, 4, dtype=torch.int32)), "down_scale must be a floating tensor"),
+])
+def test_int8_experts_from_quantized_names_the_bad_argument(args, match):
+    from torch_lowbit.nn import Int8Experts
+    kw = dict(gate_up=torch.zeros(2, 8, 4, dtype=torch.int8), gate_up_scale=torch.ones(2, 8),
+              down=torch.zeros(2, 4, 4, dtype=torch.int8), down_scale=torch.ones(2, 4))
+    kw.update(args)
+    with pytest.raises(ValueError, match=match):
+        Int8Experts.from_quantized(kw["gate_up"], kw["gate_up_scale"], kw["down"], kw["down_scale"])
+
+
+# ------------------------------------------------------------------------ INT8 experts through checkpoints
+IDS = torch.tensor([[3, 17, 42, 5, 88, 1, 0, 64, 23]])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_compressed_tensors_int8_w8a8_experts_load_into_int8_experts(tmp_path, arch):
+    import hf_writers as W
+    import torch_lowbit
+    from torch_lowbit.nn import Int8Experts
+    W.write_compressed_tensors(W.tiny_model(arch), arch, str(tmp_path), "int8-w8a8")
+    model, report = torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32, return_report=True)
+    # transformers 5.24 cannot reload compressed-tensors int8 MoE experts itself ("Concatenate on tensors destined
+    # for ...gate_up_proj"): the reference is the checkpoint dequantized in float64 and loaded dense by transformers
+    ref = W.dequantized_by_hand(str(tmp_path))
+    for i in range(2):
+        name = f"model.layers.{i}.mlp.experts"
+        ours, theirs = model.get_submodule(name), ref.get_submodule(name)
+        assert isinstance(ours, Int8Experts) and report.converted[name] == "Int8Experts(E=4, channel)"
+        assert torch.equal(ours.gate_up.float() * ours.gate_up_scale[..., None], theirs.gate_up_proj)
+        assert torch.equal(ours.down.float() * ours.down_scale[..., None], theirs.down_proj)
+    assert report.unused_keys == [] and report.missing_keys == []
+    with torch.no_grad():
+        out, want = model(IDS).logits.double(), ref(IDS).logits.double()
+    # the dense reference does not quantize activations: W8A8's per-token rounding is the whole difference
+    assert (out - want).abs().max() <= 5e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_save_quantized_writes_int8_experts_per_expert_and_reloads_them(tmp_path, arch):
+    import json
+
+    from safetensors import safe_open
+
+    import hf_writers as W
+    import torch_lowbit
+    from torch_lowbit.nn import Int8Experts
+    model = torch_lowbit.quantize_(W.tiny_model(arch), torch_lowbit.Int8Dynamic())
+    torch_lowbit.save_quantized(model, tmp_path)
+    leaf = "block_sparse_moe.experts.3.w1" if arch == "mixtral" else "mlp.experts.3.gate_proj"
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        w, s = f.get_tensor(f"model.layers.1.{leaf}.weight"), f.get_tensor(f"model.layers.1.{leaf}.weight_scale")
+    experts = model.model.layers[1].mlp.experts
+    assert torch.equal(w, experts.gate_up[3, :112]) and torch.equal(s, experts.gate_up_scale[3, :112, None])
+    groups = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [g["weights"]["type"] for g in groups.values()] == ["int"]  # one int-quantized W8A8 scheme
+    back = torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32)
+    assert isinstance(back.model.layers[1].mlp.experts, Int8Experts)
+    with torch.no_grad():
+        assert torch.equal(back(IDS).logits, model(IDS).logits)

@@ -1,8 +1,12 @@
 """quantize_fp8 / quantize_int8 against numpy references: scales, codes, saturation, zero blocks, partial edge
-blocks, round-trip error bounds, bad input."""
+blocks, round-trip error bounds, bad input; quantize_ on MoE models (fused and per-expert experts, the experts it must
+leave dense, filter_fn, the report, progress, TorchLowbitConfig through the same walker)."""
+import re
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import torch_lowbit
 from reference import fp8_bits_to_f64, ref_quantize_fp8, ref_quantize_int8
@@ -186,3 +190,175 @@ def test_int8_round_trip_error_bound(dtype):
 def test_int8_bad_input(w, exc, match):
     with pytest.raises(exc, match=match):
         torch_lowbit.quantize_int8(w)
+
+
+# ---------------------------------------------------------------------------------------------- quantize_ on MoE
+def _dequantized_f64(dense, quantized):
+    """A float64 copy of `dense` whose weights are those of `quantized`'s layers, dequantized here (codes times
+    scales, by the format's definition), so that transformers' own forward is the reference."""
+    import copy
+
+    from reference import expand_scale, fp8_bits_to_f64
+    from torch_lowbit.nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear
+
+    def fp8(codes, scale, block):
+        return fp8_bits_to_f64(codes.view(torch.uint8)) * expand_scale(scale, *codes.shape, block)
+
+    ref = copy.deepcopy(dense).double()
+    ref.set_experts_implementation("eager")  # transformers' default grouped_mm takes no float64
+    with torch.no_grad():
+        for name, m in quantized.named_modules():
+            if isinstance(m, Fp8Linear):
+                ref.get_submodule(name).weight.copy_(fp8(m.weight, m.weight_scale, m.block_size))
+            elif isinstance(m, Int8Linear):
+                ref.get_submodule(name).weight.copy_(m.weight.double() * m.weight_scale.double()[:, None])
+            elif isinstance(m, Fp8Experts):
+                r = ref.get_submodule(name)
+                for e in range(m.num_experts):
+                    r.gate_up_proj[e] = fp8(m.gate_up[e], m.gate_up_scale[e], m.block_size)
+                    r.down_proj[e] = fp8(m.down[e], m.down_scale[e], m.block_size)
+            elif isinstance(m, Int8Experts):
+                r = ref.get_submodule(name)
+                r.gate_up_proj.copy_(m.gate_up.double() * m.gate_up_scale.double()[..., None])
+                r.down_proj.copy_(m.down.double() * m.down_scale.double()[..., None])
+    return ref
+
+
+MOE_CONFIGS = {"fp8-channel": torch_lowbit.Fp8WeightOnly(), "fp8-block": torch_lowbit.Fp8WeightOnly("block", (16, 32)),
+               "int8": torch_lowbit.Int8Dynamic()}
+MOE_IDS = torch.tensor([[3, 17, 42, 5, 88, 1, 0, 64, 23], [96, 2, 2, 50, 11, 7, 33, 8, 70]])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_quantize__converts_fused_moe_experts_and_reports_it(arch, name):
+    import hf_writers as W
+    from torch_lowbit.nn import Fp8Experts, Int8Experts
+    dense = W.tiny_model(arch)
+    model, report = torch_lowbit.quantize_(W.tiny_model(arch), MOE_CONFIGS[name], return_report=True)
+    layer = Int8Experts if name == "int8" else Fp8Experts
+    for i in range(W.LAYERS):
+        fqn = f"model.layers.{i}.mlp.experts"
+        assert isinstance(model.get_submodule(fqn), layer)
+        assert report.converted[fqn].startswith(f"{layer.__name__}(E={W.EXPERTS}")
+    assert report.skipped == {"lm_head": "skipped by the default filter (lm_head)"}
+    assert type(model.lm_head) is torch.nn.Linear
+    ref = _dequantized_f64(dense, model)
+    with torch.no_grad():
+        out, want = model(MOE_IDS).logits.double(), ref(MOE_IDS).logits
+    err = ((out - want).abs().max() / want.abs().max()).item()
+    # W8A16 matches the dequantized model up to fp32 accumulation; W8A8 also rounds each token's activations
+    assert err <= (5e-2 if name == "int8" else 1e-5), err
+
+
+def test_quantize__per_expert_linear_layout_converts_each_linear():
+    import hf_writers as W
+    from torch_lowbit.nn import Int8Linear
+    model = W.split_experts(W.tiny_model("mixtral"), "mixtral")  # experts as a ModuleList of MLPs
+    model, report = torch_lowbit.quantize_(model, torch_lowbit.Int8Dynamic(), return_report=True)
+    for e in range(W.EXPERTS):
+        for leaf in ("w1", "w2", "w3"):
+            fqn = f"model.layers.1.mlp.experts.{e}.{leaf}"
+            assert isinstance(model.get_submodule(fqn), Int8Linear) and report.converted[fqn] == "Int8Linear(channel)"
+
+
+def test_quantize__filter_fn_is_asked_about_experts_too():
+    import hf_writers as W
+    asked = {}
+
+    def keep_experts_dense(module, fqn):
+        asked[fqn] = type(module).__name__
+        return not fqn.endswith("experts") and fqn != "lm_head"
+    model, report = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Fp8WeightOnly(),
+                                           filter_fn=keep_experts_dense, return_report=True)
+    assert asked["model.layers.0.mlp.experts"] == "Qwen3MoeExperts" and asked["lm_head"] == "Linear"
+    assert type(model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"
+    assert report.skipped["model.layers.1.mlp.experts"] == "filter_fn returned False"
+    assert "model.layers.1.self_attn.q_proj" in report.converted
+
+
+class _InterleavedExperts(torch.nn.Module):
+    """Fused experts whose gate and up rows alternate (no transformers flag says so): same tensors, another
+    arithmetic."""
+
+    def __init__(self, E=3, H=16, I=8):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H) * 0.3)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, I) * 0.3)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for t in range(hidden.shape[0]):
+            for j in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, j])
+                h = self.gate_up_proj[e] @ hidden[t]
+                out[t] += top_k_weights[t, j] * (self.down_proj[e] @ (F.silu(h[0::2]) * h[1::2]))
+        return out
+
+
+class _BiasedExperts(_InterleavedExperts):
+    def __init__(self):
+        super().__init__()
+        self.down_proj_bias = torch.nn.Parameter(torch.zeros(3, 16))
+
+
+def _gelu_qwen3():
+    import hf_writers as W
+    from transformers.activations import ACT2FN
+    model = W.tiny_model("qwen3_moe")
+    model.model.layers[0].mlp.experts.act_fn = ACT2FN["gelu"]
+    return model, "model.layers.0.mlp.experts", "does not compute x \\* sigmoid\\(x\\)"
+
+
+def _gpt_oss():
+    import hf_writers as W
+    cfg = W.transformers.GptOssConfig(vocab_size=101, hidden_size=48, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=4,
+                                      num_experts_per_tok=2, layer_types=["full_attention"])
+    torch.manual_seed(0)
+    return W.transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), "model.layers.0.mlp.experts", \
+        "is_transposed=True"
+
+
+@pytest.mark.parametrize("build", [
+    _gelu_qwen3, _gpt_oss,
+    lambda: (torch.nn.Sequential(_InterleavedExperts()), "0", "differs from the SwiGLU of its gate_up_proj"),
+    lambda: (torch.nn.Sequential(_BiasedExperts()), "0", "holds down_proj_bias besides gate_up_proj"),
+], ids=["gelu", "gpt-oss", "interleaved", "bias"])
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly(), torch_lowbit.Int8Dynamic()], ids=["fp8", "int8"])
+def test_quantize__experts_it_cannot_convert_stay_dense_with_the_reason(build, config):
+    model, fqn, why = build()
+    dense_type = type(model.get_submodule(fqn))
+    with pytest.warns(UserWarning, match=f"MoE experts {fqn} left in high precision: .*{why}"):
+        model, report = torch_lowbit.quantize_(model, config, return_report=True)
+    assert type(model.get_submodule(fqn)) is dense_type
+    assert fqn not in report.converted and re.search(why, report.skipped[fqn])
+
+
+def test_quantize__shows_progress_in_modules(monkeypatch, capsys):
+    import hf_writers as W
+    from torch_lowbit import _progress
+
+    class EveryUpdate(_progress.Progress):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "interval": 0.0, "enabled": True})
+    monkeypatch.setattr(_progress, "Progress", EveryUpdate)
+    _, report = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Int8Dynamic(), return_report=True)
+    lines = capsys.readouterr().err.strip().splitlines()
+    total = len(report.converted) + len(report.skipped)  # 2 layers x (4 attention + experts) + lm_head
+    assert total == 11
+    assert lines[-1].startswith(f"torch_lowbit quantize_: {total}/{total} modules")
+
+
+@pytest.mark.parametrize("weights", ["fp8", "int8"])
+def test_torch_lowbit_config_converts_experts_through_quantize_(tmp_path, weights):
+    import hf_writers as W
+    from torch_lowbit.nn import Fp8Experts, Int8Experts
+    W.tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    config = torch_lowbit.TorchLowbitConfig(weights, "block", (16, 32))
+    model = W.transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                                quantization_config=config)
+    assert isinstance(model.model.layers[1].mlp.experts, Int8Experts if weights == "int8" else Fp8Experts)
+    want = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), config.quantize_config())
+    with torch.no_grad():
+        assert torch.equal(model(MOE_IDS).logits, want(MOE_IDS).logits)

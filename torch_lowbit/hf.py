@@ -178,21 +178,27 @@ def _expert_scale(scale: torch.Tensor, e: int, rows: slice, block) -> Tuple[torc
 
 
 def _experts_tensors(name, layer) -> Tuple[Dict[str, torch.Tensor], Dict[str, tuple]]:
-    """One Linear per projection and expert (model names), as checkpoints store MoE experts."""
+    """One Linear per projection and expert (model names), as checkpoints store MoE experts: fp8 (Fp8Experts, the
+    layer's granularity) or int8 per channel (Int8Experts, the W8A8 int-quantized scheme)."""
     from ._storage import as_fp8_dtype
+    from .nn import Int8Experts
 
     E, H, I = layer.num_experts, layer.hidden_size, layer.intermediate_size
-    gu, dn = as_fp8_dtype(layer.gate_up).cpu(), as_fp8_dtype(layer.down).cpu()
+    if isinstance(layer, Int8Experts):
+        gu, dn, block = layer.gate_up.cpu(), layer.down.cpu(), None
+    else:
+        gu, dn, block = as_fp8_dtype(layer.gate_up).cpu(), as_fp8_dtype(layer.down).cpu(), layer.block_size
+    kind = "int8" if isinstance(layer, Int8Experts) else "fp8"
     tensors, schemes = {}, {}
     for e in range(E):
         for proj, w, scale, rows in (("gate_proj", gu, layer.gate_up_scale, slice(0, I)),
                                      ("up_proj", gu, layer.gate_up_scale, slice(I, 2 * I)),
                                      ("down_proj", dn, layer.down_scale, slice(0, H))):
             module = f"{name}.{e}.{proj}"
-            s, gran = _expert_scale(scale, e, rows, layer.block_size)
+            s, gran = _expert_scale(scale, e, rows, block)
             tensors[f"{module}.weight"] = w[e, rows].contiguous()
             tensors[f"{module}.weight_scale"] = s
-            schemes[module] = ("fp8", gran, layer.block_size if gran == "block" else None)
+            schemes[module] = (kind, gran, block if gran == "block" else None)
     return tensors, schemes
 
 
@@ -222,7 +228,7 @@ def save_quantized(model: nn.Module, path, *, max_shard_size: int = 4 * 2 ** 30)
     from safetensors.torch import save_file
 
     from .formats.hf_names import checkpoint_key_renaming
-    from .nn import Fp8Experts, Fp8Linear, Int8Linear
+    from .nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
@@ -238,7 +244,7 @@ def save_quantized(model: nn.Module, path, *, max_shard_size: int = 4 * 2 ** 30)
             quantized.update(t)
             schemes[name] = key
             done.append(name)
-        elif isinstance(mod, Fp8Experts):
+        elif isinstance(mod, (Fp8Experts, Int8Experts)):
             t, s = _experts_tensors(name, mod)
             quantized.update(t)
             schemes.update(s)

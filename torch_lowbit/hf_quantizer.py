@@ -4,10 +4,10 @@ transformers' public extension point (``register_quantization_config`` / ``regis
     model = AutoModelForCausalLM.from_pretrained(dense_path, dtype=torch.bfloat16,
                                                  quantization_config=torch_lowbit.TorchLowbitConfig("fp8"))
 
-transformers loads the dense checkpoint as usual, then the quantizer runs ``quantize_`` on it (and turns fused MoE
-experts into ``Fp8Experts`` for fp8): peak memory is the dense model's, for a moment. (Quantizing each tensor as it
-is read would need transformers' internal conversion-op API; this uses only the stable hooks.) Such a model is
-saved with ``torch_lowbit.save_quantized`` (a compressed-tensors checkpoint), not ``save_pretrained``.
+transformers loads the dense checkpoint as usual, then the quantizer runs ``quantize_`` on it (which also turns fused
+MoE experts into ``Fp8Experts`` / ``Int8Experts``): peak memory is the dense model's, for a moment. (Quantizing
+each tensor as it is read would need transformers' internal conversion-op API; this uses only the stable hooks.) Such
+a model is saved with ``torch_lowbit.save_quantized`` (a compressed-tensors checkpoint), not ``save_pretrained``.
 
 Importing this module imports transformers and registers the method ``torch_lowbit`` once.
 """
@@ -64,9 +64,9 @@ class TorchLowbitHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
+        # quantize_'s walker: Linears and fused experts (Fp8Experts / Int8Experts), experts it cannot convert left
+        # dense with a warning saying why
         quantize_(model, config.quantize_config(), filter_fn=lambda m, fqn: not self._skipped(fqn))
-        if config.weights == "fp8":
-            _quantize_experts(model, config, self._skipped)
         return model
 
     def is_serializable(self):
@@ -76,15 +76,3 @@ class TorchLowbitHfQuantizer(HfQuantizer):
     def is_trainable(self):
         return False
 
-
-def _quantize_experts(model, config: TorchLowbitConfig, skipped):
-    from .formats.moe import _check_activation, is_experts_module
-    from .nn import Fp8Experts
-
-    for name, mod in list(model.named_modules()):
-        if not name or isinstance(mod, Fp8Experts) or not is_experts_module(mod) or skipped(name):
-            continue
-        _check_activation(name, mod)
-        layer = Fp8Experts.from_float(mod.gate_up_proj.detach(), mod.down_proj.detach(), config.granularity,
-                                      tuple(config.block_size))
-        model.set_submodule(name, layer)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 import torch
@@ -159,6 +160,29 @@ def register_quantize_module_handler(config_cls: Type):
     return decorator
 
 
+_EXPERTS_HANDLERS: Dict[type, Callable[[nn.Module, Any], nn.Module]] = {}
+
+
+def register_quantize_experts_handler(config_cls: Type):
+    """Decorator: ``handler(experts, config) -> new module`` is what ``quantize_(model, config_cls(...))`` does to
+    each dense fused MoE experts module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) its filter accepts
+    (torch_lowbit.nn registers Fp8Experts for Fp8WeightOnly, Int8Experts for Int8Dynamic)."""
+    if not isinstance(config_cls, type):
+        raise TypeError(f"register_quantize_experts_handler: config_cls must be a class, got {config_cls!r}")
+
+    def decorator(handler):
+        if config_cls in _EXPERTS_HANDLERS and _EXPERTS_HANDLERS[config_cls] is not handler:
+            raise ValueError(f"a quantize_ experts handler for {config_cls.__qualname__} is already registered "
+                             f"({_EXPERTS_HANDLERS[config_cls].__qualname__})")
+        _EXPERTS_HANDLERS[config_cls] = handler
+        return handler
+    return decorator
+
+
+def _experts_handler_for(config):
+    return next((_EXPERTS_HANDLERS[c] for c in type(config).__mro__ if c in _EXPERTS_HANDLERS), None)
+
+
 def _handler_for(config):
     for cls in type(config).__mro__:
         if cls in _HANDLERS:
@@ -217,36 +241,149 @@ def _swappable(module) -> bool:
             and module.weight.dim() == 2 and module.weight.is_floating_point())
 
 
+def _dense_experts(module) -> bool:
+    """A fused MoE experts module still holding float weights (not one of our quantized experts layers)."""
+    from .formats.moe import is_experts_module
+
+    return (is_experts_module(module) and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+            and module.gate_up_proj.is_floating_point() and module.down_proj.is_floating_point())
+
+
 def default_filter(module: nn.Module, fqn: str) -> bool:
-    """Quantize every swappable nn.Linear except those named ``lm_head`` (the logits are accuracy-critical)."""
+    """Quantize every swappable nn.Linear and fused experts module except those named ``lm_head`` (the logits are
+    accuracy-critical)."""
     return fqn.rsplit(".", 1)[-1] not in SKIPPED_BY_DEFAULT
 
 
-def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
-    """Replace the ``nn.Linear`` layers of ``model`` in place by quantized layers, torchao style.
+@dataclasses.dataclass
+class QuantizeReport:
+    """What ``quantize_(..., return_report=True)`` did. ``converted``: module name -> what it became (the new
+    layer's class and scheme, e.g. ``"Fp8Linear(channel)"``, ``"Int8Experts(E=8)"``); ``skipped``: name of each
+    nn.Linear / fused experts module left in high precision -> why (the filter declined it, or the experts
+    compute something the quantized layers cannot)."""
+    converted: Dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped: Dict[str, str] = dataclasses.field(default_factory=dict)
 
-    config: ``Fp8WeightOnly(granularity="channel")`` -> ``Fp8Linear``, ``Int8Dynamic()`` -> ``Int8Linear`` (torchao's
-    ``Float8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig`` are aliases), or any config class with a
-    handler registered by ``register_quantize_module_handler``. ``filter_fn(module, fqn) -> bool`` is asked about
-    each nn.Linear (``fqn`` is its dotted name in ``model``) and replaces the default filter, which skips layers
-    named ``lm_head``. A Linear shared by several parents is quantized once and stays shared. Returns ``model`` (or
-    the new layer if ``model`` is itself a Linear).
+    def __str__(self) -> str:
+        lines = [f"quantize_: {len(self.converted)} modules converted, {len(self.skipped)} left in high precision"]
+        lines += [f"  kept {n}: {why}" for n, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _describe(layer: nn.Module) -> str:
+    """The report's words for a new layer, as the loader's report writes them."""
+    name = type(layer).__name__
+    if hasattr(layer, "gate_up_granularity"):
+        return (f"{name}(E={layer.num_experts}, gate_up {layer.gate_up_granularity.kind}, "
+                f"down {layer.down_granularity.kind})")
+    if hasattr(layer, "num_experts"):
+        return f"{name}(E={layer.num_experts}, channel)"
+    gran = getattr(layer, "granularity", None)
+    if gran is not None and hasattr(gran, "describe"):
+        return f"{name}({gran.describe()})"
+    return f"{name}(channel)" if layer.__class__.__name__.startswith("Int8") else name
+
+
+class _Walker:
+    """Decides and performs the swap of each candidate module (nn.Linear or fused experts), recording why."""
+
+    def __init__(self, config, filter_fn, report: QuantizeReport):
+        self.config, self.filter_fn, self.report = config, filter_fn, report
+        self.linear_handler = _handler_for(config)
+        self.experts_handler = _experts_handler_for(config)
+        self.default = filter_fn is default_filter
+
+    def kind(self, module) -> Optional[str]:
+        if _swappable(module):
+            return "linear"
+        if _dense_experts(module):
+            return "experts"
+        return None
+
+    def convert(self, module, fqn: str, kind: str) -> Optional[nn.Module]:
+        from .formats.moe import unconvertible_reason
+
+        if not self.filter_fn(module, fqn):
+            self.report.skipped[fqn] = ("skipped by the default filter (lm_head)" if self.default
+                                        else "filter_fn returned False")
+            return None
+        if kind == "experts":
+            if self.experts_handler is None:
+                why = f"no experts layer implements {type(self.config).__name__}"
+            else:
+                why = unconvertible_reason(module)
+            if why is not None:
+                self.report.skipped[fqn] = why
+                warnings.warn(f"quantize_: MoE experts {fqn or type(module).__name__} left in high precision: {why}",
+                              stacklevel=3)
+                return None
+            new = self.experts_handler(module, self.config)
+        else:
+            new = self.linear_handler(module, self.config)
+        self.report.converted[fqn] = _describe(new)
+        return new
+
+
+def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *,
+              return_report: bool = False):
+    """Replace the ``nn.Linear`` layers and the fused MoE experts of ``model`` in place by quantized layers,
+    torchao style.
+
+    config: ``Fp8WeightOnly(granularity="channel")`` -> ``Fp8Linear`` / ``Fp8Experts``, ``Int8Dynamic()`` ->
+    ``Int8Linear`` / ``Int8Experts`` (torchao's ``Float8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig``
+    are aliases), or any config class with a handler registered by ``register_quantize_module_handler`` (and, for
+    experts, ``register_quantize_experts_handler``).
+
+    Experts: a fused experts module (transformers >= 5: ``Qwen3MoeExperts``, ``MixtralExperts``, ... with 3-D
+    ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``) becomes one quantized experts layer with the same
+    ``forward(hidden, top_k_index, top_k_weights)``; experts held as a ModuleList of MLPs are plain nn.Linear layers
+    and are converted one by one. Experts that compute something else -- an activation other than SiLU, biases or
+    other extra tensors (gpt-oss), a transposed or interleaved layout, a forward that does not match their weights'
+    SwiGLU on a probe -- are left in high precision with a warning naming the reason (and in the report), never
+    converted wrong.
+
+    ``filter_fn(module, fqn) -> bool`` is asked about each candidate: every nn.Linear and every fused experts module
+    (``fqn`` is its dotted name in ``model``; tell them apart by ``isinstance(module, nn.Linear)``). It replaces the
+    default filter, which skips modules named ``lm_head``. A module shared by several parents is quantized once and
+    stays shared. Progress (modules done) is shown on a terminal (``torch_lowbit._progress``).
+
+    Returns ``model`` (or the new layer if ``model`` is itself a Linear / experts module); with
+    ``return_report=True``, ``(model, QuantizeReport)``: ``converted`` (name -> new layer) and ``skipped``
+    (name -> why it stayed in high precision).
     """
-    handler = _handler_for(config)
+    from ._progress import Progress
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_: model must be an nn.Module, got {type(model).__name__}")
     if filter_fn is None:
         filter_fn = default_filter
     elif not callable(filter_fn):
         raise TypeError(f"quantize_: filter_fn must be callable as filter_fn(module, fqn), got {filter_fn!r}")
-    if _swappable(model):
-        return handler(model, config) if filter_fn(model, "") else model
-    done = {}  # id(linear) -> its replacement, so shared (tied) layers stay shared
-    for fqn, parent in list(model.named_modules()):
+    report = QuantizeReport()
+    walker = _Walker(config, filter_fn, report)  # refuses a config nothing implements, before any work
+
+    def result(m):
+        return (m, report) if return_report else m
+
+    kind = walker.kind(model)
+    if kind is not None:
+        new = walker.convert(model, "", kind)
+        return result(model if new is None else new)
+    candidates = {}  # fqn -> (module, kind); the first name of a shared module
+    seen = set()
+    for fqn, m in model.named_modules():
+        k = walker.kind(m)
+        if k is not None and id(m) not in seen and not any(fqn.startswith(c + ".") for c in candidates):
+            seen.add(id(m))
+            candidates[fqn] = (m, k)
+    done = {}  # id(module) -> its replacement (or itself when kept), so shared (tied) modules stay shared
+    with Progress("quantize_", len(candidates), "modules") as progress:
+        for fqn, (m, k) in candidates.items():
+            new = walker.convert(m, fqn, k)
+            done[id(m)] = m if new is None else new
+            progress.update()
+    for fqn, parent in list(model.named_modules(remove_duplicate=False)):
         for name, child in list(parent.named_children()):
-            if id(child) in done:
+            if id(child) in done and done[id(child)] is not child:
                 setattr(parent, name, done[id(child)])
-            elif _swappable(child) and filter_fn(child, f"{fqn}.{name}" if fqn else name):
-                done[id(child)] = handler(child, config)
-                setattr(parent, name, done[id(child)])
-    return model
+    return result(model)

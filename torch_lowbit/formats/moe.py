@@ -1,12 +1,14 @@
 """MoE experts: how the loader finds them in a model and fills them from per-expert checkpoint tensors.
 
-An *experts module* is a module of the model that is either a :class:`torch_lowbit.nn.Fp8Experts`, or any module
+An *experts module* is a module of the model that is either a torch_lowbit experts layer (``Fp8Experts``,
+``Int8Experts``), or any module
 with 3-D tensors ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` -- the fused experts of transformers >= 5
 (``Qwen3MoeExperts``, ...), whose ``forward(hidden, top_k_index, top_k_weights)`` Fp8Experts shares, so the MoE
 block's router and forward stay as they are. Checkpoints store experts one by one, as published:
 ``{name}.{e}.gate_proj.weight``, ``{name}.{e}.up_proj.weight``, ``{name}.{e}.down_proj.weight`` (+ scales).
-FP8 experts replace the module by an Fp8Experts (gate rows, then up rows); unquantized experts are stacked into the
-module's own ``gate_up_proj`` / ``down_proj``.
+FP8 experts replace the module by an Fp8Experts (gate rows, then up rows), INT8 ones (compressed-tensors' int-quantized
+W8A8, per-channel scales) by an Int8Experts; unquantized experts are stacked into the module's own ``gate_up_proj`` /
+``down_proj``.
 
 Experts held as an ``nn.ModuleList`` of MLPs (transformers < 5) are not experts modules: each expert's
 gate/up/down ``nn.Linear`` becomes an Fp8Linear by the ordinary linear rule (correct, one matmul per expert).
@@ -16,10 +18,12 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..granularity import Granularity, PerBlock, PerChannel, PerTensor
 from ..nn.experts import Fp8Experts
+from ..nn.int8_experts import Int8Experts
 from .registry import QuantFormat
 from .source import CheckpointError, Source
 from .tensors import QuantizedWeight, read_quantized
@@ -28,14 +32,14 @@ PROJS = ("gate", "up", "down")
 
 
 def is_experts_module(m: nn.Module) -> bool:
-    if isinstance(m, Fp8Experts):
+    if isinstance(m, (Fp8Experts, Int8Experts)):
         return True
     gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3
 
 
 def experts_dims(m: nn.Module) -> Tuple[int, int, int]:
-    if isinstance(m, Fp8Experts):
+    if isinstance(m, (Fp8Experts, Int8Experts)):
         return m.num_experts, m.hidden_size, m.intermediate_size
     E, I2, H = m.gate_up_proj.shape
     return E, H, I2 // 2
@@ -58,6 +62,69 @@ def computes_silu(act) -> bool:
         return False
     want = x.double() * torch.sigmoid(x.double())
     return bool(torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6))
+
+
+# transformers' use_experts_implementation flags, at the values of the [gate; up] SwiGLU layout the quantized layers
+# compute; any other value (gpt-oss: transposed, interleaved, biased) is another arithmetic
+_SWIGLU_FLAGS = {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True,
+                 "has_post_expert_norm": False}
+_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+
+def unconvertible_reason(m: nn.Module) -> Optional[str]:
+    """Why the dense fused experts module `m` cannot become an Fp8Experts / Int8Experts without changing what it
+    computes, or None when it can. Checked: transformers' layout flags (``is_transposed``, ``has_bias``, ...),
+    the shapes ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, tensors besides those two (biases, norms:
+    the layer would drop them), the activation (SiLU by its values), and -- where the weights are real, not on
+    meta -- the module's own forward on a probe (one token on the first and last expert) against the float64
+    SwiGLU of its weights, which also catches a forward signature the quantized layers do not share."""
+    for flag, want in _SWIGLU_FLAGS.items():
+        if hasattr(m, flag) and bool(getattr(m, flag)) != want:
+            return (f"{flag}={getattr(m, flag)!r} (the quantized experts compute the [gate; up] SwiGLU layout, "
+                    f"{flag}={want})")
+    gu, dn = m.gate_up_proj, m.down_proj
+    E, I2, H = gu.shape
+    if I2 % 2 or tuple(dn.shape) != (E, H, I2 // 2):
+        return (f"gate_up_proj {list(gu.shape)} and down_proj {list(dn.shape)} are not [E, 2I, H] and [E, H, I] "
+                f"(transposed or interleaved experts)")
+    extra = [n for n, _ in list(m.named_parameters()) + list(m.named_buffers()) if n not in _EXPERT_TENSORS]
+    if extra:
+        return f"it holds {', '.join(extra)} besides gate_up_proj / down_proj, which the quantized layer would drop"
+    act = getattr(m, "act_fn", None)
+    if act is not None and not computes_silu(act):
+        return (f"its activation {act!r} does not compute x * sigmoid(x) (the quantized experts implement SwiGLU "
+                f"with SiLU)")
+    return _probe_reason(m)
+
+
+def _probe_reason(m: nn.Module) -> Optional[str]:
+    gu, dn = m.gate_up_proj.detach(), m.down_proj.detach()
+    E, I2, H = gu.shape
+    if gu.is_meta or dn.is_meta or E == 0 or not gu.is_floating_point():
+        return None  # nothing to run: the structural checks stand alone
+    I = I2 // 2
+    experts = sorted({0, E - 1})
+    x = torch.randn(len(experts), H, generator=torch.Generator().manual_seed(0)).to(gu.device, gu.dtype)
+    ids = torch.tensor(experts, device=gu.device).reshape(-1, 1)
+    weights = torch.full((len(experts), 1), 0.75, dtype=gu.dtype, device=gu.device)
+    try:
+        with torch.no_grad():
+            got = m(x, ids, weights)
+    except Exception as e:  # any failure means the layer's forward(hidden, topk_ids, topk_weights) is not its own
+        return f"its forward(hidden, top_k_index, top_k_weights) fails on a probe ({type(e).__name__}: {e})"
+    want = torch.zeros(len(experts), H, dtype=torch.float64)
+    for i, e in enumerate(experts):
+        h = gu[e].double().cpu() @ x[i].double().cpu()
+        want[i] = 0.75 * (dn[e].double().cpu() @ (F.silu(h[:I]) * h[I:]))
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+        return f"its forward on a probe returns {getattr(got, 'shape', type(got).__name__)}, not [T, H]"
+    # the module computes in its own dtype: a half-precision forward rounds gate, up and the activation
+    tol = 1e-4 if gu.dtype in (torch.float32, torch.float64) else 5e-2
+    err = (got.double().cpu() - want).abs().max().item()
+    if not err <= tol * max(want.abs().max().item(), 1e-30):
+        return (f"its forward differs from the SwiGLU of its gate_up_proj / down_proj on a probe (max error "
+                f"{err:.3g}): it computes something else")
+    return None
 
 
 def _check_activation(name: str, m: nn.Module):
@@ -118,39 +185,51 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
     if unquantized:
         raise CheckpointError(f"{unquantized[0]} is {src.dtype(unquantized[0])} while other experts of {name} are "
                               f"quantized: torch_lowbit needs all experts of a layer in one format")
-    if "int8" in kinds.values():
-        k = next(k for k, v in kinds.items() if v == "int8")
-        raise CheckpointError(f"{k} is int8: int8 MoE experts are not supported (Fp8Experts takes FP8 experts)")
+    if len(set(kinds.values())) > 1:
+        k = next(k for k, v in kinds.items() if v != kinds[wkeys[(0, "gate")]])
+        raise CheckpointError(f"{k} is {src.dtype(k)} while {wkeys[(0, 'gate')]} is {src.dtype(wkeys[(0, 'gate')])}: "
+                              f"torch_lowbit needs all experts of a layer in one format")
+    kind = kinds[wkeys[(0, "gate")]]
     ignored = [f"{name}.{e}.{p}_proj" for e in range(E) for p in PROJS
                if fmt.is_ignored(f"{name}.{e}.{p}_proj") or fmt.is_ignored(name)]
     if ignored:
-        raise CheckpointError(f"{ignored[0]}.weight is float8 but {ignored[0]} is in the checkpoint's ignore list")
+        raise CheckpointError(f"{ignored[0]}.weight is {kind} but {ignored[0]} is in the checkpoint's ignore list")
 
-    gate_up = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn)
-    down = torch.empty(E, H, I, dtype=torch.float8_e4m3fn)
+    wdtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    gate_up = torch.empty(E, 2 * I, H, dtype=wdtype)
+    down = torch.empty(E, H, I, dtype=wdtype)
     gu_scales, d_scales, used = [], [], []
     for e in range(E):
-        q = {p: read_quantized(src, fmt, f"{name}.{e}.{p}_proj", "fp8", shape)
+        q = {p: read_quantized(src, fmt, f"{name}.{e}.{p}_proj", kind, shape)
              for p, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
         gate_up[e, :I].copy_(q["gate"].weight)
         gate_up[e, I:].copy_(q["up"].weight)
         down[e].copy_(q["down"].weight)
-        gu_scales.append(_stack_scales(f"{name}.{e}.gate/up_proj scales", [q["gate"], q["up"]]))
-        d_scales.append(_stack_scales(f"{name}.{e}.down_proj scale", [q["down"]]))
+        if kind == "int8":  # read_quantized gives int8 weights per-channel [N] scales
+            gu_scales.append(torch.cat([q["gate"].scale.reshape(-1), q["up"].scale.reshape(-1)]))
+            d_scales.append(q["down"].scale.reshape(-1))
+        else:
+            gu_scales.append(_stack_scales(f"{name}.{e}.gate/up_proj scales", [q["gate"], q["up"]]))
+            d_scales.append(_stack_scales(f"{name}.{e}.down_proj scale", [q["down"]]))
         used += [k for p in PROJS for k in q[p].keys]
-    gu_scale = _uniform(f"{name} gate/up scales", gu_scales)
-    d_scale = _uniform(f"{name} down scales", d_scales)
-    layer = Fp8Experts.from_quantized(gate_up, gu_scale, down, d_scale, block_size=fmt.block_size,
-                                      dtype=dtype or torch.bfloat16)
+    if kind == "int8":
+        layer = Int8Experts.from_quantized(gate_up, torch.stack(gu_scales), down, torch.stack(d_scales),
+                                           dtype=dtype or torch.bfloat16)
+        desc = f"Int8Experts(E={E}, channel)"
+    else:
+        gu_scale = _uniform(f"{name} gate/up scales", gu_scales)
+        d_scale = _uniform(f"{name} down scales", d_scales)
+        layer = Fp8Experts.from_quantized(gate_up, gu_scale, down, d_scale, block_size=fmt.block_size,
+                                          dtype=dtype or torch.bfloat16)
+        desc = f"Fp8Experts(E={E}, gate_up {layer.gate_up_granularity.kind}, down {layer.down_granularity.kind})"
     layer = layer.to(device) if device is not None else layer
-    desc = f"Fp8Experts(E={E}, gate_up {layer.gate_up_granularity.kind}, down {layer.down_granularity.kind})"
     return layer, used, desc, True
 
 
 def _load_dense(src: Source, name: str, module: nn.Module, wkeys: Dict, device, dtype):
-    if isinstance(module, Fp8Experts):
+    if isinstance(module, (Fp8Experts, Int8Experts)):
         raise CheckpointError(f"the checkpoint stores the experts of {name} unquantized ({wkeys[(0, 'gate')]} is "
-                              f"{src.dtype(wkeys[(0, 'gate')])}), but the model holds an Fp8Experts there")
+                              f"{src.dtype(wkeys[(0, 'gate')])}), but the model holds an {type(module).__name__} there")
     E, H, I = experts_dims(module)
     old_gu, old_d = module.gate_up_proj, module.down_proj
     tdtype = dtype or old_gu.dtype

@@ -8,7 +8,7 @@ first, then the up rows.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,77 @@ from torch import nn
 from .._ops import fp8_grouped_mm
 from .._storage import as_fp8_dtype, fp8_storage_dtype, to_fp8_storage
 from ..granularity import Granularity, GranularityLike, PerBlock, as_granularity, granularity_with_block_hint
-from ..quantize import quantize_fp8
+from ..quantize import Fp8WeightOnly, quantize_fp8, register_quantize_experts_handler
 from ._format_buffers import FormatBuffers
+
+def check_inputs(layer: nn.Module, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """Shape and dtype checks of an experts layer's forward (static under torch.compile), so that a wrong argument
+    is named, not a reshape."""
+    what, H = type(layer).__name__, layer.hidden_size
+    if hidden.dim() < 1 or hidden.shape[-1] != H:
+        raise ValueError(f"{what}: hidden must be [..., hidden_size] = [..., {H}], got shape {tuple(hidden.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise ValueError(f"{what}: topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    T = math.prod(hidden.shape[:-1])
+    if topk_ids.dim() < 1 or math.prod(topk_ids.shape[:-1]) != T:
+        raise ValueError(f"{what}: topk_ids must be [T, k] with T = {T} tokens (hidden is "
+                         f"{tuple(hidden.shape)}), got shape {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"{what}: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
+                         f"{tuple(topk_weights.shape)}")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"{what}: topk_weights must be a floating tensor, got {topk_weights.dtype}")
+
+
+class Routing(NamedTuple):
+    """Token-expert pairs sorted by expert: pair i (in sorted order) is slot ``order[i]`` of the flattened
+    ``[T, k]`` routing, token ``tokens[i]``, expert ``sorted_ids[i]`` (E for a skipped slot, sorted past every
+    group); expert e's pairs are rows ``offsets[e]:offsets[e + 1]``."""
+    order: torch.Tensor
+    sorted_ids: torch.Tensor
+    tokens: torch.Tensor
+    offsets: torch.Tensor      # int32 [E + 1]
+    expert_ids: torch.Tensor   # int32 arange(E)
+    k: int
+
+
+def route(layer: nn.Module, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """(hidden as [T, H], Routing) after check_inputs; no host synchronization."""
+    check_inputs(layer, hidden, topk_ids, topk_weights)
+    E = layer.num_experts
+    x = hidden.reshape(-1, layer.hidden_size)
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    torch._assert_async((ids < E).all(),
+                        f"{type(layer).__name__}: topk_ids must be < num_experts (negative ids skip a slot)")
+    # skipped slots get id E: after sorting they lie past offsets[E], in no group, and come out as zeros
+    ids = torch.where(ids < 0, torch.full_like(ids, E), ids)
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    bounds = torch.arange(E + 1, device=ids.device, dtype=torch.int64)
+    offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+    expert_ids = torch.arange(E, device=ids.device, dtype=torch.int32)
+    k = topk_ids.shape[-1]
+    return x, Routing(order, sorted_ids, order // k, offsets, expert_ids, k)
+
+
+def swiglu(gate_up: torch.Tensor, I: int, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up of each row of ``gate_up [rows, 2I]`` (gate first), in fp32, rounded once to `dtype`."""
+    gate, up = gate_up.float().split(I, dim=-1)
+    return (F.silu(gate) * up).to(dtype)
+
+
+def combine(y: torch.Tensor, topk_weights: torch.Tensor, r: Routing, hidden: torch.Tensor) -> torch.Tensor:
+    """Sum of each token's expert outputs ``y`` (rows in the Routing's sorted order) weighted by its routing
+    weights, in fp32, rounded once to hidden's dtype and shape."""
+    E = r.expert_ids.numel()
+    w = topk_weights.reshape(-1)[r.order].float()
+    w = torch.where(r.sorted_ids < E, w, torch.zeros_like(w))  # a skipped slot's weight may be anything
+    contrib = y.float() * w[:, None]
+    # back to (token, slot) order, then a fixed-order sum over the k slots: deterministic on every device
+    per_slot = torch.empty_like(contrib).index_copy_(0, r.order, contrib)
+    out = per_slot.reshape(-1, r.k, y.shape[-1]).sum(dim=1)
+    return out.to(hidden.dtype).reshape(hidden.shape)
+
 
 def _quantize_stacked(w: torch.Tensor, granularity: Granularity) -> Tuple[torch.Tensor, torch.Tensor]:
     """quantize_fp8 of each expert of ``w [E, N, K]``, stacked: scales ``[E]``, ``[E, N]`` or ``[E, nb, kb]``."""
@@ -116,58 +185,23 @@ class Fp8Experts(FormatBuffers):
         return cls.from_quantized(q_gu, s_gu, q_d, s_d, block_size=g.block_size, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ forward
-    def _check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """Shape and dtype checks (static under torch.compile), so that a wrong argument is named, not a reshape."""
-        H = self.hidden_size
-        if hidden.dim() < 1 or hidden.shape[-1] != H:
-            raise ValueError(f"Fp8Experts: hidden must be [..., hidden_size] = [..., {H}], got shape "
-                             f"{tuple(hidden.shape)}")
-        if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
-            raise ValueError(f"Fp8Experts: topk_ids must be an integer tensor, got {topk_ids.dtype}")
-        T = math.prod(hidden.shape[:-1])
-        if topk_ids.dim() < 1 or math.prod(topk_ids.shape[:-1]) != T:
-            raise ValueError(f"Fp8Experts: topk_ids must be [T, k] with T = {T} tokens (hidden is "
-                             f"{tuple(hidden.shape)}), got shape {tuple(topk_ids.shape)}")
-        if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-            raise ValueError(f"Fp8Experts: topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got "
-                             f"{tuple(topk_weights.shape)}")
-        if not topk_weights.is_floating_point():
-            raise ValueError(f"Fp8Experts: topk_weights must be a floating tensor, got {topk_weights.dtype}")
-
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        self._check_inputs(hidden, topk_ids, topk_weights)
-        out_shape = hidden.shape
-        x = hidden.reshape(-1, H)
-        T = x.shape[0]
-        k = topk_ids.shape[-1]
-        ids = topk_ids.reshape(-1).to(torch.int64)
-        torch._assert_async((ids < E).all(), "Fp8Experts: topk_ids must be < num_experts (negative ids skip a slot)")
-        # skipped slots get id E: after sorting they lie past offsets[E], in no group, and come out as zeros
-        ids = torch.where(ids < 0, torch.full_like(ids, E), ids)
-        order = torch.argsort(ids, stable=True)
-        sorted_ids = ids[order]
-        bounds = torch.arange(E + 1, device=ids.device, dtype=torch.int64)
-        offsets = torch.searchsorted(sorted_ids, bounds, out_int32=True)
-        expert_ids = torch.arange(E, device=ids.device, dtype=torch.int32)
-        tokens = order // k
-
-        gu = fp8_grouped_mm(x[tokens], self.gate_up, self.gate_up_scale, offsets, expert_ids,
+        E, I = self.num_experts, self.intermediate_size
+        x, r = route(self, hidden, topk_ids, topk_weights)
+        gu = fp8_grouped_mm(x[r.tokens], self.gate_up, self.gate_up_scale, r.offsets, r.expert_ids,
                             self.gate_up_granularity.block_size)
-        gate, up = gu.float().split(I, dim=-1)
-        act = (F.silu(gate) * up).to(x.dtype)
-        y = fp8_grouped_mm(act, self.down, self.down_scale, offsets, expert_ids, self.down_granularity.block_size)
-
-        w = topk_weights.reshape(-1)[order].float()
-        w = torch.where(sorted_ids < E, w, torch.zeros_like(w))  # a skipped slot's weight may be anything
-        contrib = y.float() * w[:, None]
-        # back to (token, slot) order, then a fixed-order sum over the k slots: deterministic on every device
-        per_slot = torch.empty_like(contrib).index_copy_(0, order, contrib)
-        out = per_slot.reshape(T, k, H).sum(dim=1)
-        return out.to(hidden.dtype).reshape(out_shape)
+        y = fp8_grouped_mm(swiglu(gu, I, x.dtype), self.down, self.down_scale, r.offsets, r.expert_ids,
+                           self.down_granularity.block_size)
+        return combine(y, topk_weights, r, hidden)
 
     def extra_repr(self) -> str:
         gran = f"gate_up {self.gate_up_granularity.kind}, down {self.down_granularity.kind}"
         bs = f", block_size={self.block_size}" if self.block_size is not None else ""
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, {gran}{bs}")
+
+
+@register_quantize_experts_handler(Fp8WeightOnly)
+def _quantize_fp8_experts(experts: nn.Module, config: Fp8WeightOnly) -> Fp8Experts:
+    return Fp8Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach(), config.granularity,
+                                 config.block_size)
