@@ -9,7 +9,8 @@ import re
 import torch
 
 from ..granularity import PerBlock, PerChannel, PerTensor
-from .registry import CheckpointError, CheckpointFormat, Example, block_field, config_field, name_list
+from .registry import (CheckpointError, CheckpointFormat, Example, activation_scheme_name, block_field, config_field,
+                       name_list)
 
 SUPPORTED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "dense")
 STRATEGIES = ("tensor", "channel", "block")
@@ -34,7 +35,7 @@ class CompressedTensors(CheckpointFormat):
         if bad:
             raise CheckpointError(f"{at}: compressed-tensors format {sorted(bad)[0]!r} is not supported: torch_lowbit "
                                   f"loads 'float-quantized' (FP8), 'int-quantized' (INT8) and 'naive-quantized'")
-        block, kinds = None, []
+        block, kinds, activations = None, [], []
         for gname, g in groups.items():
             gwhere = f"{at}.config_groups.{gname}"
             w = config_field(g or {}, "weights", dict, gwhere, {})
@@ -59,7 +60,9 @@ class CompressedTensors(CheckpointFormat):
                 block = b
             acts = config_field(g or {}, "input_activations", dict, gwhere, {})
             kinds.append({"group": gname, "type": typ, "strategy": strategy, "activations": acts.get("strategy")})
-        return self.make(block_size=block, ignore=name_list(qc, "ignore", at),
+            activations.append((tuple(name_list(g, "targets", gwhere)) or ("Linear",),
+                                _input_scheme(acts, f"{gwhere}.input_activations")))
+        return self.make(block_size=block, ignore=name_list(qc, "ignore", at), activations=tuple(activations),
                          extra_keys=("input_scale", "input_zero_point", "weight_zero_point", self.original_shape_key,
                                      "weight_g_idx"),
                          details={"format": fmt, "groups": kinds})
@@ -94,6 +97,17 @@ class CompressedTensors(CheckpointFormat):
                 out[f"{prefix}.weight"] = padded.view(codes.dtype)
                 out[f"{prefix}.{self.original_shape_key}"] = torch.tensor([N, K])
         return out
+
+
+def _input_scheme(acts: dict, where: str):
+    """A group's ``input_activations`` as a QuantFormat.activations scheme (None: weights only)."""
+    if not acts:
+        return None
+    dynamic = acts.get("dynamic", False)
+    return activation_scheme_name(config_field(acts, "type", str, where, "float"),
+                                  config_field(acts, "num_bits", int, where, 8),
+                                  config_field(acts, "strategy", str, where, "tensor"), dynamic,
+                                  config_field(acts, "symmetric", bool, where, True))
 
 
 FORMAT = CompressedTensors()
