@@ -13,6 +13,7 @@ from .registry import (CheckpointError, CheckpointFormat, Example, activation_sc
                        name_list)
 
 SUPPORTED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "dense")
+MIXED = "mixed-precision"
 STRATEGIES = ("tensor", "channel", "block")
 EXAMPLE_BLOCK = PerBlock(16, 32)  # partial blocks on the tests' dims (48, 80, 97: multiples of neither)
 
@@ -27,10 +28,16 @@ class CompressedTensors(CheckpointFormat):
         at = where.qc
         fmt = config_field(qc, "format", str, at, "dense")
         groups = config_field(qc, "config_groups", dict, at, {})
-        formats = {fmt}
+        # "mixed-precision": each group names its own format (a W8A8 group beside a weight-only one, as
+        # save_quantized writes FP8 layers with activations next to weight-only experts)
+        formats = set() if fmt == MIXED else {fmt}
         for gname, g in groups.items():
             config_field(groups, gname, dict, f"{at}.config_groups", {})
-            formats.add(config_field(g or {}, "format", str, f"{at}.config_groups.{gname}", fmt))
+            gfmt = config_field(g or {}, "format", str, f"{at}.config_groups.{gname}", None if fmt == MIXED else fmt)
+            if gfmt is None:
+                raise CheckpointError(f"{at}.config_groups.{gname}.format is missing: a 'mixed-precision' checkpoint "
+                                      f"names each group's format")
+            formats.add(gfmt)
         bad = formats - set(SUPPORTED_FORMATS)
         if bad:
             raise CheckpointError(f"{at}: compressed-tensors format {sorted(bad)[0]!r} is not supported: torch_lowbit "
