@@ -80,12 +80,15 @@ def split_experts(model, arch):
 
 
 # ----------------------------------------------------------------------------------------- compressed-tensors
-CT_SCHEMES = {  # name -> (weight type, strategy, block, dynamic per-token input activations?)
+CT_SCHEMES = {  # name -> (weight type, strategy, block, input activations: True dynamic per-token, "static"
+    # per-tensor with an input_scale calibrated on CALIBRATION_IDS, False none)
     "fp8-tensor": ("float", "tensor", None, True),
+    "fp8-tensor-static": ("float", "tensor", None, "static"),
     "fp8-channel": ("float", "channel", None, True),
     "fp8-block": ("float", "block", CT_BLOCK, True),
     "fp8-channel-w8a16": ("float", "channel", None, False),
     "int8-w8a8": ("int", "channel", None, True),
+    "int8-w8a8-static": ("int", "channel", None, "static"),
 }
 
 
@@ -93,7 +96,11 @@ def ct_scheme(name):
     typ, strategy, block, acts = CT_SCHEMES[name]
     weights = QuantizationArgs(num_bits=8, type=typ, strategy=strategy, symmetric=True, dynamic=False,
                                block_structure=list(block) if block else None)
-    inputs = QuantizationArgs(num_bits=8, type=typ, strategy="token", symmetric=True, dynamic=True) if acts else None
+    inputs = None
+    if acts == "static":
+        inputs = QuantizationArgs(num_bits=8, type=typ, strategy="tensor", symmetric=True, dynamic=False)
+    elif acts:
+        inputs = QuantizationArgs(num_bits=8, type=typ, strategy="token", symmetric=True, dynamic=True)
     return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
 
 
@@ -107,6 +114,37 @@ def _weight_min_max(w, args):
     N, K = w.shape
     p = nn.functional.pad(w, (0, -K % bk, 0, -N % bn)).view(math.ceil(N / bn), bn, math.ceil(K / bk), bk)
     return p.amin((1, 3)), p.amax((1, 3))
+
+
+CALIBRATION_IDS = torch.tensor([[5, 9, 77, 31, 2, 60, 14, 99, 41, 8, 23, 70]])
+
+
+def calibrate_input_scales(model, ids=CALIBRATION_IDS):
+    """Static input scales as llmcompressor's min-max observer sets them: each quantized module's input range over
+    a calibration batch (run with quantization off), through compressed-tensors' own qparam rule."""
+    mins, maxs, hooks = {}, {}, []
+    for name, mod in model.named_modules():
+        s = getattr(mod, "quantization_scheme", None)
+        if s is None or s.input_activations is None or s.input_activations.dynamic:
+            continue
+
+        def observe(m, args, name=name):
+            lo, hi = args[0].detach().aminmax()
+            mins[name] = torch.minimum(mins.get(name, lo), lo)
+            maxs[name] = torch.maximum(maxs.get(name, hi), hi)
+        mod.quantization_enabled = False
+        hooks.append(mod.register_forward_pre_hook(observe))
+    if not hooks:  # nothing static to calibrate (split MoE experts could not run a forward anyway)
+        return
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    for name in mins:
+        mod = model.get_submodule(name)
+        scale, _ = calculate_qparams(mins[name], maxs[name], mod.quantization_scheme.input_activations)
+        update_offload_parameter(mod, "input_scale", scale.reshape(mod.input_scale.shape).to(mod.input_scale.dtype))
+        mod.quantization_enabled = True
 
 
 def write_compressed_tensors(model, arch, path, scheme):
@@ -124,6 +162,7 @@ def write_compressed_tensors(model, arch, path, scheme):
         if hasattr(mod, "weight_zero_point"):
             update_offload_parameter(mod, "weight_zero_point", zp.to(mod.weight_zero_point.dtype))
         mod.quantization_status = QuantizationStatus.FROZEN
+    calibrate_input_scales(model)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(path)

@@ -113,6 +113,59 @@ def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     return _int8_linear(x, wq, w_scale, bias)
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_fake_quantize(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [..., K]`` quantized to float8_e4m3fn and back, in float32: the activation arithmetic of FP8 W8A8
+    checkpoints (compressed-tensors' ``fake_quantize``, run in float32 whatever x's dtype).
+
+    Dynamic (``input_scale=None``): one scale per row (token), ``s = amax(|x_row|) / 448``. Static: ``s`` is the
+    checkpoint's one-element ``input_scale`` (a multiplier: ``x ~= fp8(x / s) * s``). Then
+    ``q = e4m3(clamp(x / s, -448, 448))`` (round to nearest even; beyond 448 saturates) and the result is
+    ``q * s`` in float32, so nothing is rounded below float32 beyond the fp8 rounding itself. A zero row gives
+    zeros; a row holding NaN gives NaN, and so does a dynamic row holding +-inf (its scale is inf); with a static
+    scale +-inf saturates to +-448 s. Differentiable as the identity (straight through the rounding).
+    """
+    with torch.no_grad():
+        x32 = x.detach().to(torch.float32)
+        if input_scale is not None:
+            scale = input_scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
+        elif x32.shape[-1] == 0:
+            scale = x32.new_zeros((*x32.shape[:-1], 1))
+        else:
+            scale = x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+        # a zero row has scale 0: divide its zeros by 1, so they stay 0 rather than NaN
+        ratio = (x32 / torch.where(scale == 0, torch.ones_like(scale), scale)).clamp(-FP8_MAX, FP8_MAX)
+        out = _round_to_e4m3(ratio) * scale
+    if torch.is_grad_enabled() and x.requires_grad:
+        out = _StraightThrough.apply(x, out)
+    return out
+
+
+def _round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """float32 values within +-448 rounded to the nearest e4m3fn value (ties to even), as float32. Where the
+    device cannot hold fp8 (mps before PyTorch 2.15) the cast runs on the CPU."""
+    from ._storage import FP8, fp8_storage_dtype
+
+    if fp8_storage_dtype(v.device) == FP8:
+        return v.to(FP8).to(torch.float32)
+    return v.cpu().to(FP8).to(torch.float32).to(v.device)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the quantized value; backward: x's gradient as if it were the identity (cast to x's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, quantized):
+        ctx.x_dtype = x.dtype
+        return quantized
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.x_dtype), None
+
+
 # ---------------------------------------------------------------------------------------------- fakes
 def _check(cond, msg):
     if not cond:

@@ -79,7 +79,7 @@ def _local_dir(path) -> str:
 
 
 def from_pretrained(path, device=None, dtype: torch.dtype = torch.bfloat16, *, strict: bool = False,
-                    return_report: bool = False):
+                    return_report: bool = False, activations: str = "weights-only"):
     """A quantized Hugging Face checkpoint as a ready transformers model.
 
     Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
@@ -88,6 +88,8 @@ def from_pretrained(path, device=None, dtype: torch.dtype = torch.bfloat16, *, s
     become Fp8Linear / Int8Linear / Fp8Experts), and moves it to `device` (default: mps if available, else cpu).
     dtype: of the high-precision weights (embeddings, norms, lm_head) and of the activations. Returns the model in
     eval mode, on which ``model.generate(...)`` runs; with ``return_report=True``, ``(model, LoadReport)``.
+    activations: ``"weights-only"`` (W8A16, the default) or ``"checkpoint"`` (the checkpoint's FP8 activation
+    quantization), as in :func:`torch_lowbit.load_quantized`.
     """
     tf = _transformers()
     local = _local_dir(path)
@@ -105,7 +107,7 @@ def from_pretrained(path, device=None, dtype: torch.dtype = torch.bfloat16, *, s
     model.config.quantization_config = None
     if hasattr(model.config, "_pre_quantization_dtype"):
         del model.config._pre_quantization_dtype
-    report = load_quantized(model, local, device=device, dtype=dtype, strict=strict)
+    report = load_quantized(model, local, device=device, dtype=dtype, strict=strict, activations=activations)
     model.to(device)
     _load_generation_config(tf, model, local)
     model.eval()
@@ -118,11 +120,20 @@ def _load_generation_config(tf, model, local):
 
 
 # ------------------------------------------------------------------------------------------------- saving
-def _scheme_fp8(gran: str, block) -> dict:
+# Fp8Linear.activation_scheme -> compressed-tensors' input_activations (strategy, dynamic)
+_CT_INPUT_ACTIVATIONS = {"dynamic": ("token", True), "static": ("tensor", False)}
+
+
+def _scheme_fp8(gran: str, block, activations=None) -> dict:
     w = {"num_bits": 8, "type": "float", "strategy": gran, "symmetric": True, "dynamic": False,
          "group_size": None, "block_structure": list(block) if block is not None else None}
-    # W8A16: activations stay in their dtype (compressed-tensors' format for a weight-only scheme)
-    return {"weights": w, "input_activations": None, "output_activations": None, "format": "naive-quantized"}
+    if activations is None:
+        # W8A16: activations stay in their dtype (compressed-tensors' format for a weight-only scheme)
+        return {"weights": w, "input_activations": None, "output_activations": None, "format": "naive-quantized"}
+    strategy, dynamic = _CT_INPUT_ACTIVATIONS[activations]
+    a = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": dynamic,
+         "group_size": None, "block_structure": None}
+    return {"weights": w, "input_activations": a, "output_activations": None, "format": "float-quantized"}
 
 
 def _scheme_int8() -> dict:
@@ -151,12 +162,14 @@ def _linear_tensors(name, layer) -> Tuple[Dict[str, torch.Tensor], tuple]:
         gran, block = layer.granularity.kind, layer.block_size
         out = {f"{name}.weight": as_fp8_dtype(layer.weight).cpu(),
                f"{name}.weight_scale": _ct_scale(layer.weight_scale, layer.out_features, gran)}
-        key = ("fp8", gran, block)
+        if layer.activation_scheme == "static":  # compressed-tensors' static per-tensor input scale: (1,) fp32
+            out[f"{name}.input_scale"] = layer.input_scale.detach().to(torch.float32).reshape(1).cpu()
+        key = ("fp8", gran, block, layer.activation_scheme)
     else:
         out = {f"{name}.weight": layer.weight.detach().cpu(),
                f"{name}.weight_scale": _ct_scale(layer.weight_scale.expand(layer.out_features), layer.out_features,
                                                  "channel")}
-        key = ("int8", "channel", None)
+        key = ("int8", "channel", None, None)
     if layer.bias is not None:
         out[f"{name}.bias"] = layer.bias.detach().cpu()
     return out, key
@@ -198,7 +211,7 @@ def _experts_tensors(name, layer) -> Tuple[Dict[str, torch.Tensor], Dict[str, tu
             s, gran = _expert_scale(scale, e, rows, block)
             tensors[f"{module}.weight"] = w[e, rows].contiguous()
             tensors[f"{module}.weight_scale"] = s
-            schemes[module] = (kind, gran, block if gran == "block" else None)
+            schemes[module] = (kind, gran, block if gran == "block" else None, None)
     return tensors, schemes
 
 
@@ -219,7 +232,9 @@ def _dense_state_dict(model, skip) -> Dict[str, torch.Tensor]:
 def save_quantized(model: nn.Module, path, *, max_shard_size: int = 4 * 2 ** 30) -> List[str]:
     """Write a model holding torch_lowbit layers (after ``quantize_`` or ``load_quantized``) as a compressed-tensors
     checkpoint: config.json with ``quantization_config`` (one config group per scheme: FP8 per tensor / channel /
-    block as W8A16, INT8 W8A8 with dynamic per-token activations), safetensors shards of at most
+    block weights with the activation scheme each Fp8Linear records -- W8A16, FP8 dynamic per-token, or FP8 static
+    per-tensor with its ``input_scale`` -- and INT8 W8A8 with dynamic per-token activations), safetensors shards of
+    at most
     `max_shard_size` bytes, and ``model.safetensors.index.json`` when there are several. MoE experts
     (Fp8Experts) are written one Linear per projection and expert. A transformers model's tensors get the names
     its architecture's checkpoints use (transformers' conversion mapping, inverted, as ``save_pretrained`` does).
@@ -300,7 +315,7 @@ def _quantization_config(schemes: Dict[str, tuple], dense_linears: List[str]) ->
         by_scheme.setdefault(key, []).append(module)
     groups = {}
     for i, (key, modules) in enumerate(sorted(by_scheme.items(), key=lambda kv: str(kv[0]))):
-        g = _scheme_int8() if key[0] == "int8" else _scheme_fp8(key[1], key[2])
+        g = _scheme_int8() if key[0] == "int8" else _scheme_fp8(*key[1:])
         # one scheme: every Linear but the ignored ones, as compressed-tensors writes it; several: by name
         g["targets"] = ["Linear"] if len(by_scheme) == 1 else sorted(modules)
         groups[f"group_{i}"] = g

@@ -9,9 +9,11 @@ import re
 import torch
 
 from ..granularity import PerBlock, PerChannel, PerTensor
-from .registry import CheckpointError, CheckpointFormat, Example, block_field, config_field, name_list
+from .registry import (CheckpointError, CheckpointFormat, Example, activation_scheme_name, block_field, config_field,
+                       name_list)
 
 SUPPORTED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "dense")
+MIXED = "mixed-precision"
 STRATEGIES = ("tensor", "channel", "block")
 EXAMPLE_BLOCK = PerBlock(16, 32)  # partial blocks on the tests' dims (48, 80, 97: multiples of neither)
 
@@ -26,15 +28,21 @@ class CompressedTensors(CheckpointFormat):
         at = where.qc
         fmt = config_field(qc, "format", str, at, "dense")
         groups = config_field(qc, "config_groups", dict, at, {})
-        formats = {fmt}
+        # "mixed-precision": each group names its own format (a W8A8 group beside a weight-only one, as
+        # save_quantized writes FP8 layers with activations next to weight-only experts)
+        formats = set() if fmt == MIXED else {fmt}
         for gname, g in groups.items():
             config_field(groups, gname, dict, f"{at}.config_groups", {})
-            formats.add(config_field(g or {}, "format", str, f"{at}.config_groups.{gname}", fmt))
+            gfmt = config_field(g or {}, "format", str, f"{at}.config_groups.{gname}", None if fmt == MIXED else fmt)
+            if gfmt is None:
+                raise CheckpointError(f"{at}.config_groups.{gname}.format is missing: a 'mixed-precision' checkpoint "
+                                      f"names each group's format")
+            formats.add(gfmt)
         bad = formats - set(SUPPORTED_FORMATS)
         if bad:
             raise CheckpointError(f"{at}: compressed-tensors format {sorted(bad)[0]!r} is not supported: torch_lowbit "
                                   f"loads 'float-quantized' (FP8), 'int-quantized' (INT8) and 'naive-quantized'")
-        block, kinds = None, []
+        block, kinds, activations = None, [], []
         for gname, g in groups.items():
             gwhere = f"{at}.config_groups.{gname}"
             w = config_field(g or {}, "weights", dict, gwhere, {})
@@ -59,7 +67,9 @@ class CompressedTensors(CheckpointFormat):
                 block = b
             acts = config_field(g or {}, "input_activations", dict, gwhere, {})
             kinds.append({"group": gname, "type": typ, "strategy": strategy, "activations": acts.get("strategy")})
-        return self.make(block_size=block, ignore=name_list(qc, "ignore", at),
+            activations.append((tuple(name_list(g, "targets", gwhere)) or ("Linear",),
+                                _input_scheme(acts, f"{gwhere}.input_activations")))
+        return self.make(block_size=block, ignore=name_list(qc, "ignore", at), activations=tuple(activations),
                          extra_keys=("input_scale", "input_zero_point", "weight_zero_point", self.original_shape_key,
                                      "weight_g_idx"),
                          details={"format": fmt, "groups": kinds})
@@ -94,6 +104,17 @@ class CompressedTensors(CheckpointFormat):
                 out[f"{prefix}.weight"] = padded.view(codes.dtype)
                 out[f"{prefix}.{self.original_shape_key}"] = torch.tensor([N, K])
         return out
+
+
+def _input_scheme(acts: dict, where: str):
+    """A group's ``input_activations`` as a QuantFormat.activations scheme (None: weights only)."""
+    if not acts:
+        return None
+    dynamic = acts.get("dynamic", False)
+    return activation_scheme_name(config_field(acts, "type", str, where, "float"),
+                                  config_field(acts, "num_bits", int, where, 8),
+                                  config_field(acts, "strategy", str, where, "tensor"), dynamic,
+                                  config_field(acts, "symmetric", bool, where, True))
 
 
 FORMAT = CompressedTensors()

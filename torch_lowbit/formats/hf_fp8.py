@@ -11,6 +11,17 @@ from .registry import CheckpointError, CheckpointFormat, Example, block_field, c
 EXAMPLE_BLOCK = PerBlock(16, 32)
 
 
+def _activations(qc, block, at):
+    """transformers' FP8Linear quantizes activations per token and per group of block_k columns when dynamic (a
+    scheme torch_lowbit does not run), with the checkpoint's ``input_scale`` when static."""
+    scheme = config_field(qc, "activation_scheme", str, at, "dynamic")
+    if scheme == "static":
+        return "fp8-static-tensor"
+    if scheme == "dynamic":
+        return f"FP8 dynamic per-token-group (1x{block[1]})" if block else "FP8 dynamic (transformers' FP8Linear)"
+    raise CheckpointError(f"{at}.activation_scheme {scheme!r} is not supported ('dynamic' or 'static')")
+
+
 class HfFineGrainedFp8(CheckpointFormat):
     name = "fp8"
     quant_methods = ("fp8",)
@@ -23,7 +34,7 @@ class HfFineGrainedFp8(CheckpointFormat):
         if fmt != "e4m3":
             raise CheckpointError(f"{at}.fmt {fmt!r} is not supported (e4m3 only)")
         return self.make(block_size=block, ignore=name_list(qc, "modules_to_not_convert", at),
-                         extra_keys=("input_scale",),
+                         extra_keys=("input_scale",), activations=((("Linear",), _activations(qc, block, at)),),
                          details={"weight_block_size": block, "activation_scheme": qc.get("activation_scheme")})
 
     def from_tensors(self, src):

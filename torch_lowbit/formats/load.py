@@ -12,7 +12,7 @@ from .detect import detect
 from .hf_names import RenamedSource, transformers_key_renaming
 from .meta_buffers import move_non_persistent_buffers, recompute_meta_buffers, still_on_meta
 from .moe import is_experts_module, load_experts
-from .registry import QUANTIZED_DTYPES, QuantFormat
+from .registry import ACTIVATION_SCHEMES, QUANTIZED_DTYPES, QuantFormat
 from .source import CheckpointError, Source, open_source
 from .tensors import read_quantized
 
@@ -29,7 +29,9 @@ class LoadReport:
     (left as they were). details: what the checkpoint's config said (block size, quant_algo, ...).
     renamed_keys: checkpoint key -> model key, for the keys transformers' conversion mapping renames.
     recomputed_buffers: non-persistent buffers (in no checkpoint) that were on meta and were recomputed.
-    notes: anything the caller should know (e.g. static input scales not used).
+    activations: module name -> the activation quantization the checkpoint wrote it for (``"fp8-dynamic-token"``,
+    ``"fp8-static-tensor"``, ... or a description), for each converted module written for one.
+    notes: anything the caller should know (e.g. the activation scheme not run, static input scales not used).
     """
     format: str
     converted: Dict[str, str] = field(default_factory=dict)
@@ -39,6 +41,7 @@ class LoadReport:
     details: Dict[str, Any] = field(default_factory=dict)
     renamed_keys: Dict[str, str] = field(default_factory=dict)
     recomputed_buffers: List[str] = field(default_factory=list)
+    activations: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
 
     def __str__(self):
@@ -73,7 +76,26 @@ def _is_plain_linear(m: nn.Module) -> bool:
     return type(m) is nn.Linear or (isinstance(m, nn.Linear) and not hasattr(m, "weight_scale"))
 
 
-def _swap_linear(model, name, linear, q, src, device, dtype, used, report):
+ACTIVATIONS_OPTIONS = ("weights-only", "checkpoint")
+# the checkpoint activation schemes Fp8Linear runs, as its activation_scheme names them
+_FP8_LAYER_SCHEMES = {"fp8-dynamic-token": "dynamic", "fp8-static-tensor": "static"}
+
+
+def _fp8_layer_scheme(name, q, scheme):
+    """Fp8Linear's activation_scheme for a layer the checkpoint wrote for `scheme` (None where it runs none)."""
+    layer_scheme = _FP8_LAYER_SCHEMES.get(scheme)
+    if layer_scheme == "static":
+        s = q.input_scale
+        if s is None:
+            raise CheckpointError(f"{name}.input_scale is missing: the checkpoint's config says {name} takes static "
+                                  f"per-tensor FP8 activations, whose scale that tensor holds")
+        if s.numel() != 1 or not bool(torch.isfinite(s).all() and (s > 0).all()):
+            raise CheckpointError(f"{name}.input_scale must be one positive finite number (a static per-tensor "
+                                  f"activation scale), got shape {list(s.shape)} values {s.reshape(-1)[:4].tolist()}")
+    return layer_scheme
+
+
+def _swap_linear(model, name, linear, q, src, device, dtype, used, report, fmt, activations):
     from ..nn import Fp8Linear, Int8Linear
     from .._storage import to_fp8_storage
 
@@ -90,10 +112,16 @@ def _swap_linear(model, name, linear, q, src, device, dtype, used, report):
             used.add(bkey)
         else:
             report.missing_keys.append(bkey)
+    scheme = fmt.activation_scheme(name)
+    if scheme is not None:
+        report.activations[name] = scheme
     if q.kind == "fp8":
+        layer_scheme = _fp8_layer_scheme(name, q, scheme)
         layer = Fp8Linear.from_quantized(to_fp8_storage(q.weight, dev), q.scale.to(dev), bias,
                                          block_size=q.block_size,
-                                         input_scale=None if q.input_scale is None else q.input_scale.to(dev))
+                                         input_scale=None if q.input_scale is None else q.input_scale.to(dev),
+                                         activation_scheme=layer_scheme,
+                                         quantize_activations=activations == "checkpoint" and layer_scheme is not None)
         report.converted[name] = f"Fp8Linear({q.granularity.describe()})"
     else:
         layer = Int8Linear.from_quantized(q.weight.to(dev), q.scale.to(dev), bias)
@@ -163,7 +191,8 @@ def _assign(model, key, new):
 
 def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dict] = None, device=None,
                    dtype: Optional[torch.dtype] = None, strict: bool = False, mmap: bool = False,
-                   rename_keys: Union[bool, Callable[[str], str]] = True) -> LoadReport:
+                   rename_keys: Union[bool, Callable[[str], str]] = True,
+                   activations: str = "weights-only") -> LoadReport:
     """Load a quantized checkpoint into `model`, in place, and return a :class:`LoadReport`.
 
     path_or_state_dict: a checkpoint directory (config.json with quantization_config and/or hf_quant_config.json;
@@ -193,7 +222,17 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     buffers real. rename_keys: for a transformers model, map checkpoint keys to the model's names with
     transformers' own conversion mapping (Mixtral's ``block_sparse_moe.experts.{e}.w1`` ->
     ``mlp.experts`` gate rows, ...); False: keys as they are; a callable: your own ``key -> model key``.
+
+    activations: ``"weights-only"`` (default): Fp8Linear layers compute W8A16, activations in their own dtype,
+    which is closer to the unquantized model than the checkpoint's own W8A8 stack; the report says when the
+    checkpoint was written for quantized activations. ``"checkpoint"``: Fp8Linear layers run the checkpoint's FP8
+    activation scheme -- dynamic per-token or static per-tensor (``input_scale``) -- so that outputs match the
+    writer's stack (compressed-tensors). Either way each layer records its scheme (``activation_scheme``), and
+    ``save_quantized`` writes it back. Schemes torch_lowbit does not run (per-token-group, asymmetric, INT8
+    static) and MoE experts (Fp8Experts: weights only) stay W8A16, and the report's notes say so.
     """
+    if activations not in ACTIVATIONS_OPTIONS:
+        raise ValueError(f"load_quantized: activations must be one of {ACTIVATIONS_OPTIONS}, got {activations!r}")
     src = open_source(path_or_state_dict, mmap=mmap)
     rename = transformers_key_renaming(model) if rename_keys is True else (rename_keys or None)
     try:
@@ -216,6 +255,8 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             if quantized:
                 model.set_submodule(name, layer)
                 report.converted[name] = desc
+                if fmt.activation_scheme(name) is not None:
+                    report.activations[name] = fmt.activation_scheme(name)
             else:
                 report.high_precision[name] = desc
 
@@ -233,7 +274,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             if fmt.is_ignored(name):
                 raise CheckpointError(f"{wkey} is {src.dtype(wkey)} but {name} is in the checkpoint's ignore list")
             q = read_quantized(src, fmt, name, kind, (mod.out_features, mod.in_features))
-            _swap_linear(model, name, mod, q, src, device, dtype, used, report)
+            _swap_linear(model, name, mod, q, src, device, dtype, used, report, fmt, activations)
             done.add(name)
 
         _load_rest(model, src, fmt, done, device, dtype, used, report)
@@ -243,7 +284,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
         report.unused_keys = [original(k) for k in unused]
         report.renamed_keys = dict(src.renamed) if isinstance(src, RenamedSource) else {}
         _finish_buffers(model, device, report)
-        _add_notes(fmt, report)
+        _add_notes(fmt, report, activations)
         if strict and (report.unused_keys or report.missing_keys):
             raise CheckpointError(f"strict load: {len(report.unused_keys)} unused keys "
                                   f"{report.unused_keys[:5]}, {len(report.missing_keys)} missing keys "
@@ -283,8 +324,30 @@ def _finish_buffers(model: nn.Module, device, report: LoadReport):
                               f"checkpoint that holds them")
 
 
-def _add_notes(fmt: QuantFormat, report: LoadReport):
-    if any(v.startswith("Int8Linear") for v in report.converted.values()):
-        report.notes.append("Int8Linear quantizes activations per token at run time (static input scales, "
-                            "if any, are not used)")
+def _add_notes(fmt: QuantFormat, report: LoadReport, activations: str):
+    by_scheme: Dict[tuple, List[str]] = {}  # (scheme, kind of module) -> modules
+    for name, scheme in report.activations.items():
+        kind = report.converted[name].split("(")[0]
+        by_scheme.setdefault((scheme, kind), []).append(name)
+    for (scheme, kind), names in sorted(by_scheme.items()):
+        words, n = ACTIVATION_SCHEMES.get(scheme, scheme), f"{len(names)} {kind} module{'s' * (len(names) > 1)}"
+        if kind == "Fp8Linear" and scheme in _FP8_LAYER_SCHEMES:
+            if activations == "checkpoint":
+                report.notes.append(f"running the checkpoint's {words} activations in {n} (activations='checkpoint')")
+            else:
+                report.notes.append(f"this checkpoint was written for {words} activations; running W8A16 (weights "
+                                    f"only) in {n}, which is closer to the unquantized model; pass "
+                                    f"activations='checkpoint' to run the checkpoint's scheme")
+        elif kind == "Int8Linear":
+            if scheme != "int8-dynamic-token":
+                report.notes.append(f"the checkpoint's {words} activations are not supported: {n} quantize "
+                                    f"activations per token at run time (dynamic INT8), static input scales unused")
+        else:
+            why = ("Fp8Experts quantizes no activations" if kind == "Fp8Experts"
+                   else "torch_lowbit does not run this activation scheme")
+            report.notes.append(f"the checkpoint was written for {words} activations; {n} run W8A16 (weights only) "
+                                f"whatever activations= says: {why}")
+    if any(v.startswith("Int8Linear") for v in report.converted.values()) and not any(
+            k[1] == "Int8Linear" and k[0] != "int8-dynamic-token" for k in by_scheme):
+        report.notes.append("Int8Linear quantizes activations per token at run time (dynamic INT8)")
     report.notes.extend(fmt.notes)

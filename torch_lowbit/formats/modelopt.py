@@ -1,11 +1,17 @@
 """NVIDIA ModelOpt FP8 (``export_hf_checkpoint``): ``weight`` fp8 + ``weight_scale`` fp32 (0-d per tensor, ``[N]``
-per channel) + ``input_scale`` (a static activation scale, unused by W8A16). Recognized by
+per channel) + ``input_scale``. ``FP8`` checkpoints are written for static per-tensor activations (``input_scale``,
+a multiplier: ``x ~= fp8(x / input_scale) * input_scale``), ``FP8_PER_CHANNEL_PER_TOKEN`` for dynamic per-token
+ones. Recognized by
 ``quantization_config.quant_method == "modelopt"`` or an ``hf_quant_config.json`` beside config.json;
 ``exclude_modules`` (fnmatch wildcards) stay in high precision."""
 from __future__ import annotations
 
 from ..granularity import PerChannel, PerTensor
 from .registry import CheckpointError, CheckpointFormat, Example, config_field, name_list
+
+
+# ModelOpt's FP8 algorithms and the activation quantization each was exported for
+_ACTIVATIONS = {"FP8": "fp8-static-tensor", "FP8_PER_CHANNEL_PER_TOKEN": "fp8-dynamic-token", "FP8_PB_WO": None}
 
 
 class ModelOpt(CheckpointFormat):
@@ -30,6 +36,7 @@ class ModelOpt(CheckpointFormat):
             raise CheckpointError(f"ModelOpt quant_algo {algo!r} is not supported ({at}.quant_algo): torch_lowbit "
                                   f"loads FP8 (per tensor 'FP8', per channel 'FP8_PER_CHANNEL_PER_TOKEN')")
         return self.make(ignore=name_list(merged, "exclude_modules", at), extra_keys=("input_scale",),
+                         activations=((("Linear",), _ACTIVATIONS.get(algo.upper(), f"ModelOpt {algo}")),),
                          details={"quant_algo": algo, "kv_cache_quant_algo": merged.get("kv_cache_quant_algo")})
 
     def examples(self):

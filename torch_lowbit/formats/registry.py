@@ -32,7 +32,9 @@ class QuantFormat:
     in high precision. scale_required: False only where a raw fp8 weight means scale 1 (diffusion files).
     extra_keys: per-module suffixes that belong to a quantized layer besides weight / scale / bias (static input
     scales, zero points, ...): consumed, not reported as unused. details: what the config said, for the report.
-    notes: what the report should tell the caller about this checkpoint.
+    notes: what the report should tell the caller about this checkpoint. activations: the activation quantization
+    each config group was written for, ``((targets, scheme), ...)`` in the config's order (see
+    :meth:`activation_scheme`).
     """
     name: str
     scale_key: str = "weight_scale"
@@ -42,6 +44,7 @@ class QuantFormat:
     extra_keys: Tuple[str, ...] = ()
     details: Dict[str, Any] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    activations: Tuple[Tuple[Tuple[str, ...], Optional[str]], ...] = ()
     format: Optional["CheckpointFormat"] = field(default=None, repr=False, compare=False)
 
     def __str__(self):
@@ -49,6 +52,16 @@ class QuantFormat:
 
     def is_ignored(self, module_name: str) -> bool:
         return any(matches(module_name, p) for p in self.ignore)
+
+    def activation_scheme(self, module_name: str) -> Optional[str]:
+        """The activation quantization the checkpoint wrote module `module_name` for: None (weights only), one of
+        :data:`ACTIVATION_SCHEMES` (``"fp8-dynamic-token"``, ...) or a description of a scheme torch_lowbit does not
+        run. The first group whose targets name the module decides: a class-name target (``"Linear"``) names
+        every linear layer, other targets are module names or ``re:`` regexes (compressed-tensors)."""
+        for targets, scheme in self.activations:
+            if any(t.endswith("Linear") and "." not in t or matches(module_name, t) for t in targets):
+                return scheme
+        return None
 
     @property
     def scale_is_inverse(self) -> bool:
@@ -69,6 +82,23 @@ class QuantFormat:
             raise CheckpointError(f"{key} is {kind}, but a {self.name} checkpoint holds "
                                   f"{' / '.join(k.upper() for k in kinds)} weights only")
         return kind
+
+
+# the activation schemes checkpoints are written for, as QuantFormat.activations names them, and in words
+ACTIVATION_SCHEMES = {"fp8-dynamic-token": "FP8 dynamic per-token", "fp8-static-tensor": "FP8 static per-tensor "
+                      "(input_scale)", "int8-dynamic-token": "INT8 dynamic per-token",
+                      "int8-static-tensor": "INT8 static per-tensor (input_scale)"}
+
+
+def activation_scheme_name(typ: str, bits: int, strategy: str, dynamic, symmetric: bool = True) -> str:
+    """A config's input-activation quantization as an :data:`ACTIVATION_SCHEMES` key, or in words where it is
+    none of them."""
+    key = f"{typ}{bits}-{'dynamic' if dynamic is True else 'static'}-{strategy}"
+    if symmetric and key in ("float8-dynamic-token", "float8-static-tensor", "int8-dynamic-token",
+                             "int8-static-tensor"):
+        return key.replace("float8", "fp8")
+    return (f"{'asymmetric ' if not symmetric else ''}{bits}-bit {typ} {strategy} "
+            f"{'dynamic' if dynamic is True else 'static' if dynamic is False else f'dynamic={dynamic!r}'}")
 
 
 def matches(name: str, pattern: str) -> bool:

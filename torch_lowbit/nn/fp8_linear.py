@@ -1,4 +1,5 @@
-"""Fp8Linear: W8A16 linear layer, fp8 (e4m3fn) weights with per-tensor / per-channel / block scales."""
+"""Fp8Linear: W8A16 linear layer, fp8 (e4m3fn) weights with per-tensor / per-channel / block scales; optionally
+the FP8 activation quantization of a W8A8 checkpoint (dynamic per-token or static per-tensor)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -21,11 +22,20 @@ class Fp8Linear(QuantizedLinear):
     hold fp8: mps before PyTorch 2.15; state_dicts always carry float8_e4m3fn), ``weight_scale`` float32 (``[1]``
     per tensor, ``[N]`` per channel, ``[ceil(N/bn), ceil(K/bk)]`` per block; 0-d and ``[N, 1]`` are accepted),
     ``bias`` ``[N]`` in ``dtype`` (optional), ``input_scale`` (optional: the static activation scale of ModelOpt /
-    compressed-tensors checkpoints, kept for round trips, unused by this weight-only layer).
+    compressed-tensors checkpoints).
+
+    Activations: ``activation_scheme`` records the activation quantization the weights were written for --
+    None (weights only), ``"dynamic"`` (FP8 per token, ``scale = amax(|row|) / 448`` at run time) or ``"static"``
+    (FP8 per tensor with ``input_scale``) -- and ``save_quantized`` writes it back. By default the layer computes
+    W8A16 (x in its own dtype, closer to the unquantized model); with ``quantize_activations`` True it runs the
+    scheme: ``x`` quantized to fp8 and back in float32 (:func:`torch_lowbit._ops.fp8_fake_quantize`), then
+    ``fp8_mm`` in float32, output in x's dtype -- what the checkpoint's own stack (compressed-tensors) computes.
     """
     _format_buffers = ("weight", "weight_scale", "input_scale")
     _fp8_buffers = ("weight",)
     _scale_buffers = ("weight_scale", "input_scale")
+    ACTIVATION_SCHEMES = {None: "weights only", "dynamic": "fp8 dynamic per-token",
+                          "static": "fp8 static per-tensor (input_scale)"}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  granularity: GranularityLike = "channel", block_size=None, device=None,
@@ -42,17 +52,45 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("weight_scale", torch.ones(g.scale_shape(N, K), dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device) if bias else None)
         self.register_buffer("input_scale", None)
+        self.activation_scheme: Optional[str] = None
+        self.quantize_activations = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        return _ops.fp8_mm(x, self.weight, self.weight_scale, self.bias, self.block_size)
+        if not self.quantize_activations:
+            return _ops.fp8_mm(x, self.weight, self.weight_scale, self.bias, self.block_size)
+        static = self.input_scale if self.activation_scheme == "static" else None
+        xq = _ops.fp8_fake_quantize(x, static)  # float32: not rounded again to x's dtype
+        return _ops.fp8_mm(xq, self.weight, self.weight_scale, self.bias, self.block_size).to(x.dtype)
+
+    def set_activation_scheme(self, scheme: Optional[str], run: bool = False) -> "Fp8Linear":
+        """Record the activation quantization the weights were written for (None, ``"dynamic"``, ``"static"``; a
+        static scheme needs a positive finite one-element ``input_scale``) and whether forward runs it
+        (``run=True``) or stays W8A16 (the default). Returns the layer."""
+        if scheme not in self.ACTIVATION_SCHEMES:
+            raise ValueError(f"Fp8Linear: activation_scheme must be one of {list(self.ACTIVATION_SCHEMES)}, got "
+                             f"{scheme!r}")
+        if run and scheme is None:
+            raise ValueError("Fp8Linear: run=True needs an activation_scheme ('dynamic' or 'static'), got None")
+        if scheme == "static":
+            s = self.input_scale
+            if s is None or s.numel() != 1:
+                raise ValueError(f"Fp8Linear: activation_scheme='static' needs a one-element input_scale, got "
+                                 f"{None if s is None else tuple(s.shape)}")
+            if not s.is_meta and not bool(torch.isfinite(s).all() and (s > 0).all()):
+                raise ValueError(f"Fp8Linear: input_scale must be a positive finite number for activation_scheme="
+                                 f"'static', got {s.reshape(-1).tolist()}")
+        self.activation_scheme, self.quantize_activations = scheme, bool(run)
+        return self
 
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                       block_size=None, input_scale: Optional[torch.Tensor] = None) -> "Fp8Linear":
+                       block_size=None, input_scale: Optional[torch.Tensor] = None,
+                       activation_scheme: Optional[str] = None, quantize_activations: bool = False) -> "Fp8Linear":
         """A layer around existing tensors (e.g. from a checkpoint). ``weight`` ``[N, K]`` float8_e4m3fn or uint8 bits
         is used as is (made contiguous if it is not); scales are widened to float32 and keep their shape; the
-        granularity follows from ``weight_scale``'s shape and ``block_size``."""
+        granularity follows from ``weight_scale``'s shape and ``block_size``. ``activation_scheme`` /
+        ``quantize_activations``: see :meth:`set_activation_scheme`."""
         if not isinstance(weight, torch.Tensor) or weight.dtype not in (FP8, torch.uint8) or weight.dim() != 2:
             raise ValueError("Fp8Linear.from_quantized: weight must be [N, K] float8_e4m3fn or uint8 (fp8 bits), got "
                              + (f"{weight.dtype} of shape {tuple(weight.shape)}" if isinstance(weight, torch.Tensor)
@@ -75,7 +113,7 @@ class Fp8Linear(QuantizedLinear):
         layer.weight_scale = weight_scale.to(torch.float32)
         layer.bias = bias
         layer.input_scale = None if input_scale is None else input_scale.to(torch.float32)
-        return layer
+        return layer.set_activation_scheme(activation_scheme, quantize_activations)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, granularity: GranularityLike = "channel", block_size=None) -> "Fp8Linear":
@@ -93,6 +131,10 @@ class Fp8Linear(QuantizedLinear):
              f"granularity={self.granularity.kind}")
         if self.block_size is not None:
             s += f", block_size={self.block_size}"
+        if self.activation_scheme is not None:
+            scheme = self.ACTIVATION_SCHEMES[self.activation_scheme]
+            s += (f", activations={scheme}" if self.quantize_activations
+                  else f", activations=x's dtype (checkpoint: {scheme})")
         if self.weight.dtype != FP8:
             s += ", weight held as uint8 bits"
         return s
