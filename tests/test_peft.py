@@ -18,12 +18,18 @@ from torch_lowbit.nn import Fp8Linear, Int8Linear  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def tiny_llama(layers=2):
+def tiny_llama(layers=2, biases=False):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=40, intermediate_size=72, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   attn_implementation="eager")
-    return transformers.LlamaForCausalLM(cfg).float().eval()
+                                   attention_bias=biases, mlp_bias=biases, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    if biases:  # transformers initializes them to zero: random ones give every layer's bias a part in the output
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.normal_(0, 0.1)
+    return model
 
 
 def lora(model, **kw):
@@ -57,8 +63,8 @@ def adapters(model):
     return {n: p for n, p in model.named_parameters() if "lora_" in n}
 
 
-def train(model, steps):
-    opt = torch.optim.AdamW(list(adapters(model).values()), lr=3e-2)
+def train(model, steps, params=None):
+    opt = torch.optim.AdamW(params or list(adapters(model).values()), lr=3e-2)
     ids = batch()
     losses = []
     for _ in range(steps):
@@ -133,3 +139,60 @@ def test_lora_trains_through_the_emulator(emulated_layers):
     torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly("block", (16, 16)))
     losses = train(lora(model), 3)
     assert losses[-1] < losses[0], losses
+
+
+def trainable(model):
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("channel"), torch_lowbit.Int8Dynamic()],
+                         ids=["fp8", "int8"])
+def test_peft_bias_configs_train_the_low_bit_layers_biases(config, bias):
+    dense = tiny_llama(1, biases=True)
+    model = copy.deepcopy(dense)
+    torch_lowbit.quantize_(model, config)
+    pm, pd = lora(model, bias=bias), lora(dense, bias=bias)
+    # the same tensors train as on the dense model: the adapters and the targeted layers' biases
+    assert list(trainable(pm)) == list(trainable(pd))
+    biases = {n: p for n, p in trainable(pm).items() if n.endswith(".bias")}
+    assert len(biases) == 7, list(biases)
+    # each bias's gradient is the float64 sum of its layer's output gradient over the tokens
+    grad_outs = {}
+
+    def keep_grad_out(name):
+        def hook(module, args, out):
+            out.register_hook(lambda g: grad_outs.__setitem__(name, g.detach().double()))
+        return hook
+    for name, m in pm.named_modules():
+        if isinstance(m, (Fp8Linear, Int8Linear)):
+            m.register_forward_hook(keep_grad_out(name))
+    ids = batch()
+    pm(input_ids=ids, labels=ids).loss.backward()
+    for n, p in biases.items():
+        go = grad_outs[n.removesuffix(".bias")]
+        want, bound = go.sum((0, 1)), go.abs().sum((0, 1))
+        assert p.grad is not None and p.grad.dtype == p.dtype, n
+        assert ((p.grad.double() - want).abs() <= 1e-6 * bound + 1e-12).all(), n
+    before = {n: p.detach().clone() for n, p in biases.items()}
+    pm.zero_grad()
+    train(pm, 2, list(trainable(pm).values()))
+    assert all(not torch.equal(before[n], p) for n, p in biases.items())
+
+
+def test_peft_bias_all_on_fp8_base_matches_the_dequantized_model_in_float64():
+    model = tiny_llama(1, biases=True)
+    torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly("block", (16, 32)))
+    dense = dequantized_copy(model)
+    pm, pd = lora(model, bias="all", init_lora_weights=False), lora(dense, bias="all", init_lora_weights=False)
+    with torch.no_grad():
+        for (n, p), (nd, q) in zip(trainable(pm).items(), trainable(pd).items()):
+            assert n == nd
+            q.copy_(p.double())
+    ids = batch()
+    pm(input_ids=ids, labels=ids).loss.backward()
+    pd(input_ids=ids, labels=ids).loss.backward()
+    for (n, p), q in zip(trainable(pm).items(), trainable(pd).values()):
+        tol = 1e-4 * float(q.grad.abs().max()) + 1e-7
+        assert float((p.grad.double() - q.grad).abs().max()) <= tol, n
+    assert sum(n.endswith(".bias") for n in trainable(pm)) == 7

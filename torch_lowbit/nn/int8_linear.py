@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .. import _ops
 from ..quantize import Int8Dynamic, quantize_int8, register_quantize_module_handler
-from ._quantized_linear import QuantizedLinear
+from ._quantized_linear import QuantizedLinear, frozen_bias
 
 
 class Int8Linear(QuantizedLinear):
@@ -28,7 +28,7 @@ class Int8Linear(QuantizedLinear):
         N, K = self.out_features, self.in_features
         self.register_buffer("weight", torch.zeros(N, K, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.ones(N, dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device) if bias else None)
+        self.register_parameter("bias", frozen_bias(torch.zeros(N, dtype=dtype, device=device) if bias else None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -61,7 +61,7 @@ class Int8Linear(QuantizedLinear):
                     dtype=bias.dtype if bias is not None else torch.bfloat16)
         layer.weight = weight.contiguous()
         layer.weight_scale = weight_scale.to(torch.float32)
-        layer.bias = bias
+        layer.bias = frozen_bias(bias)
         return layer
 
     @classmethod
