@@ -18,7 +18,8 @@ class Int8Linear(QuantizedLinear):
     ``grad_x = grad_out @ (weight * weight_scale)``, and the bias; the weight is frozen.
 
     Buffers (checkpoint names): ``weight`` ``[N, K]`` int8, ``weight_scale`` float32 ``[N]`` (``[N, 1]`` and one
-    element are accepted, as compressed-tensors' int-quantized format stores them), ``bias`` ``[N]`` (optional; a parameter, frozen until trained: see ``frozen_bias``).
+    element are accepted, as compressed-tensors' int-quantized format stores them); ``bias`` ``[N]`` (optional) is
+    a parameter, frozen until trained (see ``frozen_bias``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
