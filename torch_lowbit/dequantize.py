@@ -27,8 +27,8 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
         merged = PeftModel.from_pretrained(torch_lowbit.dequantize_model(base), adapter_dir).merge_and_unload()
 
     dtype: of the dense weights and biases (bfloat16, float16 or float32); default: the dtype holding most of the
-    model's floating-point parameters (embeddings, norms: what ``model.to(dtype)`` set), bfloat16 if it has none. The weights stay frozen
-    (requires_grad=False, as they were); each bias keeps its requires_grad.
+    model's floating-point parameters (embeddings, norms: what ``model.to(dtype)`` set), bfloat16 if it has none.
+    The weights stay frozen (requires_grad=False, as they were); each bias keeps its requires_grad.
     experts: fused ``Fp8Experts`` have no dense counterpart here: ``"refuse"`` (default) raises naming them,
     ``"keep"`` copies them as they are (fp8; LoRA adapters on the linear layers merge all the same).
     """
