@@ -362,3 +362,84 @@ def test_activation_checkpointing_gives_the_same_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+# ---- second order: gradients of gradients (gradient penalties, Hessian-vector products)
+def _grad_of_grad_norm(forward, x):
+    """d/dx |d(|forward(x)|^2)/dx|^2: nonzero only if the backward pass is itself differentiable w.r.t. what it
+    multiplies (forward linear in x: 8 x W^T W W^T W)."""
+    y = forward(x)
+    gx, = torch.autograd.grad(y.double().square().sum(), x, create_graph=True)
+    gx.double().square().sum().backward()
+    return x.grad
+
+
+def _assert_second_order_close(forward, forward_f64, x, dtype):
+    x = x.to(dtype).requires_grad_()
+    got = _grad_of_grad_norm(forward, x).double()
+    ref = _grad_of_grad_norm(forward_f64, x.detach().double().requires_grad_())
+    assert ref.abs().max() > 0
+    # rounding to the activations' dtype at every stage (y, dy, dx, ddx, ...): norm-wise relative error
+    rtol = 1e-2 if dtype == torch.bfloat16 else 2e-6
+    err = float((got - ref).norm() / ref.norm())
+    assert err <= rtol, f"relative error {err:.3g} of d|dx|^2/dx against float64 (rtol {rtol})"
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_mm", emu_rev=False))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["channel", "block_16x32"])
+def test_fp8_mm_second_order_gradients_match_float64(backend, dtype, layout):
+    N, K = 37, 70
+    g = torch.Generator().manual_seed(len(layout))
+    bits = random_fp8_bits((N, K), g)
+    scale, block = make_scale(layout, N, K, g)
+    scale = scale / 64  # keeps |8 x W^T W W^T W| well inside bf16's range
+    w64 = fp8_weight_f64(bits, scale, block)
+    _assert_second_order_close(lambda x: backend.op("fp8_mm")(x, bits, scale, None, block), lambda x: x @ w64.T,
+                               torch.randn(2, 5, K, generator=g), dtype)
+
+
+@pytest.mark.parametrize("backend", backends_for("fp8_grouped_mm", emu_rev=False))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_grouped_mm_second_order_gradients_match_float64(backend, dtype):
+    g = torch.Generator().manual_seed(7)
+    E, N, K, T = 3, 40, 72, 22
+    offsets = torch.tensor([0, 1, 1, 13, 17], dtype=torch.int32)
+    ids = torch.tensor([2, 0, 1, -1], dtype=torch.int32)
+    bits = random_fp8_bits((E, N, K), g)
+    scale = (torch.rand(E, N, generator=g) + 0.5) / 64
+    # each row's dense weight (zero for rows of expert -1 and rows in no group)
+    w_rows = torch.zeros(T, N, K, dtype=torch.float64)
+    for grp, e in enumerate(ids.tolist()):
+        if e >= 0:
+            w_rows[offsets[grp]:offsets[grp + 1]] = fp8_weight_f64(bits[e], scale[e])
+    _assert_second_order_close(lambda x: backend.op("fp8_grouped_mm")(x, bits, scale, offsets, ids, None),
+                               lambda x: torch.einsum("tnk,tk->tn", w_rows, x), torch.randn(T, K, generator=g), dtype)
+
+
+@pytest.mark.parametrize("backend", backends_for("int8_mm", emu_rev=False))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_second_order_gradients_match_float64(backend, dtype):
+    N, K = 37, 70
+    g = torch.Generator().manual_seed(3)
+    wq = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    ws = torch.rand(N, generator=g) / 2000
+    w64 = wq.double() * ws.double()[:, None]
+    linear = _int8_linear_on(backend)
+
+    def straight_through_f64(x):
+        # the value int8_linear computes (activations quantized), the derivative of x @ W^T (straight through)
+        dense = x @ w64.T
+        return dense + (linear(x.detach().to(dtype), wq, ws, None).double() - dense).detach()
+    _assert_second_order_close(lambda x: linear(x, wq, ws, None), straight_through_f64,
+                               torch.randn(6, K, generator=g), dtype)
+
+
+def test_second_order_gradient_through_frozen_scale_is_refused():
+    w = torch.ones(4, 8, dtype=torch.float8_e4m3fn)
+    gx = torch.ops.lowbit.fp8_mm_t(torch.ones(3, 4), w, torch.ones(4, requires_grad=True), None)
+    with pytest.raises(RuntimeError, match="fp8_mm_t: scale requires grad"):
+        gx.sum().backward()
+    gx = torch.ops.lowbit.int8_weight_mm_t(torch.ones(3, 4), w.view(torch.int8), torch.ones(4, requires_grad=True))
+    with pytest.raises(RuntimeError, match="int8_weight_mm_t: w_scale requires grad"):
+        gx.sum().backward()

@@ -1,6 +1,8 @@
 """LoRA with PEFT on FP8 / INT8 bases: a tiny transformers Llama (dims not multiples of 128) trains adapters on cpu
 and through the emulator; the adapters' gradients match the same LoRA on the dequantized base in float64; merging
-is refused; unmerged inference works."""
+is refused, and merging into torch_lowbit.dequantize_model's dense copy matches float64; unmerged inference works;
+plain PEFT calls (no torch_lowbit.peft.register) wrap the low-bit layers and reload saved adapters; bias="all" /
+"lora_only" train the low-bit layers' biases."""
 import copy
 
 import pytest
@@ -18,12 +20,18 @@ from torch_lowbit.nn import Fp8Linear, Int8Linear  # noqa: E402
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def tiny_llama(layers=2):
+def tiny_llama(layers=2, biases=False):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=40, intermediate_size=72, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   attn_implementation="eager")
-    return transformers.LlamaForCausalLM(cfg).float().eval()
+                                   attention_bias=biases, mlp_bias=biases, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    if biases:  # transformers initializes them to zero: random ones give every layer's bias a part in the output
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.normal_(0, 0.1)
+    return model
 
 
 def lora(model, **kw):
@@ -57,8 +65,8 @@ def adapters(model):
     return {n: p for n, p in model.named_parameters() if "lora_" in n}
 
 
-def train(model, steps):
-    opt = torch.optim.AdamW(list(adapters(model).values()), lr=3e-2)
+def train(model, steps, params=None):
+    opt = torch.optim.AdamW(params or list(adapters(model).values()), lr=3e-2)
     ids = batch()
     losses = []
     for _ in range(steps):
@@ -133,3 +141,185 @@ def test_lora_trains_through_the_emulator(emulated_layers):
     torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly("block", (16, 16)))
     losses = train(lora(model), 3)
     assert losses[-1] < losses[0], losses
+
+
+def trainable(model):
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("channel"), torch_lowbit.Int8Dynamic()],
+                         ids=["fp8", "int8"])
+def test_peft_bias_configs_train_the_low_bit_layers_biases(config, bias):
+    dense = tiny_llama(1, biases=True)
+    model = copy.deepcopy(dense)
+    torch_lowbit.quantize_(model, config)
+    pm, pd = lora(model, bias=bias), lora(dense, bias=bias)
+    # the same tensors train as on the dense model: the adapters and the targeted layers' biases
+    assert list(trainable(pm)) == list(trainable(pd))
+    biases = {n: p for n, p in trainable(pm).items() if n.endswith(".bias")}
+    assert len(biases) == 7, list(biases)
+    # each bias's gradient is the float64 sum of its layer's output gradient over the tokens
+    grad_outs = {}
+
+    def keep_grad_out(name):
+        def hook(module, args, out):
+            out.register_hook(lambda g: grad_outs.__setitem__(name, g.detach().double()))
+        return hook
+    for name, m in pm.named_modules():
+        if isinstance(m, (Fp8Linear, Int8Linear)):
+            m.register_forward_hook(keep_grad_out(name))
+    ids = batch()
+    pm(input_ids=ids, labels=ids).loss.backward()
+    for n, p in biases.items():
+        go = grad_outs[n.removesuffix(".bias")]
+        want, bound = go.sum((0, 1)), go.abs().sum((0, 1))
+        assert p.grad is not None and p.grad.dtype == p.dtype, n
+        assert ((p.grad.double() - want).abs() <= 1e-6 * bound + 1e-12).all(), n
+    before = {n: p.detach().clone() for n, p in biases.items()}
+    pm.zero_grad()
+    train(pm, 2, list(trainable(pm).values()))
+    assert all(not torch.equal(before[n], p) for n, p in biases.items())
+
+
+def test_peft_bias_all_on_fp8_base_matches_the_dequantized_model_in_float64():
+    model = tiny_llama(1, biases=True)
+    torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly("block", (16, 32)))
+    dense = dequantized_copy(model)
+    pm, pd = lora(model, bias="all", init_lora_weights=False), lora(dense, bias="all", init_lora_weights=False)
+    with torch.no_grad():
+        for (n, p), (nd, q) in zip(trainable(pm).items(), trainable(pd).items()):
+            assert n == nd
+            q.copy_(p.double())
+    ids = batch()
+    pm(input_ids=ids, labels=ids).loss.backward()
+    pd(input_ids=ids, labels=ids).loss.backward()
+    for (n, p), q in zip(trainable(pm).items(), trainable(pd).values()):
+        tol = 1e-4 * float(q.grad.abs().max()) + 1e-7
+        assert float((p.grad.double() - q.grad).abs().max()) <= tol, n
+    assert sum(n.endswith(".bias") for n in trainable(pm)) == 7
+
+
+# ---- plain PEFT calls (no torch_lowbit.peft.register), reload, merge into a dense copy
+LOW_BIT_CONFIGS = pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("block", (16, 32)),
+                                                     torch_lowbit.Int8Dynamic()], ids=["fp8", "int8"])
+
+
+def plain_lora(**kw):
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, **kw)
+
+
+def quantized_llama(config):
+    model = tiny_llama(1, biases=True)
+    torch_lowbit.quantize_(model, config)
+    return model
+
+
+@LOW_BIT_CONFIGS
+def test_plain_peft_calls_wrap_low_bit_layers_and_reload_a_saved_adapter(config, tmp_path):
+    base = quantized_llama(config)
+    fresh, spare = copy.deepcopy(base), copy.deepcopy(base)
+    pm = peft.get_peft_model(base, plain_lora())
+    assert isinstance(pm.base_model.model.model.layers[0].mlp.down_proj, lowbit_peft.LowbitLoraLinear)
+    train(pm, 2)
+    pm.save_pretrained(tmp_path)
+    loaded_config = peft.LoraConfig.from_pretrained(tmp_path)
+    assert loaded_config._custom_modules is None  # nothing registered on it: the plain calls below must work alone
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path)
+    ids = batch(1)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, pm(input_ids=ids).logits)
+    again = peft.get_peft_model(spare, loaded_config)
+    assert isinstance(again.base_model.model.model.layers[0].self_attn.q_proj, lowbit_peft.LowbitLoraLinear)
+
+
+_FRESH_PROCESS = r"""
+import sys
+import peft  # first: torch_lowbit then finds PEFT's LoRA already imported
+from peft import PeftModel
+assert "peft.tuners.lora.model" in sys.modules
+import torch
+import torch_lowbit
+sys.path.insert(0, sys.argv[1])
+from test_peft import quantized_llama, batch
+base = quantized_llama(torch_lowbit.Fp8WeightOnly("block", (16, 32)))
+base.load_state_dict(torch.load(sys.argv[2] + "/base.pt", weights_only=True))
+model = PeftModel.from_pretrained(base, sys.argv[2])
+with torch.no_grad():
+    torch.save(model(input_ids=batch(1)).logits, sys.argv[2] + "/logits.pt")
+"""
+
+
+def test_plain_peft_reload_in_a_fresh_process_that_imported_peft_first(tmp_path):
+    # about 10 s: a fresh interpreter imports torch, transformers and peft
+    import os
+    import subprocess
+    import sys
+    base = quantized_llama(torch_lowbit.Fp8WeightOnly("block", (16, 32)))
+    torch.save(base.state_dict(), tmp_path / "base.pt")
+    pm = peft.get_peft_model(base, plain_lora(init_lora_weights=False))
+    pm.save_pretrained(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(
+        torch_lowbit.__file__)), os.environ.get("PYTHONPATH")) if p)}
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, os.path.dirname(__file__), str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with torch.no_grad():
+        assert torch.equal(torch.load(tmp_path / "logits.pt"), pm(input_ids=batch(1)).logits)
+
+
+def dense_weight_f64(layer):
+    if isinstance(layer, Fp8Linear):
+        return fp8_weight_f64(layer.weight.view(torch.uint8), layer.weight_scale, layer.block_size)
+    return layer.weight.double() * layer.weight_scale.double().reshape(-1, 1)
+
+
+@LOW_BIT_CONFIGS
+def test_merge_into_a_dequantized_copy_matches_float64(config, tmp_path):
+    base = quantized_llama(config)
+    pm = peft.get_peft_model(base, plain_lora(init_lora_weights=False))  # random B: a nonzero update
+    pm.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"torch_lowbit\.dequantize_model\(peft_model\)\.merge_and_unload\(\)"):
+        pm.merge_and_unload()
+    dense_base = torch_lowbit.dequantize_model(pm.get_base_model(), dtype=torch.float32)
+    assert isinstance(pm.base_model.model.model.layers[0].mlp.up_proj.base_layer, (Fp8Linear, Int8Linear))  # a copy
+    merged = peft.PeftModel.from_pretrained(dense_base, tmp_path).merge_and_unload()
+    eps = torch.finfo(torch.float32).eps
+    for name, lora_layer in pm.named_modules():
+        if not isinstance(lora_layer, lowbit_peft.LowbitLoraLinear):
+            continue
+        low_bit = lora_layer.base_layer
+        a, b = lora_layer.lora_A["default"].weight.double(), lora_layer.lora_B["default"].weight.double()
+        scaling = lora_layer.scaling["default"]
+        dense = merged.get_submodule(name.removeprefix("base_model.model."))
+        assert type(dense) is nn.Linear and dense.weight.dtype == torch.float32, name
+        want = dense_weight_f64(low_bit) + b @ a * scaling
+        bound = dense_weight_f64(low_bit).abs() + b.abs() @ a.abs() * scaling
+        assert ((dense.weight.double() - want).abs() <= 4 * eps * bound).all(), name
+        assert torch.equal(dense.bias, low_bit.bias)
+    # the merged model computes what the unmerged adapters compute on the low-bit base (W8A16: same weights; W8A8:
+    # its activations are rounded to int8, so against the unmerged adapters on the dense copy)
+    unmerged = pm if isinstance(config, torch_lowbit.Fp8WeightOnly) else torch_lowbit.dequantize_model(pm)
+    ids = batch(1)
+    with torch.no_grad():
+        got, want = merged(input_ids=ids).logits, unmerged(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    with torch.no_grad():  # the one-line way out the refusal names: the same merge
+        assert torch.equal(torch_lowbit.dequantize_model(pm, dtype=torch.float32).merge_and_unload()(
+            input_ids=ids).logits, got)
+
+
+def test_dequantize_model_names_what_it_cannot_do():
+    from torch_lowbit.nn.experts import Fp8Experts
+    model = nn.Sequential(Fp8Linear.from_float(nn.Linear(32, 16)), Fp8Experts.from_float(
+        torch.randn(2, 32, 16), torch.randn(2, 16, 16)))
+    with pytest.raises(ValueError, match=r"dequantize_model: 1 is an Fp8Experts.*experts='keep'"):
+        torch_lowbit.dequantize_model(model)
+    model.half()
+    kept = torch_lowbit.dequantize_model(model, experts="keep")
+    assert type(kept[0]) is nn.Linear and isinstance(kept[1], Fp8Experts) and kept[1] is not model[1]
+    assert kept[0].weight.dtype == torch.float16  # the bias's dtype: the model's only floating parameter
+    with pytest.raises(ValueError, match=r"dequantize_model: dtype must be one of .*got torch.float64"):
+        torch_lowbit.dequantize_model(model, dtype=torch.float64, experts="keep")
+    with pytest.raises(ValueError, match=r"dequantize_model: experts must be one of .*got 'dense'"):
+        torch_lowbit.dequantize_model(model, experts="dense")

@@ -7,7 +7,8 @@ Quantization: ``quantize_fp8``, ``quantize_int8``; layers ``torch_lowbit.nn.Fp8L
 models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic())`` (torchao's config names work too); scale
 granularities ``PerTensor``, ``PerChannel``, ``PerBlock``; checkpoints: ``load_quantized(model, path)``;
 Hugging Face models: ``from_pretrained(path)`` (a quantized checkpoint -> a running transformers model),
-``save_quantized(model, path)`` (-> a compressed-tensors checkpoint).
+``save_quantized(model, path)`` (-> a compressed-tensors checkpoint); ``dequantize_model(model)``: a dense copy
+(to merge LoRA adapters into).
 Benchmarks: ``python -m torch_lowbit.bench``.
 """
 import glob as _glob
@@ -19,9 +20,11 @@ from . import _C  # noqa: F401  (registers the op schemas and kernels)
 from ._ops import (fp8_dequantize, fp8_grouped_mm, fp8_grouped_mm_t, fp8_mm, fp8_mm_t,  # noqa: F401
                    int8_linear, int8_mm, int8_quantize, int8_weight_mm_t, _register_fakes)
 from ._autograd import _register_autograd  # noqa: E402
+from ._peft_dispatch import install as _install_peft_dispatch  # noqa: E402
 
 _register_fakes()
 _register_autograd()
+_install_peft_dispatch()  # PEFT's LoRA wraps the low-bit layers without torch_lowbit.peft.register
 
 
 def _load_emulator():
@@ -41,6 +44,7 @@ from .quantize import (Float8WeightOnlyConfig, Fp8WeightOnly, Int8Dynamic,  # no
                        register_quantize_module_handler)
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
 from .hf import from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
+from .dequantize import dequantize_model  # noqa: E402,F401
 from ._version import __version__  # noqa: E402,F401
 
 

@@ -5,6 +5,13 @@ asking for a weight's or scale's gradient raises instead of leaving it silently 
 multiply by the low-bit weights as stored, through the transposed-product ops (``fp8_mm_t``,
 ``fp8_grouped_mm_t``, ``int8_weight_mm_t``), never through a dense copy.
 
+Higher-order gradients (``autograd.grad(..., create_graph=True)``, gradient penalties, Hessian-vector products):
+the transposed ops are linear in ``grad_out``, so they are differentiable too, through the forward products
+(``fp8_mm_t``'s gradient is ``fp8_mm``, ``fp8_grouped_mm_t``'s is ``fp8_grouped_mm``). ``int8_weight_mm_t``'s is
+``gg @ (wq * w_scale)^T``, which no int8 op computes without quantizing ``gg``: it runs as a float32 matmul on a
+dequantized copy of the weight that lives only for that call (double backward only; first-order training never
+builds it).
+
 W8A8: ``int8_quantize`` rounds its input, so it has no useful derivative. Int8Linear trains through
 :func:`int8_linear`, an autograd function whose backward passes the gradient straight through the activation
 quantization: ``grad_x = grad_out @ (wq * w_scale)``. Differentiating ``int8_quantize`` / ``int8_mm``'s scales
@@ -56,6 +63,24 @@ def _fp8_grouped_mm_setup(ctx, inputs, output):
     ctx.block_size = block_size
 
 
+def _fp8_mm_t_setup(ctx, inputs, output):
+    grad_out, weight, scale, block_size = inputs
+    ctx.save_for_backward(weight, scale)
+    ctx.block_size = block_size
+
+
+def _int8_weight_mm_t_setup(ctx, inputs, output):
+    grad_out, wq, w_scale = inputs
+    ctx.save_for_backward(wq, w_scale)
+
+
+def _int8_weight_mm(gg, wq, w_scale):
+    """``gg @ (wq * w_scale)^T`` in float32 through a transient dequantized weight, in gg's dtype: the adjoint of
+    int8_weight_mm_t (only a double backward needs it)."""
+    w = wq.to(torch.float32) * w_scale.to(torch.float32).reshape(-1, 1)
+    return (gg.to(torch.float32) @ w.T).to(gg.dtype)
+
+
 def _int8_mm_setup(ctx, inputs, output):
     xq, x_scale, wq, w_scale, bias, out_dtype = inputs
     ctx.bias_dtype = None if bias is None else bias.dtype
@@ -78,6 +103,23 @@ def _backward_fns(ns):
             gx = _transposed(ns, "fp8_grouped_mm_t")(grad, weight, scale, offsets, expert_ids, ctx.block_size)
         return gx, None, None, None, None, None
 
+    # the transposed products are linear in grad_out: their gradient is the forward product (double backward)
+    def fp8_mm_t_backward(ctx, gg):
+        _refuse_frozen("fp8_mm_t", ctx, ((1, "weight"), (2, "scale")))
+        weight, scale = ctx.saved_tensors
+        return getattr(torch.ops, ns).fp8_mm(gg, weight, scale, None, ctx.block_size), None, None, None
+
+    def fp8_grouped_mm_t_backward(ctx, gg):
+        _refuse_frozen("fp8_grouped_mm_t", ctx, ((1, "weight"), (2, "scale")))
+        weight, scale, offsets, expert_ids = ctx.saved_tensors
+        return (getattr(torch.ops, ns).fp8_grouped_mm(gg, weight, scale, offsets, expert_ids, ctx.block_size),
+                None, None, None, None, None)
+
+    def int8_weight_mm_t_backward(ctx, gg):
+        _refuse_frozen("int8_weight_mm_t", ctx, ((2, "w_scale"),))
+        wq, w_scale = ctx.saved_tensors
+        return _int8_weight_mm(gg, wq, w_scale), None, None
+
     def int8_mm_backward(ctx, grad):
         _refuse_frozen("int8_mm", ctx, ((3, "w_scale"),))
         if _needs(ctx, 1):
@@ -97,6 +139,9 @@ def _backward_fns(ns):
         "fp8_mm": (fp8_mm_backward, _fp8_mm_setup),
         "fp8_grouped_mm": (fp8_grouped_mm_backward, _fp8_grouped_mm_setup),
         "int8_mm": (int8_mm_backward, _int8_mm_setup),
+        "fp8_mm_t": (fp8_mm_t_backward, _fp8_mm_t_setup),
+        "fp8_grouped_mm_t": (fp8_grouped_mm_t_backward, _fp8_grouped_mm_setup),
+        "int8_weight_mm_t": (int8_weight_mm_t_backward, _int8_weight_mm_t_setup),
         "int8_quantize": (int8_quantize_backward, None),
     }
 

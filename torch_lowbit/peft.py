@@ -1,18 +1,25 @@
-"""LoRA (PEFT) on frozen FP8 / INT8 bases: PEFT's LoRA wraps ``Fp8Linear`` and ``Int8Linear`` through its
-extension point for custom layers (``LoraConfig._register_custom_module``). One line of user code::
+"""LoRA (PEFT) on frozen FP8 / INT8 bases: once torch_lowbit is imported, PEFT's LoRA wraps ``Fp8Linear`` and
+``Int8Linear`` with plain PEFT calls (see ``torch_lowbit._peft_dispatch`` for the one hook this takes)::
 
-    config = torch_lowbit.peft.register(LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
-    model = peft.get_peft_model(quantized_model, config)
+    model = peft.get_peft_model(quantized_model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    model = peft.PeftModel.from_pretrained(quantized_model, adapter_dir)
+
+:func:`register` does the same for one config explicitly (PEFT's ``LoraConfig._register_custom_module``).
 
 The base layer stays low-bit and frozen; gradients reach the adapters (and the layers before) through the
 low-bit ops' backward passes. Adapters keep their own dtype (float32 by default) rather than the base weight's.
-Merging an adapter into the base is refused: the sum would have to be re-quantized (rounding the adapter away
-or changing the base); run unmerged, or merge into a dense copy of the model.
+``bias="all"`` / ``"lora_only"`` train the low-bit layers' biases, as on nn.Linear.
+Merging an adapter into a low-bit base is refused: the sum would have to be re-quantized (rounding the adapter
+away or changing the base). Run unmerged, or merge into a dense copy::
+
+    merged = torch_lowbit.dequantize_model(peft_model).merge_and_unload()
+    merged = peft.PeftModel.from_pretrained(torch_lowbit.dequantize_model(base), adapter_dir).merge_and_unload()
 """
 from __future__ import annotations
 
 from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as _PeftLoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 from .nn import Fp8Linear, Int8Linear
 
@@ -36,17 +43,31 @@ class LowbitLoraLinear(_PeftLoraLinear):
         return base_layer.weight.device, None
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        base = type(self.get_base_layer()).__name__
-        raise ValueError(f"{type(self).__name__}: merging a LoRA adapter into a {base} base is not supported: the "
-                         "merged weight would have to be re-quantized, which rounds the adapter's update away or "
-                         "changes the base. Run the adapters unmerged, or merge into a dense (dequantized) copy of "
-                         "the model")
+        base = self.get_base_layer()
+        if not isinstance(base, LOW_BIT_LAYERS):  # a dense copy's nn.Linear (dequantize_model): PEFT's own merge
+            return super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        raise ValueError(f"{type(self).__name__}: merging a LoRA adapter into a {type(base).__name__} base is not "
+                         "supported: the merged weight would have to be re-quantized, which rounds the adapter's "
+                         "update away or changes the base. Run the adapters unmerged, or merge into a dense "
+                         "(dequantized) copy: torch_lowbit.dequantize_model(peft_model).merge_and_unload()")
 
     def __repr__(self) -> str:
         return super().__repr__().replace("lora.Linear", f"lora.{type(self).__name__}")
 
 
 LOW_BIT_LAYERS = (Fp8Linear, Int8Linear)
+
+
+def dispatch_low_bit(target, adapter_name, config, **kwargs):
+    """A PEFT LoRA dispatcher: ``LowbitLoraLinear`` for a target whose base layer is a torch_lowbit layer, None
+    (PEFT's own dispatchers decide) for any other target, or where ``config`` maps the layer's type to a custom
+    module of its own (PEFT tries that mapping first)."""
+    base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if not isinstance(base, LOW_BIT_LAYERS):
+        return None
+    if any(isinstance(base, layer) for layer in (getattr(config, "_custom_modules", None) or ())):
+        return None
+    return LowbitLoraLinear(target, adapter_name, config=config, **kwargs)
 
 
 def register(config: LoraConfig) -> LoraConfig:

@@ -1,12 +1,22 @@
 """What Fp8Linear and Int8Linear share: dtype-stable quantized buffers under ``.to()`` / ``.half()`` (see
-``_format_buffers``), and loading checkpoint scales whose shape differs only by size-1 dims (``[N, 1]`` vs
-``[N]``, 0-d vs ``[1]``)."""
+``_format_buffers``), a bias that is a frozen parameter, and loading checkpoint scales whose shape differs only by
+size-1 dims (``[N, 1]`` vs ``[N]``, 0-d vs ``[1]``)."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from ._format_buffers import FormatBuffers
+
+
+def frozen_bias(bias: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
+    """The layers' bias: an nn.Parameter (so that PEFT's ``bias="all"`` / ``"lora_only"``, ``requires_grad_()`` and
+    optimizers over ``parameters()`` can train it, as they train nn.Linear's) that starts frozen, like the low-bit
+    weight beside it (inference never records a graph). It shares ``bias``'s storage; state_dict name ``bias``;
+    like nn.Linear's, it follows ``.half()`` / ``.to(dtype)``."""
+    return None if bias is None else nn.Parameter(bias, requires_grad=False)
 
 
 def _squeezed(shape):
@@ -50,6 +60,18 @@ class QuantizedLinear(FormatBuffers):
         self._load_weight_entry(state_dict, prefix + "weight", error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # nn.Module saves parameters before buffers: the bias keeps its place after the weight's scale, as when it
+        # was a buffer (weight, weight_scale, bias, input_scale), so state_dicts read as before
+        key = prefix + "bias"
+        if key in destination:
+            bias = destination.pop(key)
+            keys = list(destination)
+            later = [(k, destination.pop(k)) for k in keys[keys.index(prefix + "weight_scale") + 1:]]
+            destination[key] = bias
+            destination.update(later)
 
     def _load_weight_entry(self, state_dict, key, error_msgs):
         raise NotImplementedError

@@ -11,7 +11,7 @@ from .. import _ops
 from .._storage import FP8, as_fp8_dtype, as_stored_fp8
 from ..granularity import GranularityLike, PerBlock, as_granularity, infer_granularity
 from ..quantize import Fp8WeightOnly, quantize_fp8, register_quantize_module_handler
-from ._quantized_linear import QuantizedLinear
+from ._quantized_linear import QuantizedLinear, frozen_bias
 
 
 class Fp8Linear(QuantizedLinear):
@@ -50,7 +50,7 @@ class Fp8Linear(QuantizedLinear):
         N, K = self.out_features, self.in_features
         self.register_buffer("weight", as_stored_fp8(torch.zeros(N, K, dtype=torch.uint8, device=device)))
         self.register_buffer("weight_scale", torch.ones(g.scale_shape(N, K), dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device) if bias else None)
+        self.register_parameter("bias", frozen_bias(torch.zeros(N, dtype=dtype, device=device) if bias else None))
         self.register_buffer("input_scale", None)
         self.activation_scheme: Optional[str] = None
         self.quantize_activations = False
@@ -111,7 +111,7 @@ class Fp8Linear(QuantizedLinear):
                     dtype=bias.dtype if bias is not None else torch.bfloat16)
         layer.weight = as_stored_fp8(weight.contiguous())
         layer.weight_scale = weight_scale.to(torch.float32)
-        layer.bias = bias
+        layer.bias = frozen_bias(bias)
         layer.input_scale = None if input_scale is None else input_scale.to(torch.float32)
         return layer.set_activation_scheme(activation_scheme, quantize_activations)
 

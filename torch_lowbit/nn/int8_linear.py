@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .. import _ops
 from ..quantize import Int8Dynamic, quantize_int8, register_quantize_module_handler
-from ._quantized_linear import QuantizedLinear
+from ._quantized_linear import QuantizedLinear, frozen_bias
 
 
 class Int8Linear(QuantizedLinear):
@@ -18,7 +18,8 @@ class Int8Linear(QuantizedLinear):
     ``grad_x = grad_out @ (weight * weight_scale)``, and the bias; the weight is frozen.
 
     Buffers (checkpoint names): ``weight`` ``[N, K]`` int8, ``weight_scale`` float32 ``[N]`` (``[N, 1]`` and one
-    element are accepted, as compressed-tensors' int-quantized format stores them), ``bias`` ``[N]`` (optional).
+    element are accepted, as compressed-tensors' int-quantized format stores them); ``bias`` ``[N]`` (optional) is
+    a parameter, frozen until trained (see ``frozen_bias``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, device=None,
@@ -28,7 +29,7 @@ class Int8Linear(QuantizedLinear):
         N, K = self.out_features, self.in_features
         self.register_buffer("weight", torch.zeros(N, K, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.ones(N, dtype=torch.float32, device=device))
-        self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device) if bias else None)
+        self.register_parameter("bias", frozen_bias(torch.zeros(N, dtype=dtype, device=device) if bias else None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -61,7 +62,7 @@ class Int8Linear(QuantizedLinear):
                     dtype=bias.dtype if bias is not None else torch.bfloat16)
         layer.weight = weight.contiguous()
         layer.weight_scale = weight_scale.to(torch.float32)
-        layer.bias = bias
+        layer.bias = frozen_bias(bias)
         return layer
 
     @classmethod

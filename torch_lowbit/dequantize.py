@@ -1,0 +1,70 @@
+"""A dense copy of a low-bit model, to merge LoRA adapters into (a low-bit base refuses the merge: the sum would
+have to be re-quantized) or to compare against."""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ._ops import fp8_dequantize
+from .nn import Fp8Linear, Int8Linear
+from .nn.experts import Fp8Experts
+
+_EXPERTS_CHOICES = ("refuse", "keep")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the low-bit layers compute in
+
+
+def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, experts: str = "refuse") -> nn.Module:
+    """A copy of ``model`` in which every ``Fp8Linear`` / ``Int8Linear`` is an ``nn.Linear`` holding its exactly
+    dequantized weight: ``fp8_dequantize(weight, weight_scale)`` / ``weight * weight_scale`` (computed in float64),
+    rounded once to ``dtype``. ``model`` is left as it was (its low-bit tensors are not copied); everything else is
+    deep-copied. Works on a PEFT model too, whose LoRA layers then merge::
+
+        merged = torch_lowbit.dequantize_model(peft_model).merge_and_unload()
+        merged = PeftModel.from_pretrained(torch_lowbit.dequantize_model(base), adapter_dir).merge_and_unload()
+
+    dtype: of the dense weights and biases (bfloat16, float16 or float32); default: the dtype holding most of the
+    model's floating-point parameters (embeddings, norms: what ``model.to(dtype)`` set), bfloat16 if it has none.
+    The weights stay frozen (requires_grad=False, as they were); each bias keeps its requires_grad.
+    experts: fused ``Fp8Experts`` have no dense counterpart here: ``"refuse"`` (default) raises naming them,
+    ``"keep"`` copies them as they are (fp8; LoRA adapters on the linear layers merge all the same).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dequantize_model: model must be an nn.Module, got {type(model).__name__}")
+    if experts not in _EXPERTS_CHOICES:
+        raise ValueError(f"dequantize_model: experts must be one of {_EXPERTS_CHOICES}, got {experts!r}")
+    dtype = dtype or _model_dtype(model)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dequantize_model: dtype must be one of {_DTYPES}, got {dtype!r}")
+    memo = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (Fp8Linear, Int8Linear)):
+            memo[id(module)] = _dense_linear(module, dtype)
+        elif isinstance(module, Fp8Experts) and experts == "refuse":
+            raise ValueError(f"dequantize_model: {name} is an Fp8Experts (fused fp8 experts), which has no dense "
+                             "counterpart here; pass experts='keep' to keep them fp8 in the copy")
+    # deepcopy takes each low-bit module's entry in memo as its copy: the dense layer, wherever it is referenced
+    return copy.deepcopy(model, memo)
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    counts = Counter()
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] += p.numel()
+    return counts.most_common(1)[0][0] if counts else torch.bfloat16
+
+
+def _dense_linear(layer, dtype: torch.dtype) -> nn.Linear:
+    if isinstance(layer, Fp8Linear):
+        w = fp8_dequantize(layer.weight, layer.weight_scale, layer.block_size, dtype=dtype)
+    else:
+        w = layer.weight.to(torch.float64) * layer.weight_scale.to(torch.float64).reshape(-1, 1)
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    dense.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+    if layer.bias is not None:
+        dense.bias = nn.Parameter(layer.bias.detach().to(dtype, copy=True), requires_grad=layer.bias.requires_grad)
+    return dense
