@@ -359,7 +359,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model = _Block()
         out = checkpoint(model, x, use_reentrant=False) if ckpt else model(x)
         out.square().sum().backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
+        # the low-bit layers' biases are frozen parameters (no grad); the adapter's are trained
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
 
