@@ -402,3 +402,79 @@ def _write_config(model, path, schemes, dense_linears, target, updates=None):
     gen = getattr(model, "generation_config", None)
     if gen is not None and hasattr(gen, "save_pretrained"):
         gen.save_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------ save_pretrained on the model
+_PUSH_ARGS = ("commit_message", "commit_description", "private", "revision", "create_pr", "tags")
+
+
+def enable_save_pretrained(model):
+    """Make ``model.save_pretrained(d)`` -- and ``model.push_to_hub(repo)``, whose save step calls it -- write what
+    :func:`save_quantized` writes (a compressed-tensors checkpoint, atomic per directory) for a transformers model
+    holding torch_lowbit layers. Per model: it sets the model's own ``save_pretrained`` (an instance attribute;
+    nothing global is patched, other models are untouched). Arguments transformers' ``save_pretrained`` takes are
+    honoured (``max_shard_size`` in its spellings, ``is_main_process``, ``push_to_hub`` and its keywords, ``token``)
+    or refused by name (``variant``, ``distributed_checkpoint``, ``save_original_format=False``, a ``state_dict``
+    that is not the model's own) with an error naming ``torch_lowbit.save_quantized``. With PEFT adapters loaded
+    into the model, transformers' own save (adapters only) runs. Returns the model."""
+    tf = _transformers()
+    if not isinstance(model, tf.PreTrainedModel):
+        raise TypeError(f"enable_save_pretrained: expected a transformers PreTrainedModel, got "
+                        f"{type(model).__name__}; save other models with torch_lowbit.save_quantized(model, path)")
+    import types
+
+    model.save_pretrained = types.MethodType(_save_pretrained, model)
+    return model
+
+
+def _refuse(what: str):
+    raise ValueError(f"save_pretrained on a torch_lowbit model: {what} is not supported; it writes the "
+                     f"compressed-tensors checkpoint of torch_lowbit.save_quantized(model, path)")
+
+
+def _is_own_state_dict(model, state_dict) -> bool:
+    """Is `state_dict` the model's own tensors (what Trainer passes), not other values to write?"""
+    own = model.state_dict()
+    if set(state_dict) != set(own):
+        return False
+    return all(isinstance(t, torch.Tensor) and t.data_ptr() == own[k].data_ptr() and t.shape == own[k].shape
+               for k, t in state_dict.items())
+
+
+def _save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False,
+                     max_shard_size="50GB", variant=None, token=None, save_peft_format: bool = True,
+                     save_original_format: bool = True, distributed_checkpoint: bool = False, **kwargs):
+    """transformers' ``save_pretrained``, writing the model's torch_lowbit layers as compressed-tensors (see
+    :func:`torch_lowbit.enable_save_pretrained`)."""
+    if getattr(self, "_hf_peft_config_loaded", False):  # adapter weights only: nothing quantized is written
+        return type(self).save_pretrained(self, save_directory, is_main_process=is_main_process,
+                                          state_dict=state_dict, push_to_hub=push_to_hub,
+                                          max_shard_size=max_shard_size, variant=variant, token=token,
+                                          save_peft_format=save_peft_format,
+                                          save_original_format=save_original_format,
+                                          distributed_checkpoint=distributed_checkpoint, **kwargs)
+    if variant is not None:
+        _refuse(f"variant={variant!r}")
+    if distributed_checkpoint:
+        _refuse("distributed_checkpoint=True")
+    if not save_original_format:
+        _refuse("save_original_format=False (the checkpoint always uses the architecture's original names)")
+    if state_dict is not None and not _is_own_state_dict(self, state_dict):
+        _refuse("a state_dict other than the model's own tensors")
+    push = {k: kwargs.pop(k) for k in _PUSH_ARGS if k in kwargs}
+    repo_id = kwargs.pop("repo_id", None)
+    if kwargs:
+        raise TypeError(f"save_pretrained: unexpected keyword arguments {sorted(kwargs)}")
+    if not push_to_hub and (push or repo_id is not None):
+        raise TypeError(f"save_pretrained: {sorted(push) + (['repo_id'] if repo_id else [])} only apply with "
+                        f"push_to_hub=True")
+    if not is_main_process:
+        return None
+    dtype = str(self.dtype).split(".")[1]
+    _save(self, save_directory, max_shard_size, "save_pretrained",
+          {"dtype": dtype, "architectures": [type(self).__name__]})
+    if push_to_hub:
+        # push_to_hub saves into its own temporary directory through this same method, then uploads that
+        repo_id = repo_id or os.path.basename(os.path.normpath(os.fspath(save_directory)))
+        return self.push_to_hub(repo_id, token=token, max_shard_size=max_shard_size, **push)
+    return None
