@@ -527,7 +527,7 @@ def test_a_full_disk_leaves_the_old_checkpoint_and_no_stray_files(tmp_path, tmpf
     if how == "small tmpfs" and tmpfs is None:
         pytest.skip("mounting a tmpfs needs root in a container that allows it: the file-size limit case runs")
     tmpfs = tmpfs if how == "small tmpfs" else None
-    base = tmpfs or tmp_path
+    base = tmpfs or tmp_path / "disk"
     target = base / "model"
     torch_lowbit.save_quantized(_small(seed=0), target)
     old = _snapshot(target)
