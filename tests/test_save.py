@@ -9,7 +9,6 @@ import errno
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,6 @@ import textwrap
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -535,9 +533,9 @@ def test_a_full_disk_leaves_the_old_checkpoint_and_no_stray_files(tmp_path, tmpf
         (base / "filler").write_bytes(b"\0" * (150 * 1024))
         run, want = _run(_SAVE, target), os.strerror(errno.ENOSPC)
     else:  # a file-size limit makes the shard write fail as a full disk does (EFBIG)
-        limit = 64 * 1024
-        run, want = _run(_SAVE, target, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE,
-                                                                                (limit, limit))), os.strerror(errno.EFBIG)
+        def limit_file_size(limit=64 * 1024):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        run, want = _run(_SAVE, target, preexec_fn=limit_file_size), os.strerror(errno.EFBIG)
     assert run.returncode == 3 and want in run.stdout, (run.stdout, run.stderr[-2000:])
     assert _snapshot(target) == old
     assert sorted(os.listdir(base)) == sorted(["model"] + (["filler"] if tmpfs is not None else []))
