@@ -43,7 +43,7 @@ from .quantize import (Float8WeightOnlyConfig, Fp8WeightOnly, Int8Dynamic,  # no
                        Int8DynamicActivationInt8WeightConfig, quantize_, quantize_fp8, quantize_int8,
                        register_quantize_module_handler)
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
-from .hf import from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
+from .hf import enable_save_pretrained, from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
 from .dequantize import dequantize_model  # noqa: E402,F401
 from ._version import __version__  # noqa: E402,F401
 

@@ -225,32 +225,52 @@ def _dense_state_dict(model, skip) -> Dict[str, torch.Tensor]:
         if ident is not None and ident in seen:
             continue
         seen.add(ident)
-        out[key] = t.detach().cpu()
+        out[key] = t.detach() if t.is_meta else t.detach().cpu()
     return out
 
 
-def save_quantized(model: nn.Module, path, *, max_shard_size: int = 4 * 2 ** 30) -> List[str]:
-    """Write a model holding torch_lowbit layers (after ``quantize_`` or ``load_quantized``) as a compressed-tensors
-    checkpoint: config.json with ``quantization_config`` (one config group per scheme: FP8 per tensor / channel /
-    block weights with the activation scheme each Fp8Linear records -- W8A16, FP8 dynamic per-token, or FP8 static
-    per-tensor with its ``input_scale`` -- and INT8 W8A8 with dynamic per-token activations), safetensors shards of
-    at most
-    `max_shard_size` bytes, and ``model.safetensors.index.json`` when there are several. MoE experts
-    (Fp8Experts) are written one Linear per projection and expert. A transformers model's tensors get the names
-    its architecture's checkpoints use (transformers' conversion mapping, inverted, as ``save_pretrained`` does).
-    compressed-tensors, transformers and :func:`torch_lowbit.load_quantized` read it back. Returns the files
-    written."""
-    from safetensors.torch import save_file
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+               "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
+
+def parse_size(value, what: str = "max_shard_size") -> int:
+    """A size in bytes from an int or transformers' spellings: ``"2GB"`` (10^9), ``"500MiB"`` (2^20),
+    ``"5Gb"`` (gigabits, as transformers reads a lower-case b), ``"1000"``."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(2) if m else ""
+        factor = _SIZE_UNITS.get(unit.lower()) if m else None
+        if factor is None:
+            raise ValueError(f"{what}={value!r}: expected bytes as an int or a string like '2GB', '500MB', '4GiB'")
+        bits = len(unit) >= 2 and unit.endswith("b") and not unit.lower().endswith("ib")
+        size = int(float(m.group(1)) * factor / (8 if bits else 1))
+    else:
+        raise TypeError(f"{what} must be an int (bytes) or a string like '2GB', got {type(value).__name__} {value!r}")
+    if size <= 0:
+        raise ValueError(f"{what}={value!r}: must be a positive number of bytes")
+    return size
+
+
+def _checkpoint(model: nn.Module, caller: str):
+    """What a save writes: (tensors under checkpoint names, schemes per quantized module, dense Linears)."""
     from .formats.hf_names import checkpoint_key_renaming
+    from .formats.moe import is_experts_module
     from .nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear
 
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     quantized: Dict[str, torch.Tensor] = {}
     schemes: Dict[str, tuple] = {}  # module (model names) -> (kind, granularity, block)
     dense_linears: List[str] = []
+    dense_experts: List[str] = []
     done: List[str] = []
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:
+        more = f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else ""
+        raise ValueError(f"{caller}: tensors still on the meta device (never loaded), nothing to write for "
+                         f"them: {', '.join(on_meta[:8])}{more}; load or materialize them before saving")
     for name, mod in model.named_modules():
         if any(name.startswith(p + ".") for p in done):
             continue
@@ -266,47 +286,100 @@ def save_quantized(model: nn.Module, path, *, max_shard_size: int = 4 * 2 ** 30)
             done.append(name)
         elif type(mod) is nn.Linear:
             dense_linears.append(name)
+        elif name and is_experts_module(mod):
+            dense_experts.append(name)
     if not schemes:
-        raise ValueError("save_quantized: the model holds no torch_lowbit layer (Fp8Linear, Int8Linear, Fp8Experts); "
-                         "quantize it first with torch_lowbit.quantize_(model, ...)")
+        raise ValueError(f"{caller}: the model holds no torch_lowbit layer (Fp8Linear, Int8Linear, Fp8Experts, "
+                         f"Int8Experts); quantize it first with torch_lowbit.quantize_(model, ...)")
     dense = _dense_state_dict(model, done)
     rename = checkpoint_key_renaming(model)
     if rename is not None:
         from transformers.core_model_loading import revert_weight_conversion
-        dense = revert_weight_conversion(model, dense)
+        # Dense fused experts stay fused (renamed only): split into per-expert weights, transformers' loader would
+        # run the compressed-tensors scheme's dequantize step on them (5.24: "Concatenate ... Ckpt contains: 0")
+        # or not match them at all (5.17: experts left random). The fused layout loads as is in both.
+        fused = {k: v for k, v in dense.items() if any(k.startswith(p + ".") for p in dense_experts)}
+        rest = revert_weight_conversion(model, {k: v for k, v in dense.items() if k not in fused})
+        dense = {**rest, **{rename(k): v for k, v in fused.items()}}
         quantized = {rename(k): v for k, v in quantized.items()}
-    tensors = {k: v.contiguous() for k, v in {**dense, **quantized}.items()}
-    files = _write_shards(save_file, tensors, path, max_shard_size)
-    _write_config(model, path, schemes, dense_linears)
-    return files
+    return {**dense, **quantized}, schemes, dense_linears
 
 
-def _write_shards(save_file, tensors, path, max_shard_size) -> List[str]:
-    shards: List[Dict[str, torch.Tensor]] = [{}]
+def save_quantized(model: nn.Module, path, *, max_shard_size=4 * 2 ** 30) -> List[str]:
+    """Write a model holding torch_lowbit layers (after ``quantize_`` or ``load_quantized``) as a compressed-tensors
+    checkpoint: config.json with ``quantization_config`` (one config group per scheme: FP8 per tensor / channel /
+    block weights with the activation scheme each Fp8Linear records -- W8A16, FP8 dynamic per-token, or FP8 static
+    per-tensor with its ``input_scale`` -- and INT8 W8A8 with dynamic per-token activations), safetensors shards of
+    at most `max_shard_size` (bytes, or a string like ``"2GB"``), and ``model.safetensors.index.json`` when there
+    are several. MoE experts (Fp8Experts, Int8Experts) are written one Linear per projection and expert; dense fused
+    experts in the model's fused layout. A transformers model's tensors get the names its architecture's
+    checkpoints use (transformers' conversion mapping, inverted, as ``save_pretrained`` does). compressed-tensors,
+    transformers and :func:`torch_lowbit.load_quantized` read it back.
+
+    The save is atomic per directory (``torch_lowbit._atomic_dir``): everything is written beside `path`, then
+    swapped in, so `path` holds exactly the old or the new checkpoint, never a mix; files of the old directory that
+    are not checkpoint files (tokenizer, README.md, ...) are kept; links are replaced, never written through.
+    Returns the files written (under `path`)."""
+    return _save(model, path, max_shard_size, "save_quantized")
+
+
+def _save(model, path, max_shard_size, caller, config_updates=None) -> List[str]:
+    from ._atomic_dir import atomic_directory
+
+    max_shard_size = parse_size(max_shard_size)
+    path = os.fspath(path)
+    tensors, schemes, dense_linears = _checkpoint(model, caller)
+    with atomic_directory(path) as tmp:
+        names = _write_shards(tensors, tmp, max_shard_size, caller)
+        _write_config(model, tmp, schemes, dense_linears, path, config_updates)
+    return [os.path.join(path, n) for n in names]
+
+
+def _owned(t: torch.Tensor, seen: set) -> torch.Tensor:
+    """`t` as a tensor owning all of its storage: safetensors refuses tensors sharing memory (views of one
+    tensor, e.g. per-expert scales sliced from a stacked one)."""
+    t = t.contiguous()
+    ptr = t.untyped_storage().data_ptr()
+    if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+        ptr = t.untyped_storage().data_ptr()
+    seen.add(ptr)
+    return t
+
+
+def _write_shards(tensors, path, max_shard_size, caller) -> List[str]:
+    """Shards of at most `max_shard_size` bytes (a tensor larger than that gets its own), in name order; returns
+    the file names written."""
+    from safetensors.torch import save_file
+
+    from ._progress import Progress
+
+    shards: List[List[str]] = [[]]
     size = 0
     for k in sorted(tensors):
         n = tensors[k].numel() * tensors[k].element_size()
         if shards[-1] and size + n > max_shard_size:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][k] = tensors[k]
+        shards[-1].append(k)
         size += n
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        f = os.path.join(path, "model.safetensors")
-        save_file(shards[0], f, metadata=meta)
-        return [f]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fname), metadata=meta)
-        files.append(os.path.join(path, fname))
-        weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = os.path.join(path, "model.safetensors.index.json")
-    with open(index, "w") as f:
+    meta = {"format": "pt"}
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    with Progress(caller, total=total, unit="bytes written") as progress:
+        for fname, keys in zip(names, shards):
+            seen: set = set()
+            shard = {k: _owned(tensors[k], seen) for k in keys}
+            save_file(shard, os.path.join(path, fname), metadata=meta)
+            progress.update(sum(t.numel() * t.element_size() for t in shard.values()))
+    if len(shards) == 1:
+        return names
+    weight_map = {k: fname for fname, keys in zip(names, shards) for k in keys}
+    index = "model.safetensors.index.json"
+    with open(os.path.join(path, index), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    return files + [index]
+    return names + [index]
 
 
 def _quantization_config(schemes: Dict[str, tuple], dense_linears: List[str]) -> dict:
@@ -326,21 +399,102 @@ def _quantization_config(schemes: Dict[str, tuple], dense_linears: List[str]) ->
             "transform_config": {}, "producer": "torch_lowbit"}
 
 
-def _write_config(model, path, schemes, dense_linears):
-    config_file = os.path.join(path, "config.json")
+def _write_config(model, path, schemes, dense_linears, target, updates=None):
+    """config.json (the model's config with the checkpoint's ``quantization_config``) and generation_config.json,
+    written fresh into `path` (a new directory: nothing there to write through). A model without a transformers
+    config keeps the fields of the config.json already at `target`, if that is a regular file (never a link)."""
     cfg = getattr(model, "config", None)
+    previous = os.path.join(target, "config.json")
     if cfg is not None and hasattr(cfg, "to_dict"):
         data = cfg.to_dict()
+        data.pop("_pre_quantization_dtype", None)  # transformers' own record of a load-time quantization
         if not data.get("architectures"):  # what from_pretrained builds (save_pretrained records it the same way)
             data["architectures"] = [type(model).__name__]
-    elif os.path.isfile(config_file):
-        with open(config_file) as f:
+    elif os.path.isfile(previous) and not os.path.islink(previous):
+        with open(previous) as f:
             data = json.load(f)
     else:
         data = {}
+    data.update(updates or {})
     data["quantization_config"] = _quantization_config(schemes, dense_linears)
-    with open(config_file, "w") as f:
+    with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(data, f, indent=2, sort_keys=True, default=str)
     gen = getattr(model, "generation_config", None)
     if gen is not None and hasattr(gen, "save_pretrained"):
         gen.save_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------ save_pretrained on the model
+_PUSH_ARGS = ("commit_message", "commit_description", "private", "revision", "create_pr", "tags")
+
+
+def enable_save_pretrained(model):
+    """Make ``model.save_pretrained(d)`` -- and ``model.push_to_hub(repo)``, whose save step calls it -- write what
+    :func:`save_quantized` writes (a compressed-tensors checkpoint, atomic per directory) for a transformers model
+    holding torch_lowbit layers. Per model: it sets the model's own ``save_pretrained`` (an instance attribute;
+    nothing global is patched, other models are untouched). Arguments transformers' ``save_pretrained`` takes are
+    honoured (``max_shard_size`` in its spellings, ``is_main_process``, ``push_to_hub`` and its keywords, ``token``)
+    or refused by name (``variant``, ``distributed_checkpoint``, ``save_original_format=False``, a ``state_dict``
+    that is not the model's own) with an error naming ``torch_lowbit.save_quantized``. With PEFT adapters loaded
+    into the model, transformers' own save (adapters only) runs. Returns the model."""
+    tf = _transformers()
+    if not isinstance(model, tf.PreTrainedModel):
+        raise TypeError(f"enable_save_pretrained: expected a transformers PreTrainedModel, got "
+                        f"{type(model).__name__}; save other models with torch_lowbit.save_quantized(model, path)")
+    import types
+
+    model.save_pretrained = types.MethodType(_save_pretrained, model)
+    return model
+
+
+def _refuse(what: str):
+    raise ValueError(f"save_pretrained on a torch_lowbit model: {what} is not supported; it writes the "
+                     f"compressed-tensors checkpoint of torch_lowbit.save_quantized(model, path)")
+
+
+def _is_own_state_dict(model, state_dict) -> bool:
+    """Is `state_dict` the model's own tensors (what Trainer passes), not other values to write?"""
+    own = model.state_dict()
+    if set(state_dict) != set(own):
+        return False
+    return all(isinstance(t, torch.Tensor) and t.data_ptr() == own[k].data_ptr() and t.shape == own[k].shape
+               for k, t in state_dict.items())
+
+
+def _save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False,
+                     max_shard_size="50GB", variant=None, token=None, save_peft_format: bool = True,
+                     save_original_format: bool = True, distributed_checkpoint: bool = False, **kwargs):
+    """transformers' ``save_pretrained``, writing the model's torch_lowbit layers as compressed-tensors (see
+    :func:`torch_lowbit.enable_save_pretrained`)."""
+    if getattr(self, "_hf_peft_config_loaded", False):  # adapter weights only: nothing quantized is written
+        return type(self).save_pretrained(self, save_directory, is_main_process=is_main_process,
+                                          state_dict=state_dict, push_to_hub=push_to_hub,
+                                          max_shard_size=max_shard_size, variant=variant, token=token,
+                                          save_peft_format=save_peft_format,
+                                          save_original_format=save_original_format,
+                                          distributed_checkpoint=distributed_checkpoint, **kwargs)
+    if variant is not None:
+        _refuse(f"variant={variant!r}")
+    if distributed_checkpoint:
+        _refuse("distributed_checkpoint=True")
+    if not save_original_format:
+        _refuse("save_original_format=False (the checkpoint always uses the architecture's original names)")
+    if state_dict is not None and not _is_own_state_dict(self, state_dict):
+        _refuse("a state_dict other than the model's own tensors")
+    push = {k: kwargs.pop(k) for k in _PUSH_ARGS if k in kwargs}
+    repo_id = kwargs.pop("repo_id", None)
+    if kwargs:
+        raise TypeError(f"save_pretrained: unexpected keyword arguments {sorted(kwargs)}")
+    if not push_to_hub and (push or repo_id is not None):
+        raise TypeError(f"save_pretrained: {sorted(push) + (['repo_id'] if repo_id else [])} only apply with "
+                        f"push_to_hub=True")
+    if not is_main_process:
+        return None
+    dtype = str(self.dtype).split(".")[1]
+    _save(self, save_directory, max_shard_size, "save_pretrained",
+          {"dtype": dtype, "architectures": [type(self).__name__]})
+    if push_to_hub:
+        # push_to_hub saves into its own temporary directory through this same method, then uploads that
+        repo_id = repo_id or os.path.basename(os.path.normpath(os.fspath(save_directory)))
+        return self.push_to_hub(repo_id, token=token, max_shard_size=max_shard_size, **push)
+    return None

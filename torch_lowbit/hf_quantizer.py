@@ -7,7 +7,8 @@ transformers' public extension point (``register_quantization_config`` / ``regis
 transformers loads the dense checkpoint as usual, then the quantizer runs ``quantize_`` on it (which also turns fused
 MoE experts into ``Fp8Experts`` / ``Int8Experts``): peak memory is the dense model's, for a moment. (Quantizing
 each tensor as it is read would need transformers' internal conversion-op API; this uses only the stable hooks.) Such
-a model is saved with ``torch_lowbit.save_quantized`` (a compressed-tensors checkpoint), not ``save_pretrained``.
+a model's ``save_pretrained`` writes what ``torch_lowbit.save_quantized`` writes (a compressed-tensors checkpoint,
+which transformers and torch_lowbit read back): ``postprocess_model`` sets it per model (``enable_save_pretrained``).
 
 Importing this module imports transformers and registers the method ``torch_lowbit`` once.
 """
@@ -69,8 +70,22 @@ class TorchLowbitHfQuantizer(HfQuantizer):
         quantize_(model, config.quantize_config(), filter_fn=lambda m, fqn: not self._skipped(fqn))
         return model
 
+    def postprocess_model(self, model, **kwargs):
+        from .hf import enable_save_pretrained
+
+        model = super().postprocess_model(model, **kwargs)
+        return enable_save_pretrained(model)
+
     def is_serializable(self):
-        return False  # torch_lowbit.save_quantized writes the model as a compressed-tensors checkpoint
+        # Reached only when transformers' own PreTrainedModel.save_pretrained runs on this model (the model's
+        # save_pretrained, set by postprocess_model, writes the checkpoint without it): transformers' writer would
+        # store this config, which is no checkpoint format, so it must refuse, and says to read this warning.
+        from transformers.utils import logging
+
+        logging.get_logger(__name__).warning_once(
+            "torch_lowbit: PreTrainedModel.save_pretrained cannot write a torch_lowbit model; call "
+            "model.save_pretrained(path) on the model itself, or torch_lowbit.save_quantized(model, path)")
+        return False
 
     @property
     def is_trainable(self):
