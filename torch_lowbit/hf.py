@@ -194,11 +194,20 @@ def _transformers_config(tf, data: dict, config_file: str):
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise CheckpointError(f"{config_file}: model_type {model_type!r} is not a model type transformers "
                               f"{tf.__version__} knows")
-    try:
+    with _transformers_refusal(config_file, f"a {model_type} config"):
         return CONFIG_MAPPING[model_type].from_dict(data)
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise CheckpointError(f"{config_file}: transformers cannot build a {model_type} config from it: "
-                              f"{type(e).__name__}: {e}") from None
+
+
+@contextlib.contextmanager
+def _transformers_refusal(config_file: str, what: str):
+    """transformers' own error for a config.json value it cannot use (its validation raises many types, and a
+    bad size can fail deep inside a module's __init__), as a CheckpointError naming the file."""
+    try:
+        yield
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{config_file}: transformers cannot build {what} from it: "
+                              f"{type(e).__name__}: {first[:300]}") from e
 
 
 def _model_class(tf, config, config_file: str = _CONFIG_FILE):
@@ -307,7 +316,7 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     # process-wide default dtype while building, which other threads would see; load_quantized gives the
     # parameters `dtype`
     config.dtype = None
-    with parameters_on_meta():
+    with parameters_on_meta(), _transformers_refusal(config_file, cls.__name__):
         model = cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls._from_config(config)
     model.config.dtype = dtype
     report = load_quantized(model, local, device=device, dtype=dtype, strict=strict)

@@ -282,6 +282,8 @@ def _directory_source(path: str, mmap: bool) -> SafetensorsSource:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: 'weight_map' must be an object mapping tensor names to shard files, got "
                                   f"{type(weight_map).__name__}")
+        if not weight_map:
+            raise CheckpointError(f"{index}: 'weight_map' lists no tensors (an index names the shard of each)")
         shards = {}
         for k, f in weight_map.items():
             if not isinstance(f, str):
