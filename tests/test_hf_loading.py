@@ -398,3 +398,19 @@ def test_e2e_bench_announces_its_threads_and_prints_progress_on_stderr(capsys):
     assert "e2e: loading with from_pretrained" in err and "e2e: timing generate" in err
     assert f"cpu, {threads} threads" in out and "e2e:" not in out.replace("e2e: LlamaForCausalLM", "")
     assert "TORCH_LOWBIT_PROGRESS" not in os.environ  # the bench's setting ends with it
+
+
+# found by tests/test_fuzz_hf.py
+def test_an_index_listing_no_tensors_names_the_index(checkpoint, tmp_path):
+    path = _copy(checkpoint, tmp_path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(CheckpointError, match=r"index\.json: 'weight_map' lists no tensors"):
+        torch_lowbit.from_pretrained(path)
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", None), ("hidden_size", -8), ("dtype", "<garbage>")])
+def test_a_config_value_transformers_cannot_build_names_config_json(checkpoint, tmp_path, field, value):
+    path = _copy(checkpoint, tmp_path)
+    _edit_config(path, lambda d: d.update({field: value}))
+    with pytest.raises(CheckpointError, match=r"config\.json: transformers cannot build"):
+        torch_lowbit.from_pretrained(path, dtype=torch.float32)
