@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hf_writers as W  # noqa: E402
+from opened_files import opened_files  # noqa: E402
 import torch_lowbit  # noqa: E402
 from torch_lowbit.formats import CheckpointError  # noqa: E402
 
@@ -36,17 +37,6 @@ SEED = int(os.environ.get("TORCH_LOWBIT_FUZZ_SEED", "0"))
 ALLOWED = (ValueError, TypeError, CheckpointError, FileNotFoundError)
 IDS = torch.tensor([[3, 17, 42, 5, 88, 1, 0, 64, 23]])
 SCHEME = "fp8-channel-w8a16"
-
-_OPENED = None
-
-
-def _audit(event, args):
-    if event == "open" and _OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.path.realpath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)
-
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
@@ -184,20 +174,18 @@ def _prepare(world, kind, edit):
 
 
 def _check(world, kind, edit):
-    global _OPENED
     tmp, path, kwargs, names = _prepare(world, kind, edit)
-    _OPENED = []
     try:
-        try:
-            model = torch_lowbit.from_pretrained(path, **kwargs)
-        except ALLOWED as e:
-            msg = str(e)
-            assert any(n in msg for n in names), f"{type(e).__name__} names none of {names}: {msg[:300]}"
-            return
-        finally:
-            opened, _OPENED = _OPENED, None
-            escaped = [f for f in opened if f.startswith(os.path.realpath(world["outside"]))]
-            assert not escaped, f"read outside the checkpoint: {escaped}"
+        with opened_files() as opened:
+            try:
+                model = torch_lowbit.from_pretrained(path, **kwargs)
+            except ALLOWED as e:
+                msg = str(e)
+                assert any(n in msg for n in names), f"{type(e).__name__} names none of {names}: {msg[:300]}"
+                return
+            finally:
+                escaped = [f for f in opened if f.startswith(os.path.realpath(world["outside"]))]
+                assert not escaped, f"read outside the checkpoint: {escaped}"
         with torch.no_grad():
             out = model.float().cpu()(IDS).logits
         err = ((out.double() - world["ref"].double()).abs().max() / world["ref"].double().abs().max()).item()

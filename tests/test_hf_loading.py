@@ -3,13 +3,11 @@ torch_dtype, device_map, revision, trust_remote_code) work or fail at once namin
 checkpoint is read, config.json and generation_config.json included; several threads load at once without leaving
 anything patched; TorchLowbitConfig and the loader validate what they are given; progress lines. The checkpoint
 is a tiny Llama written by compressed-tensors, and the reference is compressed-tensors' own dequantized reload."""
-import contextlib
 import functools
 import io
 import json
 import os
 import shutil
-import sys
 import threading
 
 import pytest
@@ -18,6 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import hf_writers as W
+from opened_files import opened_files
 import torch_lowbit
 from hf_writers import transformers
 from torch_lowbit.formats import CheckpointError, load_quantized
@@ -25,29 +24,6 @@ from torch_lowbit.nn import Fp8Linear
 
 IDS = torch.tensor([[3, 17, 42, 5, 88, 1, 0, 64, 23]])
 HAS_MPS = torch.backends.mps.is_available()
-
-# every file the Python side of this process opens while _OPENED is being filled (an audit hook cannot be removed,
-# so it is installed once and records only while asked to)
-_OPENED = None
-
-
-def _audit(event, args):
-    if event == "open" and _OPENED is not None and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.path.realpath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)
-
-
-@contextlib.contextmanager
-def opened_files():
-    global _OPENED
-    _OPENED = []
-    try:
-        yield _OPENED
-    finally:
-        _OPENED = None
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
