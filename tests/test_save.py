@@ -1,10 +1,7 @@
 """Saving: ``save_quantized`` and ``model.save_pretrained`` on low-bit transformers models write a compressed-tensors
 checkpoint that transformers (compressed-tensors' dequantizing reload) and torch_lowbit read back with the values
 right; a save is atomic per directory (old or new checkpoint, never a mix, non-checkpoint files kept, links replaced,
-no stray files), also when the process is killed, the disk is full or the target is read-only.
-
-Tests that call ``torch_lowbit.enable_save_pretrained`` by hand after ``quantize_`` / ``torch_lowbit.from_pretrained``
-/ ``load_quantized`` stand for the wiring those functions get at merge (marked WIRING below)."""
+no stray files), also when the process is killed, the disk is full or the target is read-only."""
 import errno
 import json
 import os
@@ -90,20 +87,23 @@ def ct_llama(tmp_path_factory):
 
 def _quantized_by(how, ct_llama, tmp_path):
     if how == "quantize_":
-        return torch_lowbit.enable_save_pretrained(  # WIRING: quantize_ will call it
-            torch_lowbit.quantize_(W.tiny_model("llama"), torch_lowbit.Fp8WeightOnly("block", (16, 32))))
+        return torch_lowbit.quantize_(W.tiny_model("llama"), torch_lowbit.Fp8WeightOnly("block", (16, 32)))
     if how == "from_pretrained":
-        return torch_lowbit.enable_save_pretrained(  # WIRING: from_pretrained will call it
-            torch_lowbit.from_pretrained(ct_llama, dtype=torch.float32))
+        return torch_lowbit.from_pretrained(ct_llama, dtype=torch.float32)
     if how == "load_quantized":
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(W.tiny_config("llama"), dtype=torch.float32)
         torch_lowbit.load_quantized(model, ct_llama, dtype=torch.float32)
-        return torch_lowbit.enable_save_pretrained(model)  # WIRING
+        return model
     dense = tmp_path / "dense"
     W.tiny_model("llama").save_pretrained(dense)
     return transformers.AutoModelForCausalLM.from_pretrained(  # no wiring needed: the quantizer's postprocess_model
         dense, dtype=torch.float32, quantization_config=torch_lowbit.TorchLowbitConfig("int8"))
+
+
+def test_quantize_on_a_plain_module_sets_no_save_pretrained():
+    model = torch_lowbit.quantize_(nn.Sequential(nn.Linear(32, 16)), torch_lowbit.Fp8WeightOnly())
+    assert "save_pretrained" not in vars(model)
 
 
 @pytest.mark.parametrize("how", ["quantize_", "from_pretrained", "load_quantized", "TorchLowbitConfig"])

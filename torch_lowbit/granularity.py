@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
+INT64_MAX = 2 ** 63 - 1
 DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config and DeepSeek-V3's block
 
 
@@ -18,11 +19,13 @@ def normalize_block_size(block_size, name="block_size") -> Tuple[int, int]:
     """(block_n, block_k) as a tuple of two positive ints, or a ValueError naming the argument."""
     try:
         bn, bk = (int(b) for b in block_size)
-        ok = bn > 0 and bk > 0 and all(int(b) == b and not isinstance(b, bool) for b in block_size)
-    except (TypeError, ValueError):
+        ok = 0 < bn <= INT64_MAX and 0 < bk <= INT64_MAX and all(int(b) == b and not isinstance(b, bool)
+                                                                  for b in block_size)
+    except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
-        raise ValueError(f"{name} must be two positive ints (block_n, block_k), got {block_size!r}")
+        raise ValueError(f"{name} must be two positive ints (block_n, block_k) of at most 2**63 - 1 (the ops' "
+                         f"int64), got {block_size!r}")
     return bn, bk
 
 

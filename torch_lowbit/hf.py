@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .formats.load import LoadReport, load_quantized
+from .formats.source import CheckpointError, _Confinement, _read_json, _regular_file
 
 _INSTALL_HINT = "pip install 'torch_lowbit[hf]' (or: pip install transformers)"
 
@@ -26,6 +28,20 @@ def _transformers():
     return transformers
 
 
+_meta_lock = threading.Lock()
+_meta_users = 0  # threads inside parameters_on_meta(); the hook is installed while there is any
+_meta_hook = None
+_meta_here = threading.local()  # .depth: how many parameters_on_meta() this thread is inside
+
+
+def _parameter_on_meta(module, name, param):
+    """nn.Module's global parameter-registration hook: the parameter as a meta tensor, in the threads inside
+    parameters_on_meta() only (None: registered as it is)."""
+    if getattr(_meta_here, "depth", 0) and param is not None and not param.is_meta:
+        return type(param)(param.to("meta"), requires_grad=param.requires_grad)
+    return None
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Build modules with their parameters on the meta device and their buffers real.
@@ -33,22 +49,27 @@ def parameters_on_meta():
     Parameters cost nothing until a checkpoint fills them, while buffers that no checkpoint holds (rotary
     ``inv_freq``, computed in ``__init__``) keep the values the module computed. Each parameter is created as the
     module creates it, then replaced by a meta tensor as it is registered, so at most one parameter is ever
-    allocated (and ``torch.empty`` pages are not touched). Patches ``nn.Module.register_parameter`` while active:
-    not for use from several threads at once.
+    allocated (and ``torch.empty`` pages are not touched). Thread-safe: only modules built by the thread inside
+    the ``with`` get meta parameters (torch's parameter-registration hook, installed while any thread is inside
+    and removed by the last one out); nothing of nn.Module is patched.
     """
-    original = nn.Module.register_parameter
+    global _meta_users, _meta_hook
+    from torch.nn.modules.module import register_module_parameter_registration_hook
 
-    def register_on_meta(module, name, param):
-        original(module, name, param)
-        p = module._parameters.get(name)
-        if p is not None and not p.is_meta:
-            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
-
-    nn.Module.register_parameter = register_on_meta
+    with _meta_lock:
+        if _meta_users == 0:
+            _meta_hook = register_module_parameter_registration_hook(_parameter_on_meta)
+        _meta_users += 1
+    _meta_here.depth = getattr(_meta_here, "depth", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        _meta_here.depth -= 1
+        with _meta_lock:
+            _meta_users -= 1
+            if _meta_users == 0:
+                _meta_hook.remove()
+                _meta_hook = None
 
 
 def best_device() -> torch.device:
@@ -56,67 +77,261 @@ def best_device() -> torch.device:
     return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
 
 
-def _model_class(tf, config):
-    """The transformers class config.json names (``architectures[0]``), else the causal-LM auto class."""
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(tf, name, None)
-        if cls is not None:
-            return cls
-    return tf.AutoModelForCausalLM
+# what the ops take: activations (and the high-precision weights beside them) in these dtypes, on these devices
+_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OP_DEVICES = ("cpu", "mps")
+_CONFIG_FILE = "config.json"
+_GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-def _local_dir(path) -> str:
+def _dtype_arg(value, name: str) -> Optional[torch.dtype]:
+    """A dtype argument as transformers spells it (a torch.dtype, "bfloat16", "torch.float16"); None for "auto"."""
+    if isinstance(value, str):
+        if value == "auto":
+            return None
+        dtype = getattr(torch, value[len("torch."):] if value.startswith("torch.") else value, None)
+    else:
+        dtype = value
+    if not isinstance(dtype, torch.dtype) or dtype not in _ACTIVATION_DTYPES:
+        raise ValueError(f"from_pretrained: {name}={value!r} is not supported: the model's activations and "
+                         f"high-precision weights must be torch.bfloat16, torch.float16 or torch.float32 (what the "
+                         f"low-bit ops take), or 'auto' for config.json's dtype")
+    return dtype
+
+
+def _device_arg(value, name: str) -> torch.device:
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"from_pretrained: {name}={value!r} is not a device (expected 'cpu', 'mps' or "
+                         f"a torch.device)") from None
+    if device.type not in _OP_DEVICES:
+        raise ValueError(f"from_pretrained: {name}={value!r}: torch_lowbit's ops run on 'cpu' and 'mps' "
+                         f"(Apple GPUs) only")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"from_pretrained: {name}={value!r}, but this machine has no mps device "
+                         f"(torch.backends.mps.is_available() is False); pass 'cpu', or leave {name} out for the "
+                         f"best device available")
+    return device
+
+
+def _target_device(device, device_map) -> torch.device:
+    """One device from ``device`` and transformers' ``device_map`` ("auto", a device, or {"": device}: the whole
+    model on one device; a map that splits the model is refused)."""
+    if device_map is None:
+        return best_device() if device is None else _device_arg(device, "device")
+    if isinstance(device_map, dict):
+        if set(device_map) != {""}:
+            raise ValueError(f"from_pretrained: device_map={device_map!r} places modules on different devices, "
+                             f"which torch_lowbit does not do: pass device_map='auto' (the best device) or one "
+                             f"device ('cpu', 'mps', or {{'': device}})")
+        device_map = device_map[""]
+    mapped = best_device() if device_map == "auto" else _device_arg(device_map, "device_map")
+    if device is not None and _device_arg(device, "device") != mapped:
+        raise ValueError(f"from_pretrained: device={device!r} and device_map={device_map!r} disagree: pass one")
+    return mapped
+
+
+def _looks_like_path(path: str) -> bool:
+    """A string meant as a local path rather than a Hub repo id ("org/name")."""
+    if path.startswith((".", "~", os.sep)) or (os.altsep and path.startswith(os.altsep)):
+        return True
+    parts = path.replace(os.altsep or os.sep, os.sep).split(os.sep)
+    if len(parts) > 2 or (len(parts) == 2 and os.path.exists(parts[0])):
+        return True  # deeper than org/name, or its first part exists here
+    try:
+        from huggingface_hub.utils import validate_repo_id
+        validate_repo_id(path)
+    except ImportError:
+        return True
+    except ValueError:  # HFValidationError: not a repo id, so a mistyped path
+        return True
+    return False
+
+
+def _missing_dir_error(path: str) -> FileNotFoundError:
+    full = os.path.abspath(os.path.expanduser(path))
+    parent = full
+    while parent != os.path.dirname(parent) and not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    return FileNotFoundError(f"from_pretrained: no such directory: {path!r} ({full}; the nearest existing "
+                             f"directory is {parent})")
+
+
+def _local_dir(path, revision: Optional[str] = None) -> str:
+    """The checkpoint directory: `path` itself, or a Hub repo id fetched (the json and safetensors files only)."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise TypeError(f"from_pretrained: path must be a directory or a Hub repo id (str or os.PathLike), got "
+                        f"{type(path).__name__} {path!r}")
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"from_pretrained: revision must be a str (a branch, tag or commit), got "
+                        f"{type(revision).__name__} {revision!r}")
     path = os.fspath(path)
-    if os.path.isdir(path):
-        return path
-    if os.path.exists(path):
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        return local  # revision= names a Hub revision: a local directory is what it is (as in transformers)
+    if os.path.exists(local):
         raise ValueError(f"from_pretrained: path {path!r} must be a checkpoint directory (config.json + safetensors)")
+    if _looks_like_path(path):
+        raise _missing_dir_error(path)
     try:  # a Hub repo id: fetch only what loading reads (never pickles)
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise FileNotFoundError(f"from_pretrained: {path!r} is not a directory") from None
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+        raise _missing_dir_error(path) from None
+    return snapshot_download(path, revision=revision, allow_patterns=["*.json", "*.safetensors"])
 
 
-def from_pretrained(path, device=None, dtype: torch.dtype = torch.bfloat16, *, strict: bool = False,
-                    return_report: bool = False, activations: str = "weights-only"):
+def _read_confined_json(where, name: str) -> Optional[dict]:
+    """A JSON file of the checkpoint directory, read once here after the confinement check (None if absent):
+    transformers' readers then get the dict, never the file."""
+    return _read_json(where.resolve(name, "config file"), "config file")
+
+
+def _transformers_config(tf, data: dict, config_file: str):
+    """The transformers config object of a config.json dict (what AutoConfig.from_pretrained builds from it)."""
+    model_type = data.get("model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise CheckpointError(f"{config_file}: model_type {model_type!r} is not a model type transformers "
+                              f"{tf.__version__} knows")
+    with _transformers_refusal(config_file, f"a {model_type} config"):
+        return CONFIG_MAPPING[model_type].from_dict(data)
+
+
+@contextlib.contextmanager
+def _transformers_refusal(config_file: str, what: str):
+    """transformers' own error for a config.json value it cannot use (its validation raises many types, and a
+    bad size can fail deep inside a module's __init__), as a CheckpointError naming the file."""
+    try:
+        yield
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{config_file}: transformers cannot build {what} from it: "
+                              f"{type(e).__name__}: {first[:300]}") from e
+
+
+def _model_class(tf, config, config_file: str = _CONFIG_FILE):
+    """The transformers class config.json names (the first of ``architectures`` transformers has), else the
+    causal-LM auto class; an error naming the field when that is no text-generating model."""
+    archs = getattr(config, "architectures", None)
+    if not archs:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise CheckpointError(f"{config_file} names no architectures and model_type {config.model_type!r} has "
+                                  f"no causal-LM class in transformers: torch_lowbit.from_pretrained builds "
+                                  f"text-generating models")
+        return tf.AutoModelForCausalLM
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{config_file}: architectures must be a list of class names, got {archs!r}")
+    classes = [c for c in (getattr(tf, a, None) if a.isidentifier() else None for a in archs)
+               if isinstance(c, type) and issubclass(c, tf.PreTrainedModel)]
+    if not classes:
+        raise CheckpointError(f"{config_file}: architectures {archs} names no model class of transformers "
+                              f"{tf.__version__} (a newer transformers, or a model with remote code, which "
+                              f"torch_lowbit does not run)")
+    if not classes[0].can_generate():
+        raise CheckpointError(f"{config_file}: architectures names {classes[0].__name__}, which is not a causal "
+                              f"language model (it cannot generate): torch_lowbit.from_pretrained builds "
+                              f"...ForCausalLM classes")
+    return classes[0]
+
+
+def _auto_dtype(config, local: str, config_file: str) -> torch.dtype:
+    """dtype="auto", as transformers resolves it: config.json's dtype, else the checkpoint's first floating-point
+    tensor that is not quantized, else float32."""
+    dtype = getattr(config, "dtype", None)
+    if dtype is not None:
+        try:
+            return _dtype_arg(dtype, "dtype")
+        except ValueError:
+            raise ValueError(f"from_pretrained: dtype='auto' takes {config_file}'s dtype, {dtype!r}, which is not "
+                             f"one the low-bit ops take: pass dtype=torch.bfloat16, torch.float16 or "
+                             f"torch.float32") from None
+    from .formats.registry import QUANTIZED_DTYPES, UNSUPPORTED_WEIGHT_DTYPES
+    from .formats.source import open_source
+    src = open_source(local, mmap=True)
+    try:
+        for key in sorted(src.keys()):
+            d = src.dtype(key)
+            if d.is_floating_point and d not in QUANTIZED_DTYPES and d not in UNSUPPORTED_WEIGHT_DTYPES:
+                return d if d in _ACTIVATION_DTYPES else torch.float32
+    finally:
+        src.close()
+    return torch.float32
+
+
+def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, return_report: bool = False,
+                    torch_dtype=None, device_map=None, revision: Optional[str] = None,
+                    trust_remote_code: bool = False, activations: str = "weights-only"):
     """A quantized Hugging Face checkpoint as a ready transformers model.
 
     Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
     real (``parameters_on_meta``: no dense weight is ever allocated), loads the checkpoint with
     :func:`torch_lowbit.load_quantized` (transformers' own key renaming for the architecture; quantized layers
     become Fp8Linear / Int8Linear / Fp8Experts), and moves it to `device` (default: mps if available, else cpu).
-    dtype: of the high-precision weights (embeddings, norms, lm_head) and of the activations. Returns the model in
-    eval mode, on which ``model.generate(...)`` runs; with ``return_report=True``, ``(model, LoadReport)``.
+    Returns the model in eval mode, on which ``model.generate(...)`` runs; with ``return_report=True``,
+    ``(model, LoadReport)``.
+
+    path: a checkpoint directory, or a Hugging Face Hub repo id (only its .json and .safetensors files are
+    fetched; ``revision`` picks a branch, tag or commit). A path that does not exist is a FileNotFoundError.
+    No file outside the directory is read (config.json and generation_config.json included: they are checked,
+    then read here, before transformers sees them; a Hub cache snapshot may link into its blobs).
+    dtype (or transformers' older name ``torch_dtype``): of the high-precision weights (embeddings, norms,
+    lm_head) and of the activations: torch.bfloat16 (default), torch.float16 or torch.float32, a string naming
+    one, or ``"auto"`` (config.json's dtype, as in transformers). device: "cpu" or "mps"; ``device_map`` as in
+    transformers, for one device: "auto" (the best one), a device, or ``{"": device}``. trust_remote_code=True is
+    refused: torch_lowbit builds transformers' own classes and runs no code from a checkpoint. Arguments are
+    checked before anything is read; safe to call from several threads at once.
     activations: ``"weights-only"`` (W8A16, the default) or ``"checkpoint"`` (the checkpoint's FP8 activation
     quantization), as in :func:`torch_lowbit.load_quantized`.
     """
+    if trust_remote_code:
+        raise ValueError("from_pretrained: trust_remote_code=True is not supported: torch_lowbit builds the model "
+                         "classes of transformers itself and runs no code from a checkpoint")
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise ValueError(f"from_pretrained: dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree: pass dtype "
+                         f"(torch_dtype is transformers' older name for it)")
+    dtype_name, dtype = ("torch_dtype", torch_dtype) if dtype is None and torch_dtype is not None else ("dtype", dtype)
+    dtype = torch.bfloat16 if dtype is None else _dtype_arg(dtype, dtype_name)  # None now: "auto"
+    device = _target_device(device, device_map)
     tf = _transformers()
-    local = _local_dir(path)
-    config = tf.AutoConfig.from_pretrained(local)
-    if getattr(config, "quantization_config", None) is None and not os.path.isfile(
-            os.path.join(local, "hf_quant_config.json")):
+    local = _local_dir(path, revision)
+    where = _Confinement(local)
+    config_file = os.path.join(local, _CONFIG_FILE)
+    data = _read_confined_json(where, _CONFIG_FILE)
+    if data is None:
+        raise FileNotFoundError(f"from_pretrained: {local} has no {_CONFIG_FILE}: it is not a Hugging Face "
+                                f"checkpoint directory")
+    generation = _read_confined_json(where, _GENERATION_CONFIG_FILE)
+    # the checkpoint's quantization goes into torch_lowbit layers: transformers must not see a pending quantizer
+    data = dict(data)
+    quantized = data.pop("quantization_config", None) is not None or _regular_file(
+        where.resolve("hf_quant_config.json", "config file"), "config file")
+    if not quantized:
         raise ValueError(f"from_pretrained: {local} has no quantization_config in config.json: it is not a quantized "
                          f"checkpoint (load it with transformers, then torch_lowbit.quantize_)")
-    device = best_device() if device is None else torch.device(device)
-    cls = _model_class(tf, config)
-    with parameters_on_meta():
-        build = cls.from_config if cls.__name__.startswith("AutoModel") else cls._from_config
-        model = build(config, dtype=dtype)
-    # the checkpoint's quantization is now in torch_lowbit layers: transformers must not see a pending quantizer
-    model.config.quantization_config = None
-    if hasattr(model.config, "_pre_quantization_dtype"):
-        del model.config._pre_quantization_dtype
+    config = _transformers_config(tf, data, config_file)
+    cls = _model_class(tf, config, config_file)
+    if dtype is None:
+        dtype = _auto_dtype(config, local, config_file)
+    # built in torch's default dtype (parameters on meta cost nothing): transformers' dtype= would set the
+    # process-wide default dtype while building, which other threads would see; load_quantized gives the
+    # parameters `dtype`
+    config.dtype = None
+    with parameters_on_meta(), _transformers_refusal(config_file, cls.__name__):
+        model = cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls._from_config(config)
+    model.config.dtype = dtype
     report = load_quantized(model, local, device=device, dtype=dtype, strict=strict, activations=activations)
     model.to(device)
-    _load_generation_config(tf, model, local)
+    _load_generation_config(tf, model, generation)
     model.eval()
+    enable_save_pretrained(model)
     return (model, report) if return_report else model
 
 
-def _load_generation_config(tf, model, local):
-    if os.path.isfile(os.path.join(local, "generation_config.json")) and getattr(model, "can_generate", lambda: 0)():
-        model.generation_config = tf.GenerationConfig.from_pretrained(local)
+def _load_generation_config(tf, model, data: Optional[dict]):
+    if data is not None and getattr(model, "can_generate", lambda: 0)():
+        model.generation_config = tf.GenerationConfig.from_dict(data)
 
 
 # ------------------------------------------------------------------------------------------------- saving
@@ -445,6 +660,16 @@ def enable_save_pretrained(model):
 
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     return model
+
+
+def attach_save_pretrained(model) -> None:
+    """:func:`enable_save_pretrained` for a transformers model holding torch_lowbit layers, nothing for any other
+    module: what ``quantize_``, ``load_quantized`` and ``from_pretrained`` call, so that a transformers user's
+    ``save_pretrained`` after them writes a checkpoint that loads right."""
+    from .formats.hf_names import _transformers_model
+
+    if _transformers_model(model) is not None:
+        enable_save_pretrained(model)
 
 
 def _refuse(what: str):

@@ -35,6 +35,13 @@ class TorchLowbitConfig(QuantizationConfigMixin):
 
     def __init__(self, weights: str = "fp8", granularity: str = "channel", block_size: Sequence[int] = (128, 128),
                  modules_to_not_convert: Optional[List[str]] = None, **kwargs):
+        # transformers rebuilds a saved config as TorchLowbitConfig(**to_dict()): quant_method comes back with it
+        method = kwargs.pop("quant_method", QUANT_METHOD)
+        if kwargs:
+            raise TypeError(f"TorchLowbitConfig got unexpected keyword arguments {sorted(kwargs)} (it takes weights, "
+                            f"granularity, block_size, modules_to_not_convert)")
+        if method != QUANT_METHOD:
+            raise ValueError(f"TorchLowbitConfig: quant_method must be {QUANT_METHOD!r}, got {method!r}")
         if weights not in WEIGHTS:
             raise ValueError(f"TorchLowbitConfig: weights must be one of {WEIGHTS}, got {weights!r}")
         # kept as the alias string: transformers writes this config to config.json
@@ -43,12 +50,29 @@ class TorchLowbitConfig(QuantizationConfigMixin):
         self.weights = weights
         self.granularity = granularity
         self.block_size = list(normalize_block_size(block_size, "TorchLowbitConfig.block_size"))
-        self.modules_to_not_convert = ["lm_head"] if modules_to_not_convert is None else list(modules_to_not_convert)
+        self.modules_to_not_convert = _module_names(modules_to_not_convert)
 
     def quantize_config(self):
         if self.weights == "int8":
             return Int8Dynamic()
         return Fp8WeightOnly(self.granularity, tuple(self.block_size))
+
+
+def _module_names(names) -> List[str]:
+    """modules_to_not_convert as a list of names (a single string is one name, not its letters)."""
+    from .formats.registry import pattern_problem
+
+    if names is None:
+        return ["lm_head"]
+    items = [names] if isinstance(names, str) else names
+    if not isinstance(items, (list, tuple)) or not all(isinstance(n, str) for n in items):
+        raise TypeError(f"TorchLowbitConfig: modules_to_not_convert must be a list of module names, got "
+                        f"{type(names).__name__} {names!r}")
+    for n in items:
+        problem = pattern_problem(n)
+        if problem:
+            raise ValueError(f"TorchLowbitConfig: modules_to_not_convert holds {n!r}: {problem}")
+    return list(items)
 
 
 @register_quantizer(QUANT_METHOD)

@@ -386,4 +386,7 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
         for name, child in list(parent.named_children()):
             if id(child) in done and done[id(child)] is not child:
                 setattr(parent, name, done[id(child)])
+    if report.converted:
+        from .hf import attach_save_pretrained  # a transformers model's save_pretrained writes what loads right
+        attach_save_pretrained(model)
     return result(model)

@@ -8,14 +8,17 @@ bf16, both measured in this run.
 Needs transformers (``pip install 'torch_lowbit[hf]'``).
 """
 import argparse
+import contextlib
 import copy
 import gc
 import os
+import sys
 import tempfile
 import time
 
 import torch
 
+from .._progress import ENV as PROGRESS_ENV
 from .timing import median_time, print_table, write_json
 
 SCHEMES = ("fp8-channel", "fp8-block", "int8")
@@ -39,6 +42,11 @@ def _tensor_bytes(model) -> int:
     return total
 
 
+def _stage(what: str):
+    """Where the suite is, on stderr (the results go to stdout)."""
+    print(f"e2e: {what}", file=sys.stderr, flush=True)
+
+
 def _config(args):
     from ..quantize import Fp8WeightOnly, Int8Dynamic
 
@@ -58,14 +66,33 @@ def run(argv) -> int:
     p.add_argument("--prompt", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32, help="generated tokens per timed run")
     p.add_argument("--repeat", type=int, default=3)
-    # one thread by default: on a shared 2-core box, every OpenMP region of a multi-threaded decode step waits
-    # for a descheduled thread, which swamps the weight traffic being compared
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    # torch's default, as a user's generate runs (and as the other suites run); on a shared, oversubscribed box
+    # pass --threads 1: there every OpenMP region of a decode step waits for a descheduled thread
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
     p.add_argument("--device", default=None, help="default: mps if available, else cpu")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    _stage(f"{torch.get_num_threads()} torch threads ({'--threads' if args.threads else 'torch default'}; "
+           f"--threads N to pin)")
+    with _progress_lines():
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _progress_lines():
+    """from_pretrained / quantize_ / save_quantized report as they go (unless TORCH_LOWBIT_PROGRESS says not)."""
+    before = os.environ.get(PROGRESS_ENV)
+    os.environ.setdefault(PROGRESS_ENV, "1")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PROGRESS_ENV, None)
+
+
+def _run(args) -> int:
     try:
         import transformers
     except ImportError:
@@ -85,6 +112,7 @@ def run(argv) -> int:
     transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(
         vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1), dtype=dtype)
     gc.collect()
+    _stage("building the bf16 model")
     rss0 = _rss_bytes()
     dense = transformers.LlamaForCausalLM._from_config(config, dtype=dtype)
     with torch.no_grad():  # a trained-looking scale keeps the greedy decode away from inf/nan
@@ -104,10 +132,12 @@ def run(argv) -> int:
     dense_rss = _rss_bytes() - rss0
 
     with tempfile.TemporaryDirectory() as tmp:
+        _stage(f"quantizing ({args.scheme}) and saving")
         save_quantized(quantize_(copy.deepcopy(dense), _config(args)), tmp)
         ckpt_bytes = sum(os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp))
         gc.collect()
         rss1 = _rss_bytes()
+        _stage("loading with from_pretrained")
         t0 = time.perf_counter()
         quant, report = from_pretrained(tmp, device=device, dtype=dtype, return_report=True)
         load_s = time.perf_counter() - t0
@@ -118,6 +148,7 @@ def run(argv) -> int:
     rows = []
     with torch.inference_mode():
         for name, model, rss in (("bf16", dense, dense_rss), (f"{args.scheme} (torch_lowbit)", quant, quant_rss)):
+            _stage(f"timing generate: {name}, {args.repeat} runs of {args.tokens} tokens")
             t = median_time(lambda: generate(model), device=device.type, warmup=1, repeat=args.repeat)
             rows.append({"model": name, "weights_mb": _tensor_bytes(model) / 2 ** 20, "rss_mb": rss / 2 ** 20,
                          "tok_s": args.tokens / t, "ms_per_token": 1e3 * t / args.tokens})

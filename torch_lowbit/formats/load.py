@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import nn
 
+from .._progress import Progress
 from .detect import detect
 from .hf_names import RenamedSource, transformers_key_renaming
 from .meta_buffers import move_non_persistent_buffers, recompute_meta_buffers, still_on_meta
@@ -210,6 +211,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``. device: where the loaded
     tensors go (default: where each model tensor is, cpu for meta). dtype: dtype of the high-precision
     parameters and biases (default: each model tensor's own). strict: raise if any key is unused or missing.
+    Where stderr is a terminal, a line a second says how many tensors have been read.
     mmap: by default each tensor is copied out of the file as it is read, so the model owns its memory and does
     not depend on the file afterwards; ``mmap=True`` keeps CPU tensors memory-mapped (no copy, pages shared with
     the page cache), and then the file must stay unchanged while the model lives: truncating it kills the
@@ -234,6 +236,8 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     if activations not in ACTIVATIONS_OPTIONS:
         raise ValueError(f"load_quantized: activations must be one of {ACTIVATIONS_OPTIONS}, got {activations!r}")
     src = open_source(path_or_state_dict, mmap=mmap)
+    progress = Progress("loading", len(src.keys()), "tensors")  # silent unless stderr is a terminal
+    src.count_reads(progress)
     rename = transformers_key_renaming(model) if rename_keys is True else (rename_keys or None)
     try:
         if rename is not None:
@@ -289,8 +293,12 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             raise CheckpointError(f"strict load: {len(report.unused_keys)} unused keys "
                                   f"{report.unused_keys[:5]}, {len(report.missing_keys)} missing keys "
                                   f"{report.missing_keys[:5]}")
+        if report.converted:
+            from ..hf import attach_save_pretrained  # a transformers model's save_pretrained writes what loads right
+            attach_save_pretrained(model)
         return report
     finally:
+        progress.close()
         src.close()
 
 

@@ -146,7 +146,21 @@ def name_list(cfg: dict, key: str, where: str) -> List[str]:
     if bad:
         raise CheckpointError(f"{where}.{key} must be a list of module names, but it holds "
                               f"{type(bad[0]).__name__} {bad[0]!r}")
+    for pattern in items:
+        problem = pattern_problem(pattern)
+        if problem:
+            raise CheckpointError(f"{where}.{key} holds {pattern!r}: {problem}")
     return items
+
+
+def pattern_problem(pattern: str) -> Optional[str]:
+    """Why an ignore-list entry cannot be used (a ``re:`` entry that is no regular expression), else None."""
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except (re.error, RecursionError, OverflowError) as e:
+            return f"not a valid regular expression ({e})"
+    return None
 
 
 def block_field(cfg: dict, key: str, where: str, default=None) -> Optional[Tuple[int, int]]:
@@ -158,7 +172,8 @@ def block_field(cfg: dict, key: str, where: str, default=None) -> Optional[Tuple
             raise ValueError
         return normalize_block_size(v)
     except ValueError:
-        raise CheckpointError(f"{where}.{key} must be two positive integers [bn, bk], got {v!r}") from None
+        raise CheckpointError(f"{where}.{key} must be two positive integers [bn, bk] of at most 2**63 - 1 "
+                              f"(the ops' int64), got {v!r}") from None
 
 
 # ------------------------------------------------------------------------------- examples

@@ -61,6 +61,8 @@ def _read_json(path: str, what: str) -> Optional[dict]:
         raise CheckpointError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} nests JSON arrays / objects too deeply to be a config") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got a JSON {type(data).__name__}")
     return data
@@ -96,8 +98,17 @@ class _Confinement:
 
 class Source:
     """Read-only view of the tensors of a checkpoint: names, dtypes and shapes without loading, then tensors one
-    at a time on CPU."""
+    at a time on CPU. ``count_reads(progress)``: each distinct tensor read is one unit of that Progress."""
     description: str = "checkpoint"
+    _progress = None
+
+    def count_reads(self, progress):
+        self._progress, self._read = progress, set()
+
+    def _count(self, key: str):
+        if self._progress is not None and key not in self._read:
+            self._read.add(key)
+            self._progress.update()
 
     def read_config(self, name: str) -> Optional[dict]:
         """A JSON file beside the tensors (config.json, a format's side config), None if absent or not a
@@ -147,6 +158,7 @@ class StateDictSource(Source):
         return tuple(self._sd[key].shape)
 
     def get(self, key):
+        self._count(key)
         return self._sd[key]
 
 
@@ -185,13 +197,19 @@ class SafetensorsSource(Source):
                 raise CheckpointError(f"{f} is not a valid .safetensors file: {e}") from None
             self._handles[f] = h
             for k in h.keys():
+                if k in self._where and (weight_map is None or k not in weight_map):
+                    # which copy is meant only an index can say: never the first file found
+                    raise CheckpointError(f"tensor {k!r} is in two checkpoint files, {self._where[k]} and {f}, and "
+                                          f"no {INDEX_FILE} says which one to load")
                 self._where.setdefault(k, f)
         if weight_map is not None:
             # the index is the contract: every tensor it lists must be in the shard it names
             for k, f in weight_map.items():
                 if k not in self._handles[f].keys():
+                    others = [o for o, h in self._handles.items() if o != f and k in h.keys()]
+                    held = f" (it is in {others[0]})" if others else ""
                     raise CheckpointError(f"tensor {k!r} is listed in {INDEX_FILE} under shard "
-                                          f"{os.path.basename(f)!r}, but that shard does not contain it")
+                                          f"{os.path.basename(f)!r}, but that shard does not contain it{held}")
                 self._where[k] = f
         self._meta: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
         self._offsets: Dict[str, Dict[str, Tuple[int, int]]] = {}
@@ -219,6 +237,7 @@ class SafetensorsSource(Source):
 
     def get(self, key):
         path = self._where[key]
+        self._count(key)
         if self._mmap:
             return self._handles[path].get_tensor(key)
         dtype, shape = self._info(key)
@@ -263,6 +282,8 @@ def _directory_source(path: str, mmap: bool) -> SafetensorsSource:
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: 'weight_map' must be an object mapping tensor names to shard files, got "
                                   f"{type(weight_map).__name__}")
+        if not weight_map:
+            raise CheckpointError(f"{index}: 'weight_map' lists no tensors (an index names the shard of each)")
         shards = {}
         for k, f in weight_map.items():
             if not isinstance(f, str):
