@@ -411,8 +411,9 @@ def test_save_quantized_reports_progress_in_bytes(tmp_path, monkeypatch):
             super().__init__(*a, **k)
             seen.append(self)
 
+    model = _small()  # quantize_ shows progress of its own
     monkeypatch.setattr(progress, "Progress", Recording)
-    torch_lowbit.save_quantized(_small(), tmp_path, max_shard_size=4000)
+    torch_lowbit.save_quantized(model, tmp_path, max_shard_size=4000)
     total = sum(t.numel() * t.element_size() for t in _tensors(tmp_path).values())
     assert [(p.what, p.total, p.done) for p in seen] == [("save_quantized", total, total)]
 
