@@ -228,6 +228,27 @@ def test_moe_checkpoint_of_save_quantized_loads_in_transformers(tmp_path, arch, 
     assert torch.equal(_logits(torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32)), _logits(model))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_int8_experts_checkpoint_warns_and_never_loads_wrong_in_transformers(tmp_path, arch):
+    """transformers cannot read INT8 experts in compressed-tensors' int-quantized layout (nor llmcompressor's own):
+    the save says so, and transformers' load fails loudly or, once it learns the layout, gives our weights."""
+    model = torch_lowbit.quantize_(W.tiny_model(arch), torch_lowbit.Int8Dynamic())
+    assert isinstance(model.model.layers[0].mlp.experts, torch_lowbit.nn.Int8Experts)
+    with pytest.warns(UserWarning, match="INT8 MoE experts .* transformers .* refuses to load"):
+        model.save_pretrained(tmp_path)
+    assert torch.equal(_logits(torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32)), _logits(model))
+    try:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    except RuntimeError as e:
+        assert "conversion" in str(e)
+        return
+    for layer in range(W.LAYERS):
+        e = model.model.layers[layer].mlp.experts
+        t = theirs.model.layers[layer].mlp.experts
+        assert torch.equal(t.gate_up_proj, e.gate_up.float() * e.gate_up_scale[:, :, None])
+        assert torch.equal(t.down_proj, e.down.float() * e.down_scale[:, :, None])
+
+
 _OLD_STACK_CHECK = textwrap.dedent("""
     import sys, torch, transformers, compressed_tensors
     from safetensors.torch import load_file

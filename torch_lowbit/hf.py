@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -503,6 +504,13 @@ def _checkpoint(model: nn.Module, caller: str):
             dense_linears.append(name)
         elif name and is_experts_module(mod):
             dense_experts.append(name)
+    if any(isinstance(m, Int8Experts) for m in model.modules()):
+        # compressed-tensors' own layout for INT8 experts (what llmcompressor writes): transformers 5.17 - 5.24
+        # refuse it on load ("Concatenate ... Ckpt contains: 0"), loudly; torch_lowbit and vLLM read it
+        warnings.warn(f"{caller}: INT8 MoE experts are written in compressed-tensors' int-quantized layout, which "
+                      f"torch_lowbit.from_pretrained reads but transformers (5.17 to 5.24 at least) refuses to load; "
+                      f"quantize the experts to FP8 (Fp8WeightOnly) for a checkpoint transformers loads too",
+                      stacklevel=3)
     if not schemes:
         raise ValueError(f"{caller}: the model holds no torch_lowbit layer (Fp8Linear, Int8Linear, Fp8Experts, "
                          f"Int8Experts); quantize it first with torch_lowbit.quantize_(model, ...)")
