@@ -1,7 +1,8 @@
-"""The CPU kernel sets without torch: tests/cpu_harness/harness.cpp built with the host compiler from the same
-csrc/cpu/arch/ sources as _C, checking every set this CPU supports against independent references and the portable
-set (exact int8 sums, fp8 decode and dequantize bits; float64 bounds for the fp32 sums). Planted bugs in the vector
-loops must make it fail."""
+"""The CPU kernel sets without torch: tests/cpu_harness/harness.cpp built from the same csrc/cpu/arch/ sources as
+_C, checking every set a CPU supports against independent references and the portable set (exact int8 sums, fp8
+decode and dequantize bits; float64 bounds for the fp32 sums). With the host compiler for this machine's sets, and
+cross-compiled (g++-aarch64-linux-gnu, static) for the Arm sets, run under qemu-aarch64 as CPUs of each level.
+Planted bugs in the vector loops must make it fail."""
 import os
 import platform
 import shutil
@@ -92,7 +93,7 @@ def test_planted_x86_bug_fails_the_harness(host_objects, src, text, planted, wha
     out, objs = host_objects
     code = open(os.path.join(ROOT, src)).read()
     assert code.count(text) == 1, f"the planted text is no longer in {src}: update the plant"
-    plant_dir = os.path.join(out, "plant_" + str(abs(hash(planted))))
+    plant_dir = os.path.join(out, "plant_" + str(X86_PLANTS.index((src, text, planted, what))))
     flags = [f for f in CXX_FLAGS if f != "-Werror"]  # a plant may leave a variable unused
     obj = compile_objects(HOST_CXX, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
     exe = link(HOST_CXX, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"))
@@ -100,4 +101,67 @@ def test_planted_x86_bug_fails_the_harness(host_objects, src, text, planted, wha
     r = run([exe, set_name])
     if "lacks its features" in r.stdout:
         pytest.skip(f"this CPU cannot run the {set_name} set")
+    assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
+
+
+# ---- the Arm sets, cross-compiled and run under qemu-aarch64 ----
+ARM_CXX = shutil.which("aarch64-linux-gnu-g++")
+QEMU = shutil.which("qemu-aarch64")
+ARM_SOURCES = [HARNESS] + kernel_set_sources(ROOT, "aarch64")
+needs_arm_tools = pytest.mark.skipif(ARM_CXX is None or QEMU is None,
+                                     reason="needs g++-aarch64-linux-gnu and qemu-user (apt; .ci/run installs them)")
+
+
+@pytest.fixture(scope="module")
+def arm_objects(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("harness_arm"))
+    return out, dict(zip(ARM_SOURCES, compile_objects(ARM_CXX, CXX_FLAGS, ARM_SOURCES, out)))
+
+
+# qemu CPU models of each Arm level: what each set must report
+ARM_CPUS = [
+    ("cortex-a53", {"portable": "ok", "neon": "ok", "dotprod": "skipped", "i8mm": "skipped"}),  # Armv8.0
+    ("cortex-a76", {"portable": "ok", "neon": "ok", "dotprod": "ok", "i8mm": "skipped"}),  # v8.2 + dotprod
+    ("max", {"portable": "ok", "neon": "ok", "dotprod": "ok", "i8mm": "ok"}),  # every feature qemu has
+]
+
+
+@needs_arm_tools
+@pytest.mark.parametrize("cpu,expected", ARM_CPUS, ids=[c for c, _ in ARM_CPUS])
+def test_arm_sets_under_qemu(arm_objects, cpu, expected):
+    out, objs = arm_objects
+    exe = os.path.join(out, "harness")
+    if not os.path.exists(exe):
+        link(ARM_CXX, list(objs.values()), exe, ["-static"])
+    r = run([QEMU, "-cpu", cpu, exe])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    got = {line.split(" ")[1].rstrip(":"): line.split(" ")[0] for line in r.stdout.splitlines()}
+    assert got == expected, r.stdout
+
+
+ARM_PLANTS = [
+    ("csrc/cpu/arch/arm/neon.cpp", "vmaxq_u8(vorrq_u8(b0, sign), vorrq_u8(b1, sign))", "vorrq_u8(vmaxq_u8(b0, b1), sign)",
+     "the NaN-code flag takes the max before the sign bit (0x7F loses to 0x80)"),
+    ("csrc/cpu/arch/arm/neon.cpp", "vmull_high_s8(xv[m], wv)", "vmull_s8(vget_high_s8(xv[m]), vget_low_s8(wv))",
+     "the int8 GEMV multiplies the high x bytes by the low weight bytes"),
+    ("csrc/cpu/arch/arm/dotprod.cpp", "std::memcpy(wt[r], w + r * K + full, size_t(K - full));",
+     "std::memcpy(wt[r], w + r * K + full, size_t(K - full - 1));", "the sdot tile drops the last weight byte"),
+    ("csrc/cpu/arch/arm/i8mm.cpp", "accumulate ? vld1q_s32(tile + r * kStrip + 4 * v) : vdupq_n_s32(0)",
+     "vdupq_n_s32(0)", "the usdot micro-tile ignores `accumulate`"),
+]
+
+
+@needs_arm_tools
+@pytest.mark.parametrize("src,text,planted,what", ARM_PLANTS, ids=[p[3] for p in ARM_PLANTS])
+def test_planted_arm_bug_fails_the_harness(arm_objects, src, text, planted, what):
+    out, objs = arm_objects
+    code = open(os.path.join(ROOT, src)).read()
+    assert code.count(text) == 1, f"the planted text is no longer in {src}: update the plant"
+    plant_dir = os.path.join(out, "plant_" + str(ARM_PLANTS.index((src, text, planted, what))))
+    flags = [f for f in CXX_FLAGS if f != "-Werror"]
+    obj = compile_objects(ARM_CXX, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
+    exe = link(ARM_CXX, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"),
+               ["-static"])
+    set_name = os.path.splitext(os.path.basename(src))[0]
+    r = run([QEMU, "-cpu", "max", exe, set_name])
     assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"

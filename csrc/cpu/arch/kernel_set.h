@@ -37,6 +37,8 @@ enum CpuFeature : uint64_t {
   kFeatAvxVnni = 1u << 1,
   // AVX-512 F, BW, VL, VNNI, VBMI and BF16 together: the AVX-512 set uses all of them
   kFeatAvx512 = 1u << 2,
+  kFeatDotprod = 1u << 8,  // Arm sdot / udot (FEAT_DotProd)
+  kFeatI8mm = 1u << 9,     // Arm usdot / smmla (FEAT_I8MM)
 };
 
 // acc[m * lda + p] += c[m] * v[p] for m < mr, p < n (the transposed products' row walk)

@@ -4,12 +4,20 @@
 
 #include "cpu/arch/kernel_set.h"
 
+#if LOWBIT_ARM && defined(__APPLE__)
+#include <sys/sysctl.h>
+#elif LOWBIT_ARM && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
 namespace lowbit::cpu {
 
 // This architecture's sets after portable, in order of preference (each file under arch/<architecture>/ defines
 // kernel_set_<name>()): a new level is one entry here.
 #if LOWBIT_X86
 #define LOWBIT_ARCH_KERNEL_SETS(X) X(avx2) X(avxvnni) X(avx512)
+#elif LOWBIT_ARM
+#define LOWBIT_ARCH_KERNEL_SETS(X) X(neon) X(dotprod) X(i8mm)
 #else
 #define LOWBIT_ARCH_KERNEL_SETS(X)
 #endif
@@ -31,6 +39,19 @@ uint64_t detect_features() {
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
       __builtin_cpu_supports("avx512bf16"))
     f |= kFeatAvx512;
+#elif LOWBIT_ARM && defined(__APPLE__)
+  const auto has = [](const char* name) {
+    int v = 0;
+    size_t size = sizeof(v);
+    return sysctlbyname(name, &v, &size, nullptr, 0) == 0 && v != 0;
+  };
+  if (has("hw.optional.arm.FEAT_DotProd")) f |= kFeatDotprod;
+  if (has("hw.optional.arm.FEAT_I8MM")) f |= kFeatI8mm;
+#elif LOWBIT_ARM && defined(__linux__)
+  // the bits of <asm/hwcap.h>, spelled out: older C libraries' headers lack HWCAP2_I8MM
+  constexpr unsigned long kHwcapAsimdDp = 1ul << 20, kHwcap2I8mm = 1ul << 13;
+  if (getauxval(AT_HWCAP) & kHwcapAsimdDp) f |= kFeatDotprod;
+  if (getauxval(AT_HWCAP2) & kHwcap2I8mm) f |= kFeatI8mm;
 #endif
   return f;
 }
