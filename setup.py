@@ -30,7 +30,9 @@ GEN = os.path.join("build", "gen")
 sys.path.insert(0, os.path.join(ROOT, "csrc", "emu"))
 sys.path.insert(0, os.path.join(ROOT, "csrc", "metal"))
 sys.path.insert(0, os.path.join(ROOT, "csrc"))
+sys.path.insert(0, os.path.join(ROOT, "csrc", "cpu", "arch"))
 import cxx_runtime  # noqa: E402
+from kernel_set_sources import kernel_set_sources  # noqa: E402
 import metallib  # noqa: E402
 import msl_prep  # noqa: E402
 
@@ -78,6 +80,7 @@ def cxx_flags():
 def extensions():
     generate_metal_libraries_header()
     sources = sorted(glob.glob(rel("csrc", "*.cpp"), root_dir=ROOT) + glob.glob(rel("csrc", "cpu", "*.cpp"), root_dir=ROOT)
+                     + kernel_set_sources(ROOT, platform.machine())
                      + glob.glob(rel("csrc", "metal", "*.cpp"), root_dir=ROOT))
     link = [] if IS_MAC else ["-fopenmp"]
     if IS_MAC:

@@ -4,8 +4,8 @@
 
 #include "autograd.h"
 
+#include "cpu/arch/kernel_set.h"
 #include "cpu/brgemm.h"
-#include "cpu/isa.h"
 #include "cpu/int8_mm.h"
 #include "cpu/read_bandwidth.h"
 #include "cpu/transposed_matmul.h"
@@ -129,12 +129,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "_cpu_set_isa",
       [](const std::string& name) {
-        using namespace lowbit::cpu;
-        return std::string(isa_name(set_isa_cap(isa_from_name(name))));
+        const char* previous = lowbit::cpu::cap_kernel_set(name);
+        if (!previous) {
+          std::string names;
+          for (const auto* s : lowbit::cpu::kernel_sets()) names += std::string("'") + s->name + "', ";
+          TORCH_CHECK(false, "cpu isa must be one of ", names, "or 'best' (the kernel sets of this build), got '",
+                      name, "'");
+        }
+        return std::string(previous);
       },
-      "cap the instruction set of the CPU kernels ('portable', 'avx2', 'best'); returns the previous cap");
-  m.def("_cpu_isa", [] { return std::string(lowbit::cpu::isa_name(lowbit::cpu::isa())); },
-        "the instruction set the CPU kernels use now");
+      "cap the CPU kernel sets at the one named (one of _cpu_kernel_sets(), or 'best'); returns the previous cap");
+  m.def("_cpu_isa", [] { return std::string(lowbit::cpu::kernel_set().name); },
+        "the kernel set the CPU kernels use now");
+  m.def(
+      "_cpu_kernel_sets",
+      [] {
+        std::vector<std::pair<std::string, bool>> sets;
+        for (const auto* s : lowbit::cpu::kernel_sets()) sets.emplace_back(s->name, lowbit::cpu::cpu_supports(*s));
+        return sets;
+      },
+      "the CPU kernel sets of this build as (name, whether this CPU supports it), in order of preference");
   m.def("_cpu_transposed_gemm_min_rows", &lowbit::cpu::transposed_gemm_min_rows,
         "rows of grad_out from which the transposed products run their GEMM regime");
   m.def("_cpu_transposed_panels_bf16", &lowbit::cpu::transposed_panels_bf16,

@@ -1,8 +1,8 @@
 """Test switches for the CPU backend.
 
-The CPU kernels pick an instruction-set level at run time (portable < avx2 (AVX2 + FMA + F16C) < avxvnni
-< avx512, each implying the ones before). ``cpu_isa("portable")`` forces the portable path inside a block, so tests run every path on one
-machine.
+The CPU kernels run one kernel set, picked at run time: the last set of this build's list (``cpu_kernel_sets()``,
+from _C: portable, then this architecture's levels, e.g. avx2 (AVX2 + FMA + F16C), avxvnni, avx512 on x86) that the
+CPU supports. ``forced_cpu_isa("portable")`` caps it inside a block, so tests run every set on one machine.
 """
 import contextlib
 
@@ -10,24 +10,27 @@ from . import _C
 
 
 def cpu_isa() -> str:
-    """The instruction-set level the CPU kernels use now: ``"portable"``, ``"avx2"``, ``"avxvnni"`` or ``"avx512"``."""
+    """The kernel set the CPU kernels use now: one of ``CPU_ISA_LEVELS``."""
     return _C._cpu_isa()
 
 
-CPU_ISA_LEVELS = ("portable", "avx2", "avxvnni", "avx512")  # each implies the ones before
+def cpu_kernel_sets() -> list:
+    """This build's CPU kernel sets as (name, whether this CPU supports it), in order of preference."""
+    return list(_C._cpu_kernel_sets())
+
+
+CPU_ISA_LEVELS = tuple(name for name, _ in cpu_kernel_sets())  # this build's sets, portable first
 
 
 def supported_cpu_isas() -> tuple:
-    """The levels this CPU can run, portable first (whatever cap is in force now)."""
-    with forced_cpu_isa("best"):
-        best = cpu_isa()
-    return CPU_ISA_LEVELS[:CPU_ISA_LEVELS.index(best) + 1]
+    """The sets this CPU can run, portable first (whatever cap is in force now)."""
+    return tuple(name for name, supported in cpu_kernel_sets() if supported)
 
 
 @contextlib.contextmanager
 def forced_cpu_isa(name: str):
-    """Cap the CPU kernels at level ``name`` (``"portable"``, ``"avx2"``, ``"avxvnni"``, ``"avx512"``, ``"best"``)
-    inside this block."""
+    """Cap the CPU kernels at the set ``name`` (one of ``CPU_ISA_LEVELS``, or ``"best"``) inside this block: the
+    last set up to it that the CPU supports runs."""
     previous = _C._cpu_set_isa(name)
     try:
         yield

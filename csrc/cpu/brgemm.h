@@ -7,15 +7,15 @@
 
 #include <cstdint>
 
-#include "cpu/isa.h"
+#include "cpu/arch/kernel_set.h"
 
 namespace lowbit::cpu {
 
 // Whether the GEMM regimes of fp8_mm and int8_mm run on AMX now: torch's brgemm takes VNNI-packed
 // operands only with AMX (oneDNN's avx512_core_amx: AMX-BF16 and AMX-INT8) and while torch.backends.mkldnn is
-// enabled (elsewhere it would throw), and the instruction-set cap (a test switch) is at Avx512.
+// enabled (elsewhere it would throw), and the kernel set that runs (capped by a test switch) hands its GEMMs to AMX.
 inline bool amx_gemm_available() {
-  return isa() >= Isa::Avx512 && at::native::cpublas::could_pack(at::kBFloat16);
+  return kernel_set().amx_gemm && at::native::cpublas::could_pack(at::kBFloat16);
 }
 
 // Offset of element (k, column j) of a VNNI-packed B whose rows are `width` columns wide.

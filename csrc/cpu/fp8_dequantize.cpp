@@ -6,7 +6,7 @@
 #include <algorithm>
 
 #include "checks.h"
-#include "cpu/fp8_kernels.h"
+#include "cpu/arch/kernel_set.h"
 
 namespace lowbit::cpu {
 namespace {
@@ -16,7 +16,7 @@ void dequantize_rows(const Fp8Weight& w, void* out, DequantOut kind) {
   const uint8_t* bits = w.bits.data_ptr<uint8_t>();
   const float* s = w.scale.data_ptr<float>();
   const int64_t K = w.K, elem_size = element_size(kind);
-  const Fp8Kernels& kern = fp8_kernels(isa());
+  const Fp8Kernels& kern = kernel_set().fp8;
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
       const uint8_t* row = bits + n * K;

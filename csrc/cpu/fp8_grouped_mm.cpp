@@ -54,7 +54,7 @@ at::Tensor fp8_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const a
     }
     if (small.empty()) return;
     // after the big groups: fp8_matmul reuses the same activation scratch
-    const Fp8Kernels& kern = fp8_kernels(isa());
+    const Fp8Kernels& kern = kernel_set().fp8;
     const GemvActivations acts = gemv_activations<scalar_t>(kern, a.w.layout, K);
     const int64_t ld = acts.row_bytes();
     uint8_t* packed = scratch<uint8_t>(Slot::Activations, size_t(small_rows * ld));

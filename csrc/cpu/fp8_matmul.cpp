@@ -404,17 +404,7 @@ bool bf16_amx_gemm(const Fp8Kernels& kern) { return kern.decode_rows_bf16 != nul
 
 }  // namespace
 
-int64_t gemm_min_rows() { return bf16_amx_gemm(fp8_kernels(isa())) ? kAmxGemmMinRows : kGemmMinRows; }
-
-KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk) {
-  KSegments s;
-  s.K = K;
-  if (K == 0) return s;
-  s.len = block ? std::min(bk, K) : K;
-  s.count = ceil_div(K, s.len);
-  s.padded = ceil_div(s.len, chunk) * chunk;
-  return s;
-}
+int64_t gemm_min_rows() { return bf16_amx_gemm(kernel_set().fp8) ? kAmxGemmMinRows : kGemmMinRows; }
 
 template <typename T>
 GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K) {
@@ -478,7 +468,7 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
       for (int64_t n = 0; n < op.N; n++) out[m * ldo + n] = T(op.bias ? op.bias[n] : 0.f);
     return;
   }
-  const Fp8Kernels& kern = fp8_kernels(isa());
+  const Fp8Kernels& kern = kernel_set().fp8;
   const bool amx = bf16_amx_gemm(kern);
   if (M >= (amx ? kAmxGemmMinRows : kGemmMinRows)) {
     const bool block = op.layout.kind == ScaleKind::Block;

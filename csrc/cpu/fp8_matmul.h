@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "checks.h"
-#include "cpu/fp8_kernels.h"
+#include "cpu/arch/kernel_set.h"
 
 namespace lowbit::cpu {
 

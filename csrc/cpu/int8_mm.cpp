@@ -12,7 +12,7 @@
 #include "checks.h"
 #include "cpu/brgemm.h"
 #include "cpu/dispatch.h"
-#include "cpu/int8_kernels.h"
+#include "cpu/arch/kernel_set.h"
 #include "cpu/int8_mm.h"
 #include "cpu/parallel.h"
 #include "cpu/workspace.h"
@@ -201,7 +201,7 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
   const at::Tensor bias_f32 = bias_as_float(a.bias);
   const Epilogue ep{a.x_scale.data_ptr<float>(), a.w_scale.data_ptr<float>(), a.w_scale.numel() == 1 ? 0 : 1,
                     bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
-  const Int8Kernels& kern = int8_kernels(isa());
+  const Int8Kernels& kern = kernel_set().int8;
   const int8_t* x = a.xq.data_ptr<int8_t>();
   const int8_t* w = a.wq.data_ptr<int8_t>();
   LOWBIT_DISPATCH_FLOAT_TYPES(a.out_dtype, "int8_mm", [&] {

@@ -8,7 +8,7 @@
 
 #include "checks.h"
 #include "cpu/dispatch.h"
-#include "cpu/int8_kernels.h"
+#include "cpu/arch/kernel_set.h"
 #include "cpu/parallel.h"
 #include "cpu/workspace.h"
 
@@ -30,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize(const at::Tensor& x) {
   at::Tensor q = at::empty({a.M, a.K}, a.x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({a.M}, a.x.options().dtype(at::kFloat));
   const int64_t K = a.K;
-  const Int8Kernels& kern = int8_kernels(isa());
+  const Int8Kernels& kern = kernel_set().int8;
   LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "int8_quantize", [&] {
     const scalar_t* xp = a.x.data_ptr<scalar_t>();
     int8_t* qp = q.data_ptr<int8_t>();

@@ -13,13 +13,10 @@
 #include <type_traits>
 
 #include "cpu/brgemm.h"
-#include "cpu/fp8_kernels.h"
+#include "cpu/arch/kernel_set.h"
 #include "cpu/fp8_simd.h"
 #include "cpu/workspace.h"
 
-#if LOWBIT_X86
-#include <immintrin.h>
-#endif
 
 namespace lowbit::cpu {
 namespace {
@@ -58,38 +55,6 @@ struct RowDecoder {
   }
 };
 
-// acc[m * lda + p] += c[m] * v[p] for m < mr, p < n.
-void axpy_rows_portable(int64_t mr, const float* c, const float* v, int64_t n, float* acc, int64_t lda) {
-  for (int64_t m = 0; m < mr; m++) {
-    const float cm = c[m];
-    float* a = acc + m * lda;
-    for (int64_t p = 0; p < n; p++) a[p] += cm * v[p];
-  }
-}
-
-#if LOWBIT_X86
-LOWBIT_TARGET_AVX2 void axpy_rows_avx2(int64_t mr, const float* c, const float* v, int64_t n, float* acc,
-                                       int64_t lda) {
-  const int64_t full = n / 32 * 32;
-  for (int64_t m = 0; m < mr; m++) {
-    const __m256 cm = _mm256_set1_ps(c[m]);
-    float* a = acc + m * lda;
-    for (int64_t p = 0; p < full; p += 32)
-      for (int q = 0; q < 32; q += 8)
-        _mm256_storeu_ps(a + p + q, _mm256_fmadd_ps(cm, _mm256_loadu_ps(v + p + q), _mm256_loadu_ps(a + p + q)));
-    for (int64_t p = full; p < n; p++) a[p] += c[m] * v[p];
-  }
-}
-#endif
-
-using AxpyRowsFn = void (*)(int64_t, const float*, const float*, int64_t, float*, int64_t);
-AxpyRowsFn axpy_rows() {
-#if LOWBIT_X86
-  if (isa() >= Isa::Avx2) return &axpy_rows_avx2;
-#endif
-  return &axpy_rows_portable;
-}
-
 inline float channel_scale(const TransposedOperand& op, int64_t n) {
   return op.layout.kind == ScaleKind::Channel ? op.scale[n] : 1.f;
 }
@@ -123,7 +88,7 @@ void row_walk(const RowDecoder& decode, const T* g, int64_t M, const TransposedO
   const bool block = op.layout.kind == ScaleKind::Block;
   const int64_t per_thread = ceil_div(K, 4 * int64_t(at::get_num_threads()));
   const int64_t kc = std::clamp(ceil_div(per_thread, 64) * 64, kWalkMinCols, kWalkMaxCols);
-  const AxpyRowsFn axpy = axpy_rows();
+  const AxpyRowsFn axpy = kernel_set().axpy_rows;
   at::parallel_for(0, ceil_div(K, kc), 1, [&](int64_t i0, int64_t i1) {
     float* acc = scratch<float>(Slot::Tile, size_t((block ? 2 : 1) * M * kc));
     float* part = acc + M * kc;  // one block row's sums (block scales)
@@ -230,7 +195,7 @@ bool transposed_panels_bf16() { return amx_gemm_available(); }
 template <typename T>
 void transposed_matmul(const T* g, int64_t M, const TransposedOperand& op, T* out, int64_t ldo) {
   if (M == 0 || op.K == 0) return;
-  const RowDecoder decode{fp8_kernels(isa()), op.code};
+  const RowDecoder decode{kernel_set().fp8, op.code};
   if (M < kGemmMinRows) return row_walk(decode, g, M, op, out, ldo);
   panel_gemm(decode, g, M, op, out, ldo);
 }

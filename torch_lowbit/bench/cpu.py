@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _C
-from ..testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa
+from ..testing import CPU_ISA_LEVELS, cpu_amx_gemm, cpu_isa, forced_cpu_isa
 from .timing import median_time, print_table, write_json
 
 
@@ -96,7 +96,7 @@ def run(argv) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
     p.add_argument("--working-set-mb", type=int, default=None,
                    help="bytes the M=1 cases stream per weight (default max(512, 2 x last-level cache) MB)")
-    p.add_argument("--isa", default="best", choices=["portable", "avx2", "avxvnni", "avx512", "best"],
+    p.add_argument("--isa", default="best", choices=[*CPU_ISA_LEVELS, "best"],
                    help="cap the instruction set of our CPU kernels (AMX needs avx512), to see a slower CPU's paths")
     args = p.parse_args(argv)
     try:

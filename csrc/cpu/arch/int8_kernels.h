@@ -1,5 +1,5 @@
-// The inner loops of int8_mm, one implementation per instruction set (int8_kernels_avx2.cpp,
-// int8_kernels_portable.cpp); int8_mm.cpp drives them. Every path accumulates exactly in int32 (exact while
+// The inner loops of int8_mm and int8_quantize, a table of function pointers in every kernel set (kernel_set.h);
+// int8_mm.cpp and int8_quantize.cpp drive them. Every path accumulates exactly in int32 (exact while
 // K < 2^17): signed x signed products, -128 included.
 //
 // GEMV-style tiles read MR activation rows and NR weight rows as they are (int8, K apart).
@@ -14,8 +14,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-
-#include "cpu/isa.h"
 
 namespace lowbit::cpu {
 
@@ -57,20 +55,18 @@ float quantize_row_portable(const float* x, int64_t K, int8_t* q);
 // q = 0 unless scale > 0 (so a NaN scale gives 0)
 void quantize_with_scale(const float* x, int64_t K, float scale, int8_t* q);
 
-const Int8Kernels& int8_kernels_portable();
-#if LOWBIT_X86
-const Int8Kernels& int8_kernels_avx2();
-const Int8Kernels& int8_kernels_avxvnni();
-const Int8Kernels& int8_kernels_avx512();
-#endif
-inline const Int8Kernels& int8_kernels(Isa i) {
-#if LOWBIT_X86
-  if (i >= Isa::Avx512) return int8_kernels_avx512();
-  if (i >= Isa::AvxVnni) return int8_kernels_avxvnni();
-  if (i >= Isa::Avx2) return int8_kernels_avx2();
-#endif
-  (void)i;
-  return int8_kernels_portable();
+// The GEMV tiles are templates over <activation rows MR, weight rows NR>; a call runs the instantiation
+// Tiles::get<MR, NR>() for its run-time (mr, nr), picked from one table built once per tile family.
+using Int8GemvTileFn = void (*)(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc);
+template <class Tiles>
+void run_int8_gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  static const Int8GemvTileFn table[kInt8TileRows][kInt8TileRows] = {
+#define LOWBIT_ROW(M) \
+  {Tiles::template get<M, 1>(), Tiles::template get<M, 2>(), Tiles::template get<M, 3>(), Tiles::template get<M, 4>()}
+      LOWBIT_ROW(1), LOWBIT_ROW(2), LOWBIT_ROW(3), LOWBIT_ROW(4),
+#undef LOWBIT_ROW
+  };
+  table[mr - 1][nr - 1](x, w, K, acc);
 }
 
 }  // namespace lowbit::cpu

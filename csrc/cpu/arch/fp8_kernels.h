@@ -1,7 +1,7 @@
-// The inner loops of the fp8 x float products, one implementation per instruction set (fp8_kernels_avx2.cpp,
-// fp8_kernels_portable.cpp) behind one table of function pointers; fp8_matmul.cpp drives them.
+// The inner loops of the fp8 x float products, a table of function pointers in every kernel set (kernel_set.h);
+// fp8_matmul.cpp, fp8_dequantize.cpp and transposed_matmul.cpp drive them.
 //
-// Layouts shared by both:
+// Layouts shared by every set:
 // - K is cut into segments: one per scale block along K (block scales multiply each segment's partial sum),
 //   or one segment of all K. Each segment is padded to whole chunks of 32 (fp8_simd.h), so activations are
 //   packed segment by segment, chunk by chunk in kChunkOrder, zeros in the padding.
@@ -11,8 +11,6 @@
 //   AMX brgemm.
 #pragma once
 #include <cstdint>
-
-#include "cpu/isa.h"
 
 namespace lowbit::cpu {
 
@@ -26,8 +24,16 @@ struct KSegments {
   int64_t packed_size() const { return count * padded; }
 };
 
-// Cut K for `layout` (one segment per K block, or all of K), padding segments to whole chunks of `chunk` codes.
-KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk);
+// Cut K into one segment per K block of bk codes (block) or one of all K, each padded to whole chunks of `chunk`.
+inline KSegments k_segments_for(bool block, int64_t bk, int64_t K, int64_t chunk) {
+  KSegments s;
+  s.K = K;
+  if (K == 0) return s;
+  s.len = block && bk < K ? bk : K;
+  s.count = (K + s.len - 1) / s.len;
+  s.padded = (s.len + chunk - 1) / chunk * chunk;
+  return s;
+}
 
 constexpr int kMaxTileRows = 4;  // the largest MR and NR of a GEMV tile
 
@@ -81,19 +87,5 @@ struct Fp8Kernels {
 
 // The portable dequantize_run, also the tail of the vectorized ones.
 void dequantize_run_portable(const uint8_t* code, int64_t n, float scale, void* out, DequantOut kind);
-
-const Fp8Kernels& fp8_kernels_portable();
-#if LOWBIT_X86
-const Fp8Kernels& fp8_kernels_avx2();
-const Fp8Kernels& fp8_kernels_avx512();
-#endif
-inline const Fp8Kernels& fp8_kernels(Isa i) {
-#if LOWBIT_X86
-  if (i >= Isa::Avx512) return fp8_kernels_avx512();
-  if (i >= Isa::Avx2) return fp8_kernels_avx2();
-#endif
-  (void)i;
-  return fp8_kernels_portable();
-}
 
 }  // namespace lowbit::cpu

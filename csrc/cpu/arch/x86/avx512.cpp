@@ -1,20 +1,26 @@
-// AVX-512 GEMV tiles of the fp8 products (see fp8_kernels.h). Float activations: the AVX2 decode's half vectors converted 16 at a
-// time (vcvtph2ps zmm), which drops the lane extracts and halves the conversions and FMAs per code. At batch 1
-// the decode bounds the AVX2 tile below memory bandwidth; this one keeps up with it. The fp32 GEMM panel decode
-// is the AVX2 one (its cost is spread over all M rows); the bf16 panel decode is here.
-#include "cpu/fp8_kernels.h"
-
-#if LOWBIT_X86
+// The AVX-512 kernel set (F, BW, VL, VNNI, VBMI, BF16, and AVX-VNNI: a CPU without it, such as Ice Lake, runs the
+// AVX2 set). AMX is a flag of this set: the GEMM regimes hand bf16 / int8 panels to oneDNN's AMX brgemm where
+// torch can pack for it (brgemm.h).
+//
+// fp8 GEMV tiles, float activations: the AVX2 decode's half vectors converted 16 at a time (vcvtph2ps zmm), which
+// drops the lane extracts and halves the conversions and FMAs per code. At batch 1 the decode bounds the AVX2 tile
+// below memory bandwidth; this one keeps up with it.
 #include <cstring>
 
 // GCC 12 warns about the undefined pass-through operand inside its own AVX-512 intrinsics headers
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include "cpu/fp8_simd.h"
+#include "cpu/arch/kernel_set.h"
+#include "cpu/arch/x86/fp8_avx2.h"
+#include "cpu/arch/x86/target.h"
 #include "cpu/gemv_prefetch.h"
 
 namespace lowbit::cpu {
+
+const KernelSet& kernel_set_avx2();
+
 namespace {
+namespace fp8 {
 
 // Prefetch (gemv_prefetch.h) into L1, not L2: at batch 1 on a Sapphire Rapids (2 threads, weights from DRAM)
 // this streamed 18-20 GB/s against 15-18 with the L2 hint, in alternating runs. A tile's rows are used within a
@@ -201,13 +207,114 @@ LOWBIT_TARGET_AVX512BF16 void decode_rows_bf16(const uint8_t* w, int64_t K, int6
     }
 }
 
+}  // namespace fp8
+
+namespace int8 {
+
+// The same 6-row tile on 512-bit vectors: 6 x 32 activation rows, 12 vpdpbusd of 64 products each per 4 k.
+LOWBIT_TARGET_AVX512VNNI void gemm_micro(const void* panel_, int64_t ldp, const void* xs_, int64_t len, int32_t* tile,
+                                         bool accumulate) {
+  const auto* panel = static_cast<const uint8_t*>(panel_);
+  const auto* xs = static_cast<const int8_t*>(xs_);
+#define LOWBIT_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define LOWBIT_INIT(R)                                                                          \
+  __m512i c##R##a = accumulate ? _mm512_loadu_si512(tile + R * 32) : _mm512_setzero_si512();     \
+  __m512i c##R##b = accumulate ? _mm512_loadu_si512(tile + R * 32 + 16) : _mm512_setzero_si512(); \
+  const uint8_t* p##R = panel + R * ldp;
+#define LOWBIT_DOT(R)                                    \
+  std::memcpy(&quad, p##R + k, sizeof(quad));            \
+  a = _mm512_set1_epi32(quad);                           \
+  c##R##a = _mm512_dpbusd_epi32(c##R##a, a, b0);         \
+  c##R##b = _mm512_dpbusd_epi32(c##R##b, a, b1);
+#define LOWBIT_STORE(R)                                  \
+  _mm512_storeu_si512(tile + R * 32, c##R##a);           \
+  _mm512_storeu_si512(tile + R * 32 + 16, c##R##b);
+  LOWBIT_ROWS(LOWBIT_INIT)
+  for (int64_t k = 0; k < len; k += 4) {
+    const __m512i b0 = _mm512_load_si512(xs + k * 32);
+    const __m512i b1 = _mm512_load_si512(xs + k * 32 + 64);
+    int32_t quad;
+    __m512i a;
+    LOWBIT_ROWS(LOWBIT_DOT)
+  }
+  LOWBIT_ROWS(LOWBIT_STORE)
+#undef LOWBIT_ROWS
+#undef LOWBIT_INIT
+#undef LOWBIT_DOT
+#undef LOWBIT_STORE
+}
+
+// GEMV tiles on 512-bit byte dot products. vpdpbusd multiplies unsigned by signed bytes: each weight vector is
+// made unsigned by flipping its sign bit (w + 128) and x is the signed operand, so the sums hold 128 * sum_k x[m, k]
+// too, which the same instruction counts (against ones) and the tile subtracts, modulo 2^32 (exact: the true sum
+// fits). One load, one xor and one dot product per 64 weight bytes and x row leave the loop bound by memory;
+// each weight row is its own stream of whole 4 KB pages (K = 4096), where the hardware prefetchers stop, so each
+// stream is fetched ahead (gemv_prefetch.h), a line per row per step, with the outer-level hint: it streamed a few
+// percent closer to the read bandwidth than the L1 hint at 2 and at 16 threads.
+// acc[m][r] += the 64 products at k of x row m and weight row r (w + 128), xsum[m] += x's 64 values; bytes off
+// `mask` load as 0 (weights then flip to 128, against x's zeros: no product)
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512VNNI inline __attribute__((always_inline)) void gemv_vnni_step(
+    __m512i (&acc)[MR][NR], __m512i (&xsum)[MR], const int8_t* x, const int8_t* w, int64_t K, int64_t k, __mmask64 mask) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80)), ones = _mm512_set1_epi8(1);
+  __m512i xv[MR];
+  for (int m = 0; m < MR; m++) {
+    xv[m] = _mm512_maskz_loadu_epi8(mask, x + m * K + k);
+    xsum[m] = _mm512_dpbusd_epi32(xsum[m], ones, xv[m]);
+  }
+  for (int r = 0; r < NR; r++) {
+    const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + r * K + k), flip);
+    for (int m = 0; m < MR; m++) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], wv, xv[m]);
+  }
+}
+
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512VNNI void gemv_tile_vnni_t(const int8_t* x, const int8_t* w, int64_t K, int32_t* out) {
+  __m512i acc[MR][NR], xsum[MR];
+  for (int m = 0; m < MR; m++) {
+    xsum[m] = _mm512_setzero_si512();
+    for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_si512();
+  }
+  const int64_t full = K / 64 * 64;
+  for (int64_t k = 0; k < full; k += 64) {
+    for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k), _MM_HINT_T2);
+    gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, k, ~__mmask64(0));
+  }
+  if (full < K) gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, full, (__mmask64(1) << (K - full)) - 1);
+  for (int m = 0; m < MR; m++) {
+    const uint32_t offset = 128u * uint32_t(_mm512_reduce_add_epi32(xsum[m]));
+    for (int r = 0; r < NR; r++) out[m * NR + r] = int32_t(uint32_t(_mm512_reduce_add_epi32(acc[m][r])) - offset);
+  }
+}
+
+struct Avx512VnniTiles {
+  template <int MR, int NR>
+  static constexpr Int8GemvTileFn get() { return &gemv_tile_vnni_t<MR, NR>; }
+};
+
+void gemv_tile(int mr, int nr, const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  run_int8_gemv_tile<Avx512VnniTiles>(mr, nr, x, w, K, acc);
+}
+
+}  // namespace int8
+
 }  // namespace
 
-const Fp8Kernels& fp8_kernels_avx512() {
-  static const Fp8Kernels k{&gemv_tile, &gemv_tile_bf16, fp8_kernels_avx2().decode_rows, &decode_rows_bf16,
-                            fp8_kernels_avx2().dequantize_run};
-  return k;
+const KernelSet& kernel_set_avx512() {
+  const KernelSet& avx2 = kernel_set_avx2();
+  static const KernelSet s{
+      "avx512",
+      kFeatAvx2 | kFeatAvxVnni | kFeatAvx512,
+      // the fp32 GEMM panel decode and fp8_dequantize stay AVX2: the panel decode's cost is spread over all M
+      // rows, and dequantize is bound by its writes
+      Fp8Kernels{&fp8::gemv_tile, &fp8::gemv_tile_bf16, avx2.fp8.decode_rows, &fp8::decode_rows_bf16,
+                 avx2.fp8.dequantize_run},
+      Int8Kernels{&int8::gemv_tile, 4, 6, 32, &int8::gemm_micro, avx2.int8.quantize_row},
+      avx2.axpy_rows,
+      avx2.xor_words,
+      true,
+  };
+  return s;
 }
 
 }  // namespace lowbit::cpu
-#endif

@@ -1,0 +1,10 @@
+// Target attributes of the Arm kernel sets: NEON (Advanced SIMD) is in every aarch64 CPU and the baseline of the
+// build; the dot-product and int8 matrix-multiply levels are compiled for their extension and only called on a
+// CPU that reports it (kernel_sets.cpp).
+#pragma once
+
+#define LOWBIT_TARGET_NEON
+// sdot / udot: four byte products summed into each int32 lane (Armv8.2 dotprod; Apple M1 and later, Graviton 2+)
+#define LOWBIT_TARGET_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+// usdot / smmla: unsigned x signed byte dot products and 2x8x2 matrix tiles (Armv8.6 i8mm; M2+, Graviton 3+)
+#define LOWBIT_TARGET_I8MM __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))

@@ -1,0 +1,73 @@
+// The CPU kernel sets: every inner loop of the CPU ops (fp8 and int8 products, the transposed products' row
+// loop, the read-bandwidth loop) for one instruction-set level, behind one struct of function pointers.
+//
+// The extension is compiled for the baseline of its platform (no -mavx2), so one build runs on every x86-64 and
+// aarch64 CPU: a set's loops are compiled for their level (target attributes) and only called on a CPU that
+// reports the set's required features. kernel_sets.cpp holds the one table of this build's sets and the one map
+// from CPU features to the set that runs; the drivers call kernel_set(), never an instruction set by name.
+//
+// Layout (csrc/cpu/arch/): portable/ (plain loops, every CPU, and the tails of the vector loops), x86/ and arm/,
+// one file per level. Adding a level: its file, defining `const KernelSet& kernel_set_<name>()`, and its line in
+// the architecture's list in kernel_sets.cpp (plus a CpuFeature bit when it needs a new feature).
+// Nothing under arch/ includes ATen or c10: the sets build without torch (tests/cpu_harness).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cpu/arch/fp8_kernels.h"
+#include "cpu/arch/int8_kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define LOWBIT_X86 1
+#else
+#define LOWBIT_X86 0
+#endif
+#if defined(__aarch64__) || defined(_M_ARM64)
+#define LOWBIT_ARM 1
+#else
+#define LOWBIT_ARM 0
+#endif
+
+namespace lowbit::cpu {
+
+// CPU features a kernel set may require (bits of KernelSet::required and cpu_features()).
+enum CpuFeature : uint64_t {
+  kFeatAvx2 = 1u << 0,  // with FMA and F16C: a CPU has all three or none in practice, and the set needs each
+  kFeatAvxVnni = 1u << 1,
+  // AVX-512 F, BW, VL, VNNI, VBMI and BF16 together: the AVX-512 set uses all of them
+  kFeatAvx512 = 1u << 2,
+  kFeatDotprod = 1u << 8,  // Arm sdot / udot (FEAT_DotProd)
+  kFeatI8mm = 1u << 9,     // Arm usdot / smmla (FEAT_I8MM)
+};
+
+// acc[m * lda + p] += c[m] * v[p] for m < mr, p < n (the transposed products' row walk)
+using AxpyRowsFn = void (*)(int64_t mr, const float* c, const float* v, int64_t n, float* acc, int64_t lda);
+// xor of the n words at p (the streaming-read baseline; the value only keeps the reads from being skipped)
+using XorWordsFn = uint64_t (*)(const uint64_t* p, int64_t n);
+
+struct KernelSet {
+  const char* name;   // what tests, the bench's --isa and the environment report call it
+  uint64_t required;  // CpuFeature bits the CPU must report
+  Fp8Kernels fp8;
+  Int8Kernels int8;
+  AxpyRowsFn axpy_rows;
+  XorWordsFn xor_words;
+  // Whether the GEMM regimes may hand their products to oneDNN's AMX brgemm (brgemm.h), where torch can pack
+  // for it: a property of the set because the panels it packs for AMX come from its bf16 decode.
+  bool amx_gemm;
+};
+
+// The features this CPU reports (CpuFeature bits).
+uint64_t cpu_features();
+inline bool cpu_supports(const KernelSet& s) { return (cpu_features() & s.required) == s.required; }
+
+// Every set this build has, in order of preference: portable first, then this architecture's levels.
+const std::vector<const KernelSet*>& kernel_sets();
+// The set the kernels use now: the last set of kernel_sets() that the CPU supports, at or before the cap.
+const KernelSet& kernel_set();
+// Cap the sets at the one named `name` ("best": the last one, no cap), a test switch. Returns the previous cap's
+// name, or nullptr (the cap unchanged) where this build has no set of that name.
+const char* cap_kernel_set(const std::string& name);
+
+}  // namespace lowbit::cpu

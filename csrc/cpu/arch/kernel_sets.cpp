@@ -1,0 +1,113 @@
+// The one table of this build's kernel sets and the one map from the CPU's features to the set that runs.
+#include <algorithm>
+#include <atomic>
+
+#include "cpu/arch/kernel_set.h"
+
+#if LOWBIT_ARM && defined(__APPLE__)
+#include <sys/sysctl.h>
+#elif LOWBIT_ARM && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
+namespace lowbit::cpu {
+
+// This architecture's sets after portable, in order of preference (each file under arch/<architecture>/ defines
+// kernel_set_<name>()): a new level is one entry here.
+#if LOWBIT_X86
+#define LOWBIT_ARCH_KERNEL_SETS(X) X(avx2) X(avxvnni) X(avx512)
+#elif LOWBIT_ARM
+#define LOWBIT_ARCH_KERNEL_SETS(X) X(neon) X(dotprod) X(i8mm)
+#else
+#define LOWBIT_ARCH_KERNEL_SETS(X)
+#endif
+
+const KernelSet& kernel_set_portable();
+#define LOWBIT_DECLARE_SET(name) const KernelSet& kernel_set_##name();
+LOWBIT_ARCH_KERNEL_SETS(LOWBIT_DECLARE_SET)
+#undef LOWBIT_DECLARE_SET
+
+namespace {
+
+uint64_t detect_features() {
+  uint64_t f = 0;
+#if LOWBIT_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) f |= kFeatAvx2;
+  if (__builtin_cpu_supports("avxvnni")) f |= kFeatAvxVnni;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
+      __builtin_cpu_supports("avx512bf16"))
+    f |= kFeatAvx512;
+#elif LOWBIT_ARM && defined(__APPLE__)
+  const auto has = [](const char* name) {
+    int v = 0;
+    size_t size = sizeof(v);
+    return sysctlbyname(name, &v, &size, nullptr, 0) == 0 && v != 0;
+  };
+  if (has("hw.optional.arm.FEAT_DotProd")) f |= kFeatDotprod;
+  if (has("hw.optional.arm.FEAT_I8MM")) f |= kFeatI8mm;
+#elif LOWBIT_ARM && defined(__linux__)
+  // the bits of <asm/hwcap.h>, spelled out: older C libraries' headers lack HWCAP2_I8MM
+  constexpr unsigned long kHwcapAsimdDp = 1ul << 20, kHwcap2I8mm = 1ul << 13;
+  if (getauxval(AT_HWCAP) & kHwcapAsimdDp) f |= kFeatDotprod;
+  if (getauxval(AT_HWCAP2) & kHwcap2I8mm) f |= kFeatI8mm;
+#endif
+  return f;
+}
+
+const std::vector<const KernelSet*>& all_sets() {
+  static const std::vector<const KernelSet*> sets = {
+      &kernel_set_portable(),
+#define LOWBIT_LIST_SET(name) &kernel_set_##name(),
+      LOWBIT_ARCH_KERNEL_SETS(LOWBIT_LIST_SET)
+#undef LOWBIT_LIST_SET
+  };
+  return sets;
+}
+
+// best[c]: the index of the set that runs under cap c (the last supported one at or before c; portable always is)
+std::vector<int> best_under_each_cap() {
+  std::vector<int> best;
+  int b = 0;
+  for (const KernelSet* s : all_sets()) {
+    if (cpu_supports(*s)) b = int(best.size());
+    best.push_back(b);
+  }
+  return best;
+}
+
+std::atomic<int> g_cap{-1};  // index into all_sets(); -1 until first read: the last set
+
+int cap_index() {
+  const int c = g_cap.load(std::memory_order_relaxed);
+  return c < 0 ? int(all_sets().size()) - 1 : c;
+}
+
+}  // namespace
+
+uint64_t cpu_features() {
+  static const uint64_t features = detect_features();
+  return features;
+}
+
+const std::vector<const KernelSet*>& kernel_sets() { return all_sets(); }
+
+const KernelSet& kernel_set() {
+  static const std::vector<int> best = best_under_each_cap();
+  return *all_sets()[size_t(best[size_t(cap_index())])];
+}
+
+const char* cap_kernel_set(const std::string& name) {
+  const auto& sets = all_sets();
+  int c = int(sets.size()) - 1;
+  if (name != "best") {
+    const auto it = std::find_if(sets.begin(), sets.end(), [&](const KernelSet* s) { return name == s->name; });
+    if (it == sets.end()) return nullptr;
+    c = int(it - sets.begin());
+  }
+  const int previous = g_cap.exchange(c);
+  return sets[size_t(previous < 0 ? int(sets.size()) - 1 : previous)]->name;
+}
+
+}  // namespace lowbit::cpu

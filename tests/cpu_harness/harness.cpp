@@ -1,0 +1,425 @@
+// The torch-free kernel harness: every kernel set this CPU supports (csrc/cpu/arch/, built from the same sources
+// as _C) against independent references and the portable set, on tails, odd K, empty sizes, NaN codes and -128.
+// Exact where the contract is: int8 int32 sums, fp8 decode and dequantize, int8_quantize, the streaming read;
+// float64-bounded elsewhere. tests/test_cpu_harness.py builds and runs it (natively, and cross-compiled under
+// qemu for other architectures). Prints one line per set; exits 1 when any check fails.
+//
+//   harness [set ...]   check these sets (default: every set this CPU supports)
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/arch/kernel_set.h"
+#include "cpu/fp8_simd.h"
+
+using namespace lowbit::cpu;
+
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+const char* g_set = "";
+
+#define CHECK(cond, ...)                                                      \
+  do {                                                                        \
+    g_checks++;                                                               \
+    if (!(cond)) {                                                            \
+      if (++g_failures <= 20) {                                               \
+        std::printf("FAIL %s: %s:%d: %s: ", g_set, __FILE__, __LINE__, #cond); \
+        std::printf(__VA_ARGS__);                                             \
+        std::printf("\n");                                                    \
+      }                                                                       \
+    }                                                                         \
+  } while (0)
+
+// 64-byte aligned buffers (the tiles load packed activations and strips with aligned vector loads)
+template <typename T>
+struct Buf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Buf(size_t count, T fill = T()) : n(count) {
+    p = static_cast<T*>(std::aligned_alloc(64, (count * sizeof(T) + 63) / 64 * 64 + 64));
+    for (size_t i = 0; i < count; i++) p[i] = fill;
+  }
+  ~Buf() { std::free(p); }
+  Buf(const Buf&) = delete;
+  T& operator[](size_t i) { return p[i]; }
+};
+
+std::mt19937 g_rng(1234);
+
+// e4m3fn by its definition, in double: an independent reference for the sets' table and half-bits decodes
+double e4m3_ref(uint8_t b) {
+  if ((b & 0x7F) == 0x7F) return NAN;
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+  return (b & 0x80) ? -v : v;
+}
+bool is_nan_code(uint8_t b) { return (b & 0x7F) == 0x7F; }
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float float_of_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// random codes, every tenth row salted with NaN codes where `nan` says so
+std::vector<uint8_t> random_codes(int64_t n, bool nan) {
+  std::vector<uint8_t> c(static_cast<size_t>(n));
+  for (auto& v : c) {
+    v = uint8_t(g_rng());
+    if (!nan && is_nan_code(v)) v ^= 1;
+  }
+  return c;
+}
+
+// ---- fp8 ----
+
+void check_decode_rows(const KernelSet& s) {
+  for (int64_t n : {1, 5, 31, 32, 33, 64, 100}) {
+    const int64_t K = n + 7, nrows = 3, k0 = 3, ldd = round_up_chunk(n) + 32;
+    const auto w = random_codes(K * nrows, true);
+    Buf<float> dst(size_t(nrows * ldd), -1.f);
+    bool nan[3] = {};
+    s.fp8.decode_rows(w.data(), K, nrows, k0, n, dst.p, ldd, nan);
+    for (int64_t r = 0; r < nrows; r++) {
+      bool row_has_nan = false;
+      for (int64_t p = 0; p < round_up_chunk(n); p++) {
+        const int64_t k = p / kChunk * kChunk + kChunkOrder[size_t(p % kChunk)];
+        const float got = dst[size_t(r * ldd + p)];
+        if (k >= n) {
+          CHECK(bits_of(got) == 0, "decode_rows padding n=%lld p=%lld: %g", (long long)n, (long long)p, got);
+          continue;
+        }
+        const uint8_t code = w[size_t(r * K + k0 + k)];
+        if (is_nan_code(code)) {
+          row_has_nan = true;
+          continue;  // NaN, or a value with nan[r] set: checked below
+        }
+        CHECK(double(got) == e4m3_ref(code) / 256, "decode_rows code 0x%02x: %g", code, got);
+      }
+      if (row_has_nan) {
+        bool all_nan = true;
+        for (int64_t k = 0; k < n; k++)
+          if (is_nan_code(w[size_t(r * K + k0 + k)])) {
+            const int64_t p = k / kChunk * kChunk;
+            for (int q = 0; q < kChunk; q++)
+              if (p + q < round_up_chunk(n) && p + kChunkOrder[size_t(q)] == k)
+                all_nan = all_nan && std::isnan(dst[size_t(r * ldd + p + q)]);
+          }
+        CHECK(nan[r] || all_nan, "decode_rows n=%lld: row %lld holds a NaN code, neither flagged nor decoded NaN",
+              (long long)n, (long long)r);
+      }
+    }
+  }
+}
+
+void check_decode_rows_bf16(const KernelSet& s) {
+  if (!s.fp8.decode_rows_bf16) return;
+  for (int64_t n : {1, 63, 64, 65, 130}) {
+    const int64_t K = n + 5, nrows = 2, k0 = 5, padded = (n + kBf16Chunk - 1) / kBf16Chunk * kBf16Chunk;
+    const int64_t ldd = padded + 64;
+    const auto w = random_codes(K * nrows + 256, true);  // the decode may read (not use) up to a chunk past a row
+    Buf<uint16_t> dst(size_t(nrows * ldd), 0xAAAA);
+    s.fp8.decode_rows_bf16(w.data(), K, nrows, k0, n, dst.p, ldd);
+    for (int64_t r = 0; r < nrows; r++)
+      for (int64_t p = 0; p < padded; p++) {
+        const int64_t k = p / kBf16Chunk * kBf16Chunk + kBf16ChunkOrder[size_t(p % kBf16Chunk)];
+        const uint16_t got = dst[size_t(r * ldd + p)];
+        if (k >= n) {
+          CHECK(got == 0, "decode_rows_bf16 padding: 0x%04x", got);
+          continue;
+        }
+        const uint8_t code = w[size_t(r * K + k0 + k)];
+        const double v = double(float_of_bits(uint32_t(got) << 16));
+        if (is_nan_code(code)) CHECK(std::isnan(v), "decode_rows_bf16 NaN code 0x%02x: %g", code, v);
+        else CHECK(v == e4m3_ref(code) / 256, "decode_rows_bf16 code 0x%02x: %g", code, v);
+      }
+  }
+}
+
+void check_dequantize(const KernelSet& s, const KernelSet& portable) {
+  for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 100})
+    for (float scale : {1.f, 0.37f, 3.1e-5f, 7.5e3f})
+      for (DequantOut kind : {DequantOut::F32, DequantOut::BF16, DequantOut::F16}) {
+        auto c = random_codes(n, true);
+        if (n >= 3) c[0] = 0x7F, c[1] = 0xFF, c[2] = 0x80;  // NaN codes and -0
+        const size_t bytes = size_t(n * element_size(kind));
+        std::vector<uint8_t> got(bytes + 16, 0xAB), want(bytes + 16, 0xAB);
+        s.fp8.dequantize_run(c.data(), n, scale, got.data(), kind);
+        portable.fp8.dequantize_run(c.data(), n, scale, want.data(), kind);
+        CHECK(got == want, "dequantize_run n=%lld scale=%g kind=%d differs from portable (or wrote past n)",
+              (long long)n, double(scale), int(kind));
+        if (kind == DequantOut::F32)  // the portable reference itself: one rounding of the exact product
+          for (int64_t k = 0; k < n; k++) {
+            float v;
+            std::memcpy(&v, want.data() + 4 * k, 4);
+            const double ref = e4m3_ref(c[size_t(k)]) * double(scale);
+            CHECK(std::isnan(ref) ? std::isnan(v) : v == float(ref), "portable dequantize code 0x%02x", c[size_t(k)]);
+          }
+      }
+}
+
+// packed activations of one row: segment s, position p of a chunk holds code k = order[p] of that chunk
+template <typename T, size_t C>
+void pack_row(const std::vector<T>& x, const KSegments& seg, const std::array<uint8_t, C>& order, T* dst) {
+  for (int64_t s = 0; s < seg.count; s++)
+    for (int64_t p = 0; p < seg.padded; p++) {
+      const int64_t k = p / int64_t(C) * int64_t(C) + order[size_t(p % int64_t(C))];
+      dst[s * seg.padded + p] = k < seg.size(s) ? x[size_t(seg.begin(s) + k)] : T(0);
+    }
+}
+
+// The GEMV tiles (fp32 or bf16 x) against float64: sums within the error bound of fp32 accumulation.
+template <bool kBf16>
+void check_gemv(const KernelSet& s) {
+  if (kBf16 && !s.fp8.gemv_tile_bf16) return;
+  std::uniform_real_distribution<float> ud(-2.f, 2.f);
+  for (int64_t K : {1, 31, 32, 33, 100, 257})
+    for (int64_t bk : {int64_t(0), int64_t(32), int64_t(48)})
+      for (int mr = 1; mr <= kMaxTileRows; mr++)
+        for (int nr = 1; nr <= kMaxTileRows; nr++) {
+          const bool block = bk > 0;
+          const KSegments seg = k_segments_for(block, bk, K, kBf16 ? kBf16Chunk : kChunk);
+          const int64_t ldx = seg.packed_size();
+          const bool with_nan = (K + mr + nr) % 3 == 0;
+          const auto w = random_codes(K * nr, false);
+          std::vector<uint8_t> wn = w;
+          if (with_nan) wn[size_t((nr - 1) * K + K / 2)] = 0xFF;  // the last row holds a NaN code
+          using X = std::conditional_t<kBf16, uint16_t, float>;
+          Buf<X> xp(size_t(mr * ldx + 64));
+          std::vector<std::vector<double>> xv(static_cast<size_t>(mr));
+          for (int m = 0; m < mr; m++) {
+            std::vector<X> row(static_cast<size_t>(K));
+            for (int64_t k = 0; k < K; k++) {
+              float v = ud(g_rng);
+              if (kBf16) {
+                const uint16_t b = uint16_t(bits_of(v) >> 16);
+                row[size_t(k)] = X(b);
+                v = float_of_bits(uint32_t(b) << 16);
+              } else {
+                row[size_t(k)] = X(v);
+              }
+              xv[size_t(m)].push_back(v);
+            }
+            if constexpr (kBf16) pack_row(row, seg, kBf16ChunkOrder, xp.p + m * ldx);
+            else pack_row(row, seg, kChunkOrder, xp.p + m * ldx);
+          }
+          std::vector<std::vector<float>> bsv(static_cast<size_t>(nr));
+          const float* bs[kMaxTileRows] = {};
+          for (int r = 0; r < nr; r++) {
+            for (int64_t b = 0; b < seg.count; b++) bsv[size_t(r)].push_back(0.5f + float(b + r) * 0.25f);
+            bs[r] = bsv[size_t(r)].data();
+          }
+          float sums[kMaxTileRows * kMaxTileRows];
+          bool nan[kMaxTileRows] = {};
+          if constexpr (kBf16)
+            s.fp8.gemv_tile_bf16(mr, nr, xp.p, ldx, wn.data(), K, block ? bs : nullptr, seg, sums, nan);
+          else
+            s.fp8.gemv_tile(mr, nr, xp.p, ldx, wn.data(), K, block ? bs : nullptr, seg, sums, nan);
+          for (int m = 0; m < mr; m++)
+            for (int r = 0; r < nr; r++) {
+              const float got = sums[m * nr + r];
+              if (with_nan && r == nr - 1) {
+                CHECK(nan[r] || std::isnan(got), "gemv K=%lld: a NaN code neither flagged nor NaN", (long long)K);
+                continue;
+              }
+              CHECK(!nan[r], "gemv K=%lld mr=%d nr=%d: row %d flagged NaN without a NaN code", (long long)K, mr, nr, r);
+              double ref = 0, mag = 0;
+              for (int64_t k = 0; k < K; k++) {
+                const double t = xv[size_t(m)][size_t(k)] * e4m3_ref(w[size_t(r * K + k)]) / 256 *
+                                 (block ? double(bs[r][k / seg.len]) : 1.0);
+                ref += t;
+                mag += std::fabs(t);
+              }
+              // fp32 accumulation of K terms: |error| <= (K + a few) * 2^-24 * sum |terms|, and the scale step
+              const double bound = (double(K) + 8) * std::ldexp(1.0, -24) * mag * 2 + 1e-30;
+              CHECK(std::fabs(double(got) - ref) <= bound,
+                    "gemv%s K=%lld bk=%lld mr=%d nr=%d m=%d r=%d: %.9g vs %.9g (bound %.3g)", kBf16 ? "_bf16" : "",
+                    (long long)K, (long long)bk, mr, nr, m, r, double(got), ref, bound);
+            }
+        }
+}
+
+// ---- int8 ----
+
+std::vector<int8_t> random_int8(int64_t n) {
+  std::vector<int8_t> v(static_cast<size_t>(n));
+  for (auto& x : v) x = int8_t(g_rng());
+  return v;
+}
+
+void check_int8_gemv(const KernelSet& s) {
+  for (int64_t K : {0, 1, 15, 16, 17, 63, 64, 65, 200})
+    for (int mr = 1; mr <= kInt8TileRows; mr++)
+      for (int nr = 1; nr <= kInt8TileRows; nr++) {
+        auto x = random_int8(mr * K), w = random_int8(nr * K);
+        if (K > 0) x[0] = -128, w[0] = -128;  // the one product vpmaddubsw-style tricks get wrong
+        std::vector<int32_t> acc(size_t(mr * nr), 0x5A5A5A5A);
+        s.int8.gemv_tile(mr, nr, x.data(), w.data(), K, acc.data());
+        for (int m = 0; m < mr; m++)
+          for (int r = 0; r < nr; r++) {
+            int64_t ref = 0;
+            for (int64_t k = 0; k < K; k++) ref += int64_t(x[size_t(m * K + k)]) * w[size_t(r * K + k)];
+            CHECK(acc[size_t(m * nr + r)] == ref, "int8 gemv K=%lld mr=%d nr=%d: %d vs %lld", (long long)K, mr, nr,
+                  acc[size_t(m * nr + r)], (long long)ref);
+          }
+      }
+  // the largest sums: every product 128 * 128 (exact while K < 2^17)
+  const int64_t K = 4096;
+  std::vector<int8_t> x(size_t(K), -128), w(size_t(K), -128);
+  int32_t acc = 0;
+  s.int8.gemv_tile(1, 1, x.data(), w.data(), K, &acc);
+  CHECK(acc == 128 * 128 * K, "int8 gemv all -128: %d", acc);
+}
+
+// The GEMM micro-tile: panel_rows weight rows x strip activation rows over len k, packed as int8_kernels.h says.
+void check_int8_gemm_micro(const KernelSet& s) {
+  const int G = s.int8.group, R = s.int8.panel_rows, W = s.int8.strip;
+  for (int64_t len : {int64_t(G), int64_t(4 * G), int64_t(64), int64_t(64 + G)})
+    for (bool accumulate : {false, true}) {
+      const int64_t ldp = len + 2 * G;
+      auto w = random_int8(R * ldp), x = random_int8(W * len);
+      w[0] = -128, x[0] = -128;
+      Buf<int16_t> panel16(size_t(R * ldp)), xs16(size_t(len * W));
+      Buf<uint8_t> panel8(size_t(R * ldp));
+      Buf<int8_t> xs8(size_t(len * W));
+      for (int r = 0; r < R; r++)
+        for (int64_t k = 0; k < ldp; k++) {
+          panel16[size_t(r * ldp + k)] = w[size_t(r * ldp + k)];
+          panel8[size_t(r * ldp + k)] = uint8_t(w[size_t(r * ldp + k)]) ^ 0x80;  // w + 128
+        }
+      for (int64_t k = 0; k < len; k++)
+        for (int j = 0; j < W; j++) {
+          const size_t at = size_t((k / G) * W * G + j * G + k % G);  // [k group][strip row][group]
+          xs16[at] = x[size_t(j * len + k)];
+          xs8[at] = x[size_t(j * len + k)];
+        }
+      Buf<int32_t> tile(size_t(R * W));
+      std::vector<int32_t> start(static_cast<size_t>(R * W));
+      for (auto& v : start) v = int32_t(g_rng() % 2001) - 1000;
+      for (int i = 0; i < R * W; i++) tile[size_t(i)] = accumulate ? start[size_t(i)] : 0x5A5A5A5A;
+      const void* panel = G == 2 ? static_cast<const void*>(panel16.p) : panel8.p;
+      const void* xs = G == 2 ? static_cast<const void*>(xs16.p) : xs8.p;
+      s.int8.gemm_micro(panel, ldp, xs, len, tile.p, accumulate);
+      for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++) {
+          int64_t ref = accumulate ? start[size_t(r * W + j)] : 0;
+          for (int64_t k = 0; k < len; k++) {
+            const int64_t wk = G == 2 ? w[size_t(r * ldp + k)] : w[size_t(r * ldp + k)] + 128;
+            ref += wk * x[size_t(j * len + k)];
+          }
+          CHECK(tile[size_t(r * W + j)] == int32_t(ref), "gemm_micro len=%lld acc=%d r=%d j=%d: %d vs %lld",
+                (long long)len, int(accumulate), r, j, tile[size_t(r * W + j)], (long long)ref);
+        }
+    }
+}
+
+void check_quantize(const KernelSet& s, const KernelSet& portable) {
+  std::uniform_real_distribution<float> ud(-3.f, 3.f);
+  for (int64_t K : {0, 1, 7, 31, 32, 33, 100})
+    for (int kind = 0; kind < 4; kind++) {  // plain, all zero, a NaN, an infinity
+      std::vector<float> x(static_cast<size_t>(K));
+      for (auto& v : x) v = kind == 1 ? 0.f : ud(g_rng);
+      if (K > 0 && kind == 2) x[size_t(K - 1)] = NAN;
+      if (K > 0 && kind == 3) x[size_t(K / 2)] = -INFINITY;
+      if (K > 2 && kind == 0) x[1] = 127.f * 0.5f, x[0] = -127.f;  // ties and the absmax at -127
+      std::vector<int8_t> got(size_t(K) + 8, 0x55), want(size_t(K) + 8, 0x55);
+      const float sg = s.int8.quantize_row(x.data(), K, got.data());
+      const float sw = portable.int8.quantize_row(x.data(), K, want.data());
+      CHECK(bits_of(sg) == bits_of(sw) && got == want, "quantize_row K=%lld kind=%d differs from portable",
+            (long long)K, kind);
+      double amax = 0;  // the portable reference itself
+      for (float v : x) amax = std::fmax(amax, std::fabs(double(v)));
+      if (kind >= 2 && K > 0) CHECK(std::isnan(sw), "quantize_row: non-finite row scale %g", double(sw));
+      else CHECK(sw == float(amax) / 127.f, "quantize_row scale %g vs %g", double(sw), amax / 127);
+    }
+}
+
+// ---- the row loops ----
+
+void check_axpy(const KernelSet& s) {
+  std::uniform_real_distribution<float> ud(-1.f, 1.f);
+  for (int64_t n : {0, 1, 7, 31, 32, 33, 100})
+    for (int64_t mr : {1, 3}) {
+      const int64_t lda = n + 5;
+      std::vector<float> c(static_cast<size_t>(mr)), v(static_cast<size_t>(n)), acc(static_cast<size_t>(mr * lda));
+      for (auto& e : c) e = ud(g_rng);
+      for (auto& e : v) e = ud(g_rng);
+      for (auto& e : acc) e = ud(g_rng);
+      std::vector<float> before = acc;
+      s.axpy_rows(mr, c.data(), v.data(), n, acc.data(), lda);
+      for (int64_t m = 0; m < mr; m++)
+        for (int64_t p = 0; p < lda; p++) {
+          const size_t i = size_t(m * lda + p);
+          if (p >= n) {
+            CHECK(bits_of(acc[i]) == bits_of(before[i]), "axpy_rows wrote past n=%lld", (long long)n);
+            continue;
+          }
+          const double ref = double(before[i]) + double(c[size_t(m)]) * v[size_t(p)];
+          // one fused or two separate roundings
+          const double bound = 2 * std::ldexp(1.0, -24) * (std::fabs(double(before[i])) + std::fabs(ref) + 1e-30);
+          CHECK(std::fabs(double(acc[i]) - ref) <= bound, "axpy_rows n=%lld: %g vs %g", (long long)n,
+                double(acc[i]), ref);
+        }
+    }
+}
+
+void check_xor_words(const KernelSet& s) {
+  for (int64_t n : {0, 1, 15, 16, 17, 100}) {
+    std::vector<uint64_t> w(static_cast<size_t>(n));
+    uint64_t ref = 0;
+    for (auto& v : w) {
+      v = (uint64_t(g_rng()) << 32) ^ g_rng();
+      ref ^= v;
+    }
+    CHECK(s.xor_words(w.data(), n) == ref, "xor_words n=%lld", (long long)n);
+  }
+}
+
+void check_set(const KernelSet& s, const KernelSet& portable) {
+  g_set = s.name;
+  const int before = g_failures, checks = g_checks;
+  check_decode_rows(s);
+  check_decode_rows_bf16(s);
+  check_dequantize(s, portable);
+  check_gemv<false>(s);
+  check_gemv<true>(s);
+  check_int8_gemv(s);
+  check_int8_gemm_micro(s);
+  check_quantize(s, portable);
+  check_axpy(s);
+  check_xor_words(s);
+  std::printf("%s %s: %d checks\n", g_failures == before ? "ok" : "FAILED", s.name, g_checks - checks);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const KernelSet& portable = *kernel_sets().front();
+  std::vector<std::string> wanted(argv + 1, argv + argc);
+  for (const KernelSet* s : kernel_sets()) {
+    const bool named = std::find(wanted.begin(), wanted.end(), s->name) != wanted.end();
+    if (!wanted.empty() && !named) continue;
+    if (!cpu_supports(*s)) {
+      std::printf("%s %s: this CPU lacks its features\n", named ? "FAILED" : "skipped", s->name);
+      if (named) g_failures++;
+      continue;
+    }
+    check_set(*s, portable);
+  }
+  return g_failures == 0 ? 0 : 1;
+}

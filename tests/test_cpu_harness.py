@@ -1,0 +1,167 @@
+"""The CPU kernel sets without torch: tests/cpu_harness/harness.cpp built from the same csrc/cpu/arch/ sources as
+_C, checking every set a CPU supports against independent references and the portable set (exact int8 sums, fp8
+decode and dequantize bits; float64 bounds for the fp32 sums). With the host compiler for this machine's sets, and
+cross-compiled (g++-aarch64-linux-gnu, static) for the Arm sets, run under qemu-aarch64 as CPUs of each level.
+Planted bugs in the vector loops must make it fail."""
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "csrc", "cpu", "arch"))
+from kernel_set_sources import kernel_set_sources  # noqa: E402
+
+HARNESS = os.path.join("tests", "cpu_harness", "harness.cpp")
+HOST_CXX = shutil.which("g++") or shutil.which("c++")
+# -O1: a few seconds to build on two cores; _C's -O3 build runs through the op tests (test_cpu_kernels.py)
+CXX_FLAGS = ["-std=c++17", "-O1", "-Wall", "-Werror", "-I", os.path.join(ROOT, "csrc")]
+
+
+def compile_objects(cxx, flags, sources, out_dir, replaced=None):
+    """Object files of `sources` (relative to ROOT) in out_dir, compiled in parallel; replaced maps a source to the
+    text to compile instead of it (a planted bug)."""
+    os.makedirs(out_dir, exist_ok=True)
+
+    def one(src):
+        path = os.path.join(ROOT, src)
+        if replaced and src in replaced:
+            path = os.path.join(out_dir, os.path.basename(src))
+            with open(path, "w") as f:
+                f.write(replaced[src])
+        obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
+        r = subprocess.run([cxx, *flags, "-c", path, "-o", obj], capture_output=True, text=True)
+        assert r.returncode == 0, f"{src} does not compile:\n{r.stderr[-3000:]}"
+        return obj
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(one, sources))
+
+
+def link(cxx, objs, out, extra=()):
+    r = subprocess.run([cxx, *objs, *extra, "-o", out], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def run(cmd, timeout=120):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+needs_host_cxx = pytest.mark.skipif(HOST_CXX is None, reason="no host C++ compiler (g++ / c++) on PATH")
+HOST_SOURCES = [HARNESS] + kernel_set_sources(ROOT, platform.machine())
+
+
+@pytest.fixture(scope="module")
+def host_objects(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("harness"))
+    return out, dict(zip(HOST_SOURCES, compile_objects(HOST_CXX, CXX_FLAGS, HOST_SOURCES, out)))
+
+
+@needs_host_cxx
+def test_every_supported_set_matches_the_references(host_objects):
+    out, objs = host_objects
+    exe = link(HOST_CXX, list(objs.values()), os.path.join(out, "harness"))
+    r = run([exe])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    from torch_lowbit.testing import cpu_kernel_sets  # the harness and _C agree on the sets and their support
+    expected = [f"ok {name}:" if ok else f"skipped {name}:" for name, ok in cpu_kernel_sets()]
+    assert [line.split(" ")[0] + " " + line.split(" ")[1] for line in r.stdout.splitlines()] == expected, r.stdout
+
+
+# Planted bugs in the x86 sets: (file, text, replacement, what the harness must notice)
+X86_PLANTS = [
+    ("csrc/cpu/arch/x86/avx2.cpp", "nan[r] = nan[r] || avx2::has_nan_code(nan_acc);", "nan[r] = nan[r];",
+     "a NaN code neither flagged nor decoded NaN (fp32 panel decode)"),
+    ("csrc/cpu/arch/x86/avx2.cpp", "_mm256_permute4x64_epi64(p, 0xD8)", "_mm256_permute4x64_epi64(p, 0xE4)",
+     "bf16 dequantize in the wrong order"),
+    ("csrc/cpu/arch/x86/avxvnni.cpp", "c##R##b = _mm256_dpbusd_avx_epi32(c##R##b, a, b1);",
+     "c##R##b = _mm256_dpbusd_avx_epi32(c##R##b, a, b0);", "the VNNI micro-tile's second strip half"),
+    ("csrc/cpu/arch/x86/avx512.cpp", "(__mmask64(1) << (K - full)) - 1", "(__mmask64(1) << (K - full - 1)) - 1",
+     "the int8 GEMV tile drops the last byte of a tail"),
+]
+
+
+@needs_host_cxx
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 kernel sets")
+@pytest.mark.parametrize("src,text,planted,what", X86_PLANTS, ids=[p[3] for p in X86_PLANTS])
+def test_planted_x86_bug_fails_the_harness(host_objects, src, text, planted, what):
+    out, objs = host_objects
+    code = open(os.path.join(ROOT, src)).read()
+    assert code.count(text) == 1, f"the planted text is no longer in {src}: update the plant"
+    plant_dir = os.path.join(out, "plant_" + str(X86_PLANTS.index((src, text, planted, what))))
+    flags = [f for f in CXX_FLAGS if f != "-Werror"]  # a plant may leave a variable unused
+    obj = compile_objects(HOST_CXX, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
+    exe = link(HOST_CXX, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"))
+    set_name = os.path.splitext(os.path.basename(src))[0]
+    r = run([exe, set_name])
+    if "lacks its features" in r.stdout:
+        pytest.skip(f"this CPU cannot run the {set_name} set")
+    assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
+
+
+# ---- the Arm sets, cross-compiled and run under qemu-aarch64 ----
+ARM_CXX = shutil.which("aarch64-linux-gnu-g++")
+QEMU = shutil.which("qemu-aarch64")
+ARM_SOURCES = [HARNESS] + kernel_set_sources(ROOT, "aarch64")
+needs_arm_tools = pytest.mark.skipif(ARM_CXX is None or QEMU is None,
+                                     reason="needs g++-aarch64-linux-gnu and qemu-user (apt; .ci/run installs them)")
+
+
+@pytest.fixture(scope="module")
+def arm_objects(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("harness_arm"))
+    return out, dict(zip(ARM_SOURCES, compile_objects(ARM_CXX, CXX_FLAGS, ARM_SOURCES, out)))
+
+
+# qemu CPU models of each Arm level: what each set must report
+ARM_CPUS = [
+    ("cortex-a53", {"portable": "ok", "neon": "ok", "dotprod": "skipped", "i8mm": "skipped"}),  # Armv8.0
+    ("cortex-a76", {"portable": "ok", "neon": "ok", "dotprod": "ok", "i8mm": "skipped"}),  # v8.2 + dotprod
+    ("max", {"portable": "ok", "neon": "ok", "dotprod": "ok", "i8mm": "ok"}),  # every feature qemu has
+]
+
+
+@needs_arm_tools
+@pytest.mark.parametrize("cpu,expected", ARM_CPUS, ids=[c for c, _ in ARM_CPUS])
+def test_arm_sets_under_qemu(arm_objects, cpu, expected):
+    out, objs = arm_objects
+    exe = os.path.join(out, "harness")
+    if not os.path.exists(exe):
+        link(ARM_CXX, list(objs.values()), exe, ["-static"])
+    r = run([QEMU, "-cpu", cpu, exe])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    got = {line.split(" ")[1].rstrip(":"): line.split(" ")[0] for line in r.stdout.splitlines()}
+    assert got == expected, r.stdout
+
+
+ARM_PLANTS = [
+    ("csrc/cpu/arch/arm/neon.cpp", "vmaxq_u8(vorrq_u8(b0, sign), vorrq_u8(b1, sign))", "vorrq_u8(vmaxq_u8(b0, b1), sign)",
+     "the NaN-code flag takes the max before the sign bit (0x7F loses to 0x80)"),
+    ("csrc/cpu/arch/arm/neon.cpp", "vmull_high_s8(xv[m], wv)", "vmull_s8(vget_high_s8(xv[m]), vget_low_s8(wv))",
+     "the int8 GEMV multiplies the high x bytes by the low weight bytes"),
+    ("csrc/cpu/arch/arm/dotprod.cpp", "std::memcpy(wt[r], w + r * K + full, size_t(K - full));",
+     "std::memcpy(wt[r], w + r * K + full, size_t(K - full - 1));", "the sdot tile drops the last weight byte"),
+    ("csrc/cpu/arch/arm/i8mm.cpp", "accumulate ? vld1q_s32(tile + r * kStrip + 4 * v) : vdupq_n_s32(0)",
+     "vdupq_n_s32(0)", "the usdot micro-tile ignores `accumulate`"),
+]
+
+
+@needs_arm_tools
+@pytest.mark.parametrize("src,text,planted,what", ARM_PLANTS, ids=[p[3] for p in ARM_PLANTS])
+def test_planted_arm_bug_fails_the_harness(arm_objects, src, text, planted, what):
+    out, objs = arm_objects
+    code = open(os.path.join(ROOT, src)).read()
+    assert code.count(text) == 1, f"the planted text is no longer in {src}: update the plant"
+    plant_dir = os.path.join(out, "plant_" + str(ARM_PLANTS.index((src, text, planted, what))))
+    flags = [f for f in CXX_FLAGS if f != "-Werror"]
+    obj = compile_objects(ARM_CXX, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
+    exe = link(ARM_CXX, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"),
+               ["-static"])
+    set_name = os.path.splitext(os.path.basename(src))[0]
+    r = run([QEMU, "-cpu", "max", exe, set_name])
+    assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
