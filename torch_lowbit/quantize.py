@@ -142,41 +142,37 @@ class Int8Dynamic:
 
 
 _HANDLERS: Dict[type, Callable[[nn.Module, Any], nn.Module]] = {}
+_EXPERTS_HANDLERS: Dict[type, Callable[[nn.Module, Any], nn.Module]] = {}
+
+
+def _handler_registrar(table: Dict[type, Callable], fn: str, what: str):
+    """The decorator factory of one handler table: one handler per config class, a clash is an error."""
+    def register(config_cls: Type):
+        if not isinstance(config_cls, type):
+            raise TypeError(f"{fn}: config_cls must be a class, got {config_cls!r}")
+
+        def decorator(handler):
+            if config_cls in table and table[config_cls] is not handler:
+                raise ValueError(f"a quantize_ {what} for {config_cls.__qualname__} is already registered "
+                                 f"({table[config_cls].__qualname__})")
+            table[config_cls] = handler
+            return handler
+        return decorator
+    return register
 
 
 def register_quantize_module_handler(config_cls: Type):
     """Decorator: ``handler(module, config) -> new module`` is what ``quantize_(model, config_cls(...))`` does to
     each nn.Linear its filter accepts. One handler per config class (a subclass uses its parent's unless it
     registers its own)."""
-    if not isinstance(config_cls, type):
-        raise TypeError(f"register_quantize_module_handler: config_cls must be a class, got {config_cls!r}")
-
-    def decorator(handler):
-        if config_cls in _HANDLERS and _HANDLERS[config_cls] is not handler:
-            raise ValueError(f"a quantize_ handler for {config_cls.__qualname__} is already registered "
-                             f"({_HANDLERS[config_cls].__qualname__})")
-        _HANDLERS[config_cls] = handler
-        return handler
-    return decorator
-
-
-_EXPERTS_HANDLERS: Dict[type, Callable[[nn.Module, Any], nn.Module]] = {}
+    return _handler_registrar(_HANDLERS, "register_quantize_module_handler", "handler")(config_cls)
 
 
 def register_quantize_experts_handler(config_cls: Type):
     """Decorator: ``handler(experts, config) -> new module`` is what ``quantize_(model, config_cls(...))`` does to
     each dense fused MoE experts module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) its filter accepts
     (torch_lowbit.nn registers Fp8Experts for Fp8WeightOnly, Int8Experts for Int8Dynamic)."""
-    if not isinstance(config_cls, type):
-        raise TypeError(f"register_quantize_experts_handler: config_cls must be a class, got {config_cls!r}")
-
-    def decorator(handler):
-        if config_cls in _EXPERTS_HANDLERS and _EXPERTS_HANDLERS[config_cls] is not handler:
-            raise ValueError(f"a quantize_ experts handler for {config_cls.__qualname__} is already registered "
-                             f"({_EXPERTS_HANDLERS[config_cls].__qualname__})")
-        _EXPERTS_HANDLERS[config_cls] = handler
-        return handler
-    return decorator
+    return _handler_registrar(_EXPERTS_HANDLERS, "register_quantize_experts_handler", "experts handler")(config_cls)
 
 
 def _experts_handler_for(config):
