@@ -47,7 +47,11 @@ static_assert(bf16_chunk_pairs_consecutive(), "kBf16ChunkOrder");
 
 constexpr std::array<float, 256> make_fp8_table_unscaled() {
   std::array<float, 256> t{};
-  for (int i = 0; i < 256; i++) t[i] = fp8_e4m3_value(uint8_t(i)) / kDecodeUnscale;
+  // NaN codes keep their NaN without arithmetic on it: clang refuses a constant expression that computes a NaN
+  for (int i = 0; i < 256; i++) {
+    const float v = fp8_e4m3_value(uint8_t(i));
+    t[i] = (i & 0x7F) == 0x7F ? v : v / kDecodeUnscale;
+  }
   return t;
 }
 inline constexpr std::array<float, 256> kFp8TableUnscaled = make_fp8_table_unscaled();
