@@ -158,6 +158,8 @@ ARM_PLANTS = [
      "std::memcpy(tmp, w + r * K + k0 + full, size_t(n - full - 1));", "the bfdot tile drops the last code of a tail"),
     ("csrc/cpu/arch/arm/bf16.cpp", "load_bf16(xp + 32 + 8 * q)", "load_bf16(xp + 8 * q)",
      "the bfdot tile pairs codes 8..15 of each 16 with the wrong activations (kBf16ChunkOrder)"),
+    ("csrc/cpu/arch/arm/bf16.cpp", "hi[c] = uint8_t(u >> 24);", "hi[c] = uint8_t(c == 0x7F ? 0x3F : u >> 24);",
+     "the bf16 decode table turns NaN code 0x7F into a finite value"),
 ]
 
 
