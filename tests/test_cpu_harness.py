@@ -70,7 +70,9 @@ def test_every_supported_set_matches_the_references(host_objects):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     from torch_lowbit.testing import cpu_kernel_sets  # the harness and _C agree on the sets and their support
     expected = [f"ok {name}:" if ok else f"skipped {name}:" for name, ok in cpu_kernel_sets()]
-    assert [line.split(" ")[0] + " " + line.split(" ")[1] for line in r.stdout.splitlines()] == expected, r.stdout
+    lines = r.stdout.splitlines()
+    assert [line.split(" ")[0] + " " + line.split(" ")[1] for line in lines[:-1]] == expected, r.stdout
+    assert lines[-1] == "selected " + [name for name, ok in cpu_kernel_sets() if ok][-1], r.stdout
 
 
 # Planted bugs in the x86 sets: (file, text, replacement, what the harness must notice)
@@ -118,25 +120,29 @@ def arm_objects(tmp_path_factory):
     return out, dict(zip(ARM_SOURCES, compile_objects(ARM_CXX, CXX_FLAGS, ARM_SOURCES, out)))
 
 
-# qemu CPU models of each Arm level: what each set must report
+# qemu CPU models of each Arm level: what each set must report, and the set kernel_set() selects there
 ARM_CPUS = [
-    ("cortex-a53", {"portable": "ok", "neon": "ok", "dotprod": "skipped", "i8mm": "skipped"}),  # Armv8.0
-    ("cortex-a76", {"portable": "ok", "neon": "ok", "dotprod": "ok", "i8mm": "skipped"}),  # v8.2 + dotprod
-    ("max", {"portable": "ok", "neon": "ok", "dotprod": "ok", "i8mm": "ok"}),  # every feature qemu has
+    ("cortex-a53", {"portable": "ok", "neon": "ok", "dotprod": "skipped", "i8mm": "skipped", "bf16": "skipped"},
+     "neon"),  # Armv8.0
+    ("cortex-a76", {"portable": "ok", "neon": "ok", "dotprod": "ok", "i8mm": "skipped", "bf16": "skipped"},
+     "dotprod"),  # v8.2 + dotprod: no FEAT_I8MM, no FEAT_BF16
+    ("max", {"portable": "ok", "neon": "ok", "dotprod": "ok", "i8mm": "ok", "bf16": "ok"}, "bf16"),  # all qemu has
 ]
 
 
 @needs_arm_tools
-@pytest.mark.parametrize("cpu,expected", ARM_CPUS, ids=[c for c, _ in ARM_CPUS])
-def test_arm_sets_under_qemu(arm_objects, cpu, expected):
+@pytest.mark.parametrize("cpu,expected,selected", ARM_CPUS, ids=[c for c, _, _ in ARM_CPUS])
+def test_arm_sets_under_qemu(arm_objects, cpu, expected, selected):
     out, objs = arm_objects
     exe = os.path.join(out, "harness")
     if not os.path.exists(exe):
         link(ARM_CXX, list(objs.values()), exe, ["-static"])
     r = run([QEMU, "-cpu", cpu, exe])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    got = {line.split(" ")[1].rstrip(":"): line.split(" ")[0] for line in r.stdout.splitlines()}
+    lines = r.stdout.splitlines()
+    got = {line.split(" ")[1].rstrip(":"): line.split(" ")[0] for line in lines[:-1]}
     assert got == expected, r.stdout
+    assert lines[-1] == "selected " + selected, r.stdout
 
 
 ARM_PLANTS = [
@@ -148,6 +154,12 @@ ARM_PLANTS = [
      "std::memcpy(wt[r], w + r * K + full, size_t(K - full - 1));", "the sdot tile drops the last weight byte"),
     ("csrc/cpu/arch/arm/i8mm.cpp", "accumulate ? vld1q_s32(tile + r * kStrip + 4 * v) : vdupq_n_s32(0)",
      "vdupq_n_s32(0)", "the usdot micro-tile ignores `accumulate`"),
+    ("csrc/cpu/arch/arm/bf16.cpp", "std::memcpy(tmp, w + r * K + k0 + full, size_t(n - full));",
+     "std::memcpy(tmp, w + r * K + k0 + full, size_t(n - full - 1));", "the bfdot tile drops the last code of a tail"),
+    ("csrc/cpu/arch/arm/bf16.cpp", "load_bf16(xp + 32 + 8 * q)", "load_bf16(xp + 8 * q)",
+     "the bfdot tile pairs codes 8..15 of each 16 with the wrong activations (kBf16ChunkOrder)"),
+    ("csrc/cpu/arch/arm/bf16.cpp", "hi[c] = uint8_t(u >> 24);", "hi[c] = uint8_t(c == 0x7F ? 0x3F : u >> 24);",
+     "the bf16 decode table turns NaN code 0x7F into a finite value"),
 ]
 
 

@@ -28,8 +28,9 @@ constexpr std::array<uint8_t, kChunk> make_chunk_order() {
 }
 inline constexpr std::array<uint8_t, kChunk> kChunkOrder = make_chunk_order();
 
-// bf16 activations (AVX-512 BF16 path): chunks of 64 codes, position p holds code kBf16ChunkOrder[p] -- the
-// order of 16-bit words that byte unpacks of 64 decoded codes produce (8 codes per 128-bit lane and half).
+// bf16 activations (the AVX-512 BF16 and Arm bf16 tiles): chunks of 64 codes, position p holds code
+// kBf16ChunkOrder[p] -- the order of 16-bit words that byte unpacks of 64 decoded codes produce (8 codes per 128-bit
+// lane and half); NEON's zip1 / zip2 of 16 decoded codes give it too (arm/bf16.cpp).
 constexpr int kBf16Chunk = 64;
 constexpr std::array<uint8_t, kBf16Chunk> make_bf16_chunk_order() {
   std::array<uint8_t, kBf16Chunk> o{};
@@ -47,7 +48,11 @@ static_assert(bf16_chunk_pairs_consecutive(), "kBf16ChunkOrder");
 
 constexpr std::array<float, 256> make_fp8_table_unscaled() {
   std::array<float, 256> t{};
-  for (int i = 0; i < 256; i++) t[i] = fp8_e4m3_value(uint8_t(i)) / kDecodeUnscale;
+  // NaN codes keep their NaN without arithmetic on it: clang refuses a constant expression that computes a NaN
+  for (int i = 0; i < 256; i++) {
+    const float v = fp8_e4m3_value(uint8_t(i));
+    t[i] = (i & 0x7F) == 0x7F ? v : v / kDecodeUnscale;
+  }
   return t;
 }
 inline constexpr std::array<float, 256> kFp8TableUnscaled = make_fp8_table_unscaled();

@@ -75,9 +75,9 @@ struct Fp8Kernels {
   // (packed positions, zero padding). nan[r] |= row r holds a NaN code in that range.
   void (*decode_rows)(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd,
                       bool* nan);
-  // The same to bf16 bits, for the bf16 GEMM (null where the CPU has no AVX-512 BF16): dst[r * ldd + p],
-  // p < n rounded up to kBf16Chunk, positions in kBf16ChunkOrder, zero padding. dec(code) / 256 is exact in
-  // bf16, and NaN codes decode to NaN.
+  // The same to bf16 bits, for the AMX bf16 GEMM (null in sets without amx_gemm; Arm's bf16 set has none):
+  // dst[r * ldd + p], p < n rounded up to kBf16Chunk, positions in kBf16ChunkOrder, zero padding. dec(code) / 256
+  // is exact in bf16, and NaN codes decode to NaN.
   void (*decode_rows_bf16)(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, uint16_t* dst,
                            int64_t ldd);
   // fp8_dequantize of one run of codes under one scale: out[k] = dec(code[k]) * scale in fp32, rounded once to

@@ -39,6 +39,7 @@ enum CpuFeature : uint64_t {
   kFeatAvx512 = 1u << 2,
   kFeatDotprod = 1u << 8,  // Arm sdot / udot (FEAT_DotProd)
   kFeatI8mm = 1u << 9,     // Arm usdot / smmla (FEAT_I8MM)
+  kFeatBf16 = 1u << 10,    // Arm bfdot / bfmmla (FEAT_BF16)
 };
 
 // acc[m * lda + p] += c[m] * v[p] for m < mr, p < n (the transposed products' row walk)

@@ -17,7 +17,7 @@ namespace lowbit::cpu {
 #if LOWBIT_X86
 #define LOWBIT_ARCH_KERNEL_SETS(X) X(avx2) X(avxvnni) X(avx512)
 #elif LOWBIT_ARM
-#define LOWBIT_ARCH_KERNEL_SETS(X) X(neon) X(dotprod) X(i8mm)
+#define LOWBIT_ARCH_KERNEL_SETS(X) X(neon) X(dotprod) X(i8mm) X(bf16)
 #else
 #define LOWBIT_ARCH_KERNEL_SETS(X)
 #endif
@@ -47,11 +47,13 @@ uint64_t detect_features() {
   };
   if (has("hw.optional.arm.FEAT_DotProd")) f |= kFeatDotprod;
   if (has("hw.optional.arm.FEAT_I8MM")) f |= kFeatI8mm;
+  if (has("hw.optional.arm.FEAT_BF16")) f |= kFeatBf16;
 #elif LOWBIT_ARM && defined(__linux__)
-  // the bits of <asm/hwcap.h>, spelled out: older C libraries' headers lack HWCAP2_I8MM
-  constexpr unsigned long kHwcapAsimdDp = 1ul << 20, kHwcap2I8mm = 1ul << 13;
+  // the bits of <asm/hwcap.h>, spelled out: older C libraries' headers lack HWCAP2_I8MM / HWCAP2_BF16
+  constexpr unsigned long kHwcapAsimdDp = 1ul << 20, kHwcap2I8mm = 1ul << 13, kHwcap2Bf16 = 1ul << 14;
   if (getauxval(AT_HWCAP) & kHwcapAsimdDp) f |= kFeatDotprod;
   if (getauxval(AT_HWCAP2) & kHwcap2I8mm) f |= kFeatI8mm;
+  if (getauxval(AT_HWCAP2) & kHwcap2Bf16) f |= kFeatBf16;
 #endif
   return f;
 }

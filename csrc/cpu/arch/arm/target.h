@@ -8,3 +8,6 @@
 #define LOWBIT_TARGET_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
 // usdot / smmla: unsigned x signed byte dot products and 2x8x2 matrix tiles (Armv8.6 i8mm; M2+, Graviton 3+)
 #define LOWBIT_TARGET_I8MM __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))
+// bfdot / bfmmla: bf16 pair dot products into fp32 lanes (Armv8.6 FEAT_BF16; M2+, Graviton 3+, Grace). The bf16
+// set also runs the i8mm set's loops, so its attribute names every extension below it.
+#define LOWBIT_TARGET_BF16 __attribute__((target("arch=armv8.2-a+dotprod+i8mm+bf16")))
