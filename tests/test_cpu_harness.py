@@ -177,3 +177,54 @@ def test_planted_arm_bug_fails_the_harness(arm_objects, src, text, planted, what
     set_name = os.path.splitext(os.path.basename(src))[0]
     r = run([QEMU, "-cpu", "max", exe, set_name])
     assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
+
+
+# ------------------------------------------------------------------------------------------- clang (Apple's compiler)
+# macOS builds _C with Apple clang, which no machine of the project runs: every kernel-set source of both
+# architectures must also compile with an LLVM clang of Apple clang 15's generation or newer (clang 14 lacks the
+# Arm intrinsics under target attributes), as clang refuses some things gcc accepts (a NaN computed in a constant
+# expression, target-attribute spellings, intrinsics outside their target)
+CLANG = next((c for c in ("clang++-19", "clang++-18", "clang++-17", "clang++-16") if shutil.which(c)), None)
+CLANG_TARGETS = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
+
+
+def clang_errors(target, sources, replaced=None, out_dir=None):
+    """(source, first error lines) of each source that clang does not compile for `target`."""
+    def one(src):
+        path = os.path.join(ROOT, src)
+        if replaced and src in replaced:
+            path = os.path.join(out_dir, os.path.basename(src))
+            with open(path, "w") as f:
+                f.write(replaced[src])
+        r = subprocess.run([CLANG, f"--target={target}", "-std=c++17", "-O1", "-fsyntax-only", "-Wall",
+                            "-I", os.path.join(ROOT, "csrc"), *(["-I", out_dir] if out_dir else []), path],
+                           capture_output=True, text=True)
+        return None if r.returncode == 0 else (src, r.stderr[-1500:])
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return [e for e in pool.map(one, sources) if e]
+
+
+@pytest.mark.skipif(CLANG is None, reason="no clang++ 16 or newer (.ci/run installs clang-16)")
+@pytest.mark.parametrize("machine", sorted(CLANG_TARGETS))
+def test_kernel_sets_compile_with_clang(machine):
+    errors = clang_errors(CLANG_TARGETS[machine], kernel_set_sources(ROOT, machine))
+    assert not errors, "\n".join(f"{src}:\n{err}" for src, err in errors)
+
+
+@pytest.mark.skipif(CLANG is None, reason="no clang++ 16 or newer (.ci/run installs clang-16)")
+def test_clang_check_sees_a_nan_computed_in_a_constant_expression(tmp_path):
+    """The planted form of a bug gcc accepted and clang refused (the unscaled fp8 table divided its NaNs)."""
+    header = os.path.join("csrc", "cpu", "fp8_simd.h")
+    with open(os.path.join(ROOT, header)) as f:
+        text = f.read()
+    fixed = "t[i] = (i & 0x7F) == 0x7F ? v : v / kDecodeUnscale;"
+    assert fixed in text
+    planted = text.replace(fixed, "t[i] = v / kDecodeUnscale;")
+    # the planted header shadows the real one for a source that includes it
+    os.makedirs(tmp_path / "cpu", exist_ok=True)
+    (tmp_path / "cpu" / "fp8_simd.h").write_text(planted)
+    src = os.path.join("csrc", "cpu", "arch", "arm", "neon.cpp")
+    with open(os.path.join(ROOT, src)) as f:
+        errors = clang_errors(CLANG_TARGETS["aarch64"], [src], replaced={src: f.read()}, out_dir=str(tmp_path))
+    assert errors and "constant" in errors[0][1], errors
