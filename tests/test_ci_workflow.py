@@ -1,6 +1,7 @@
 """.github/workflows/ci.yml, checked as far as Linux can: it parses, its Linux job is .ci/run, every command
 it runs exists here (repository paths, `python -m` modules, bench suites), the macOS jobs build the metallib
-on macos-14 and macos-15, and the on-demand hardware job runs the suite, the main job and metal-traffic."""
+on macos-14 and macos-15, and the on-demand hardware job runs the suite, the main job, metal-traffic and the cpu
+suite."""
 import os
 import shlex
 
@@ -66,8 +67,11 @@ def test_hardware_job_on_demand_on_a_self_hosted_mac(workflow):
     assert any(c[1:4] == ["-m", "pytest", "-q"] for c in argvs)
     bench = [c for c in argvs if c[1:3] == ["-m", "torch_lowbit.bench"]]
     assert any("--json" in c for c in bench) and any(c[3:5] == ["--suite", "metal-traffic"] for c in bench)
+    cpu = [c for c in bench if c[3:5] == ["--suite", "cpu"]]  # the Arm kernel sets' speed: no other job has it
+    assert cpu and "--json" in cpu[0]
     upload = [s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
     assert upload and "bench-layer.json" in upload[0]["with"]["path"]
+    assert cpu[0][cpu[0].index("--json") + 1] in upload[0]["with"]["path"]
     for other in ("linux", "macos"):
         assert workflow["jobs"][other]["if"] == "github.event_name != 'workflow_dispatch'"
 
