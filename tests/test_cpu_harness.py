@@ -22,17 +22,24 @@ HOST_CXX = shutil.which("g++") or shutil.which("c++")
 CXX_FLAGS = ["-std=c++17", "-O1", "-Wall", "-Werror", "-I", os.path.join(ROOT, "csrc")]
 
 
+def source_path(src, replaced, out_dir):
+    """Where to compile `src` (relative to ROOT) from: the file itself, or its replacement text (a planted bug)
+    written into out_dir."""
+    if not (replaced and src in replaced):
+        return os.path.join(ROOT, src)
+    path = os.path.join(out_dir, os.path.basename(src))
+    with open(path, "w") as f:
+        f.write(replaced[src])
+    return path
+
+
 def compile_objects(cxx, flags, sources, out_dir, replaced=None):
     """Object files of `sources` (relative to ROOT) in out_dir, compiled in parallel; replaced maps a source to the
     text to compile instead of it (a planted bug)."""
     os.makedirs(out_dir, exist_ok=True)
 
     def one(src):
-        path = os.path.join(ROOT, src)
-        if replaced and src in replaced:
-            path = os.path.join(out_dir, os.path.basename(src))
-            with open(path, "w") as f:
-                f.write(replaced[src])
+        path = source_path(src, replaced, out_dir)
         obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
         r = subprocess.run([cxx, *flags, "-c", path, "-o", obj], capture_output=True, text=True)
         assert r.returncode == 0, f"{src} does not compile:\n{r.stderr[-3000:]}"
@@ -191,11 +198,7 @@ CLANG_TARGETS = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}
 def clang_errors(target, sources, replaced=None, out_dir=None):
     """(source, first error lines) of each source that clang does not compile for `target`."""
     def one(src):
-        path = os.path.join(ROOT, src)
-        if replaced and src in replaced:
-            path = os.path.join(out_dir, os.path.basename(src))
-            with open(path, "w") as f:
-                f.write(replaced[src])
+        path = source_path(src, replaced, out_dir)
         r = subprocess.run([CLANG, f"--target={target}", "-std=c++17", "-O1", "-fsyntax-only", "-Wall",
                             "-I", os.path.join(ROOT, "csrc"), *(["-I", out_dir] if out_dir else []), path],
                            capture_output=True, text=True)
