@@ -291,6 +291,62 @@ def test_moe_experts_run_weights_only_and_say_so(written):
             "(weights only) whatever activations= says: Fp8Experts quantizes no activations") in report.notes
 
 
+def test_save_quantized_keeps_the_experts_scheme_of_a_writers_moe_checkpoint(written, tmp_path):
+    """compressed-tensors' FP8_DYNAMIC MoE checkpoint: the experts run W8A16 but keep the scheme, so a save writes
+    the writer's config back (one group, dynamic per-token activations), not weight-only experts."""
+    path, _ = written("fp8-channel", "qwen3_moe")
+    model, _ = _load(path, "weights-only", "qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.activation_scheme == "dynamic" and "checkpoint activations fp8 dynamic" in repr(experts)
+    torch_lowbit.save_quantized(model, tmp_path)
+    ours = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]
+    theirs = json.loads(open(os.path.join(path, "config.json")).read())["quantization_config"]["config_groups"]
+    assert [g["input_activations"]["strategy"] for g in ours.values()] == ["token"]
+    assert [g["input_activations"]["dynamic"] for g in ours.values()] == [True]
+    assert [g["input_activations"]["type"] for g in theirs.values()] == ["float"]
+
+
+def _static_experts(E=3, H=16, I=8):
+    torch.manual_seed(5)
+    experts = Fp8Experts.from_float(torch.randn(E, 2 * I, H), torch.randn(E, H, I), "channel")
+    return experts.set_activation_scheme("static", torch.rand(E, 3) + 0.05)
+
+
+def test_static_experts_input_scales_round_trip_through_save_quantized(tmp_path):
+    """Each expert projection's static input_scale is written as compressed-tensors stores it ((1,) fp32 under
+    the expert's Linear) and read back into input_scale [E, 3] (gate, up, down)."""
+    model = nn.Module()
+    model.experts = _static_experts()
+    model.proj = Fp8Linear.from_float(nn.Linear(16, 16))
+    torch_lowbit.save_quantized(model, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    want = model.experts.input_scale
+    for e in range(3):
+        for column, p in enumerate(("gate_proj", "up_proj", "down_proj")):
+            assert torch.equal(tensors[f"experts.{e}.{p}.input_scale"], want[e, column].reshape(1))
+    groups = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]
+    acts = {m: g["input_activations"] for g in groups.values() for m in g["targets"]}
+    assert acts["experts.1.up_proj"]["strategy"] == "tensor" and acts["experts.1.up_proj"]["dynamic"] is False
+    assert acts["proj"] is None  # a weight-only layer beside them stays weight-only
+    fresh = nn.Module()
+    fresh.experts = Fp8Experts(3, 16, 8)
+    fresh.proj = nn.Linear(16, 16)
+    load_quantized(fresh, str(tmp_path))
+    assert fresh.experts.activation_scheme == "static" and torch.equal(fresh.experts.input_scale, want)
+
+
+@pytest.mark.parametrize("scheme, scale, match", [
+    ("static", None, "input_scale goes with activation_scheme='static'"),
+    ("dynamic", torch.ones(3, 3), "input_scale goes with activation_scheme='static'"),
+    ("static", torch.ones(3, 2), r"input_scale must be \[E, 3\]"),
+    ("static", torch.tensor([[1.0, 0.0, 1.0]] * 3), "positive finite"),
+    ("per-group", None, "activation_scheme must be None, 'dynamic' or 'static'")])
+def test_experts_scheme_errors_name_the_argument(scheme, scale, match):
+    experts = Fp8Experts.from_float(torch.randn(3, 16, 16), torch.randn(3, 16, 8), "channel")
+    with pytest.raises(ValueError, match=match):
+        experts.set_activation_scheme(scheme, scale)
+
+
 def test_modelopt_fp8_is_static_per_tensor_and_hf_fp8_dynamic_is_not_run():
     model = TinyLM()
     sd, _ = make_checkpoint(TinyLM(), "modelopt-tensor")

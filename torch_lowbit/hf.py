@@ -418,6 +418,7 @@ def _experts_tensors(name, layer) -> Tuple[Dict[str, torch.Tensor], Dict[str, tu
     else:
         gu, dn, block = as_fp8_dtype(layer.gate_up).cpu(), as_fp8_dtype(layer.down).cpu(), layer.block_size
     kind = "int8" if isinstance(layer, Int8Experts) else "fp8"
+    scheme = getattr(layer, "activation_scheme", None)  # Fp8Experts keep the checkpoint's FP8 activation scheme
     tensors, schemes = {}, {}
     for e in range(E):
         for proj, w, scale, rows in (("gate_proj", gu, layer.gate_up_scale, slice(0, I)),
@@ -427,7 +428,10 @@ def _experts_tensors(name, layer) -> Tuple[Dict[str, torch.Tensor], Dict[str, tu
             s, gran = _expert_scale(scale, e, rows, block)
             tensors[f"{module}.weight"] = w[e, rows].contiguous()
             tensors[f"{module}.weight_scale"] = s
-            schemes[module] = (kind, gran, block if gran == "block" else None, None)
+            if scheme == "static":  # compressed-tensors' static per-tensor input scale: (1,) fp32
+                column = ("gate_proj", "up_proj", "down_proj").index(proj)
+                tensors[f"{module}.input_scale"] = layer.input_scale[e, column].detach().reshape(1).cpu().clone()
+            schemes[module] = (kind, gran, block if gran == "block" else None, scheme)
     return tensors, schemes
 
 

@@ -12,8 +12,8 @@ from .._progress import Progress
 from .detect import detect
 from .hf_names import RenamedSource, transformers_key_renaming
 from .meta_buffers import move_non_persistent_buffers, recompute_meta_buffers, still_on_meta
-from .moe import is_experts_module, load_experts
-from .registry import ACTIVATION_SCHEMES, QUANTIZED_DTYPES, QuantFormat
+from .moe import experts_activation_scheme, is_experts_module, load_experts
+from .registry import ACTIVATION_SCHEMES, FP8_LAYER_SCHEMES, QUANTIZED_DTYPES, QuantFormat
 from .source import CheckpointError, Source, open_source
 from .tensors import read_quantized
 
@@ -78,13 +78,11 @@ def _is_plain_linear(m: nn.Module) -> bool:
 
 
 ACTIVATIONS_OPTIONS = ("weights-only", "checkpoint")
-# the checkpoint activation schemes Fp8Linear runs, as its activation_scheme names them
-_FP8_LAYER_SCHEMES = {"fp8-dynamic-token": "dynamic", "fp8-static-tensor": "static"}
 
 
 def _fp8_layer_scheme(name, q, scheme):
     """Fp8Linear's activation_scheme for a layer the checkpoint wrote for `scheme` (None where it runs none)."""
-    layer_scheme = _FP8_LAYER_SCHEMES.get(scheme)
+    layer_scheme = FP8_LAYER_SCHEMES.get(scheme)
     if layer_scheme == "static":
         s = q.input_scale
         if s is None:
@@ -229,9 +227,10 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     which is closer to the unquantized model than the checkpoint's own W8A8 stack; the report says when the
     checkpoint was written for quantized activations. ``"checkpoint"``: Fp8Linear layers run the checkpoint's FP8
     activation scheme -- dynamic per-token or static per-tensor (``input_scale``) -- so that outputs match the
-    writer's stack (compressed-tensors). Either way each layer records its scheme (``activation_scheme``), and
-    ``save_quantized`` writes it back. Schemes torch_lowbit does not run (per-token-group, asymmetric, INT8
-    static) and MoE experts (Fp8Experts: weights only) stay W8A16, and the report's notes say so.
+    writer's stack (compressed-tensors). Either way each layer -- Fp8Experts included -- records its scheme
+    (``activation_scheme``, and static input scales), and ``save_quantized`` writes it back. Schemes torch_lowbit
+    does not run (per-token-group, asymmetric, INT8 static) and MoE experts (Fp8Experts compute weights only) stay
+    W8A16, and the report's notes say so.
     """
     if activations not in ACTIVATIONS_OPTIONS:
         raise ValueError(f"load_quantized: activations must be one of {ACTIVATIONS_OPTIONS}, got {activations!r}")
@@ -259,8 +258,9 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             if quantized:
                 model.set_submodule(name, layer)
                 report.converted[name] = desc
-                if fmt.activation_scheme(name) is not None:
-                    report.activations[name] = fmt.activation_scheme(name)
+                scheme = experts_activation_scheme(fmt, name, layer.num_experts)
+                if scheme is not None:
+                    report.activations[name] = scheme
             else:
                 report.high_precision[name] = desc
 
@@ -339,7 +339,7 @@ def _add_notes(fmt: QuantFormat, report: LoadReport, activations: str):
         by_scheme.setdefault((scheme, kind), []).append(name)
     for (scheme, kind), names in sorted(by_scheme.items()):
         words, n = ACTIVATION_SCHEMES.get(scheme, scheme), f"{len(names)} {kind} module{'s' * (len(names) > 1)}"
-        if kind == "Fp8Linear" and scheme in _FP8_LAYER_SCHEMES:
+        if kind == "Fp8Linear" and scheme in FP8_LAYER_SCHEMES:
             if activations == "checkpoint":
                 report.notes.append(f"running the checkpoint's {words} activations in {n} (activations='checkpoint')")
             else:

@@ -24,7 +24,7 @@ from torch import nn
 from ..granularity import Granularity, PerBlock, PerChannel, PerTensor
 from ..nn.experts import Fp8Experts
 from ..nn.int8_experts import Int8Experts
-from .registry import QuantFormat
+from .registry import FP8_LAYER_SCHEMES, QuantFormat
 from .source import CheckpointError, Source
 from .tensors import QuantizedWeight, read_quantized
 
@@ -198,7 +198,7 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
     wdtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
     gate_up = torch.empty(E, 2 * I, H, dtype=wdtype)
     down = torch.empty(E, H, I, dtype=wdtype)
-    gu_scales, d_scales, used = [], [], []
+    gu_scales, d_scales, input_scales, used = [], [], [], []
     for e in range(E):
         q = {p: read_quantized(src, fmt, f"{name}.{e}.{p}_proj", kind, shape)
              for p, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
@@ -211,6 +211,7 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
         else:
             gu_scales.append(_stack_scales(f"{name}.{e}.gate/up_proj scales", [q["gate"], q["up"]]))
             d_scales.append(_stack_scales(f"{name}.{e}.down_proj scale", [q["down"]]))
+            input_scales.append([q[p].input_scale for p in PROJS])
         used += [k for p in PROJS for k in q[p].keys]
     if kind == "int8":
         layer = Int8Experts.from_quantized(gate_up, torch.stack(gu_scales), down, torch.stack(d_scales),
@@ -221,9 +222,39 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
         d_scale = _uniform(f"{name} down scales", d_scales)
         layer = Fp8Experts.from_quantized(gate_up, gu_scale, down, d_scale, block_size=fmt.block_size,
                                           dtype=dtype or torch.bfloat16)
+        _record_activation_scheme(layer, name, FP8_LAYER_SCHEMES.get(experts_activation_scheme(fmt, name, E)),
+                                  input_scales)
         desc = f"Fp8Experts(E={E}, gate_up {layer.gate_up_granularity.kind}, down {layer.down_granularity.kind})"
     layer = layer.to(device) if device is not None else layer
     return layer, used, desc, True
+
+
+def experts_activation_scheme(fmt: QuantFormat, name: str, E: int):
+    """The activation scheme the checkpoint wrote experts module `name` for, by its per-expert projections' names
+    (what a config group targets: ``Linear``, or names / regexes of the expert Linears), one for all of them."""
+    schemes = {fmt.activation_scheme(f"{name}.{e}.{p}_proj") for e in range(E) for p in PROJS}
+    if len(schemes) > 1:
+        raise CheckpointError(f"the checkpoint writes the experts of {name} for different activation schemes "
+                              f"({sorted(map(str, schemes))}): torch_lowbit needs one scheme for all experts of a layer")
+    return schemes.pop() if schemes else None
+
+
+def _record_activation_scheme(layer: Fp8Experts, name: str, scheme, input_scales):
+    """The checkpoint's FP8 activation scheme on the experts layer (which computes W8A16), so that a save keeps it:
+    static per-tensor scales as ``input_scale [E, 3]`` (gate, up, down of each expert)."""
+    if scheme != "static":
+        layer.set_activation_scheme(scheme)
+        return
+    missing = [f"{name}.{e}.{p}_proj.input_scale" for e, row in enumerate(input_scales)
+               for p, s in zip(PROJS, row) if s is None or s.numel() != 1]
+    if missing:
+        raise CheckpointError(f"{missing[0]} is missing or not one number: the checkpoint's config says {name} takes "
+                              f"static per-tensor FP8 activations, whose scale that tensor holds")
+    scales = torch.tensor([[float(s) for s in row] for row in input_scales], dtype=torch.float32)
+    try:
+        layer.set_activation_scheme("static", scales)
+    except ValueError as e:
+        raise CheckpointError(f"{name}: {e}") from None
 
 
 def _load_dense(src: Source, name: str, module: nn.Module, wkeys: Dict, device, dtype):

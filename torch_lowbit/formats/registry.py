@@ -90,6 +90,11 @@ ACTIVATION_SCHEMES = {"fp8-dynamic-token": "FP8 dynamic per-token", "fp8-static-
                       "int8-static-tensor": "INT8 static per-tensor (input_scale)"}
 
 
+# the checkpoint activation schemes torch_lowbit's FP8 layers record (and Fp8Linear runs), as their
+# activation_scheme attribute names them
+FP8_LAYER_SCHEMES = {"fp8-dynamic-token": "dynamic", "fp8-static-tensor": "static"}
+
+
 def activation_scheme_name(typ: str, bits: int, strategy: str, dynamic, symmetric: bool = True) -> str:
     """A config's input-activation quantization as an :data:`ACTIVATION_SCHEMES` key, or in words where it is
     none of them."""

@@ -40,6 +40,13 @@ class FormatBuffers(nn.Module):
         self._buffers.update(moved)
         return self
 
+    def _adopt_optional_buffer(self, name, state_dict, prefix, device):
+        """Give a buffer that is None here the checkpoint's tensor (e.g. an input_scale), so it loads."""
+        key = prefix + name
+        if key in state_dict and getattr(self, name) is None:
+            v = state_dict[key]
+            setattr(self, name, torch.empty(v.shape, dtype=torch.float32, device=device))
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for n in self._fp8_buffers:

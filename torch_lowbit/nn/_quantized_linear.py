@@ -38,13 +38,6 @@ class QuantizedLinear(FormatBuffers):
             raise ValueError(f"{type(self).__name__}: x must be [..., in_features] = [..., {self.in_features}], got "
                              f"shape {tuple(x.shape)}")
 
-    def _adopt_optional_buffer(self, name, state_dict, prefix):
-        """Give a buffer that is None here the checkpoint's tensor (e.g. an input_scale), so it loads."""
-        key = prefix + name
-        if key in state_dict and getattr(self, name) is None:
-            v = state_dict[key]
-            setattr(self, name, torch.empty(v.shape, dtype=torch.float32, device=self.weight.device))
-
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         for name in self._scale_buffers:

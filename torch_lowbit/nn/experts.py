@@ -119,8 +119,13 @@ class Fp8Experts(FormatBuffers):
     expert so that each expert's rows are one group of ``fp8_grouped_mm``; the weighted results are summed per
     token in fp32 and rounded once to hidden's dtype. No host synchronization and no data-dependent Python
     control flow: the layer traces under ``torch.compile(fullgraph=True)``.
+
+    Activations: the experts compute W8A16. ``activation_scheme`` records the activation quantization a
+    checkpoint wrote them for (None, ``"dynamic"`` FP8 per token, ``"static"`` FP8 per tensor with
+    ``input_scale [E, 3]``: each expert's gate, up and down input scales), so that ``save_quantized`` writes the
+    checkpoint's scheme back instead of relabelling it.
     """
-    _format_buffers = ("gate_up", "down", "gate_up_scale", "down_scale")
+    _format_buffers = ("gate_up", "down", "gate_up_scale", "down_scale", "input_scale")
     _fp8_buffers = ("gate_up", "down")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
@@ -143,6 +148,27 @@ class Fp8Experts(FormatBuffers):
         self.register_buffer("down", torch.zeros(E, H, I, dtype=torch.uint8, device=device).view(wdtype))
         self.register_buffer("gate_up_scale", torch.ones(g.scale_shape(2 * I, H, experts=E), device=device))
         self.register_buffer("down_scale", torch.ones(dg.scale_shape(H, I, experts=E), device=device))
+        self.register_buffer("input_scale", None)
+        self.activation_scheme: Optional[str] = None
+
+    def set_activation_scheme(self, scheme: Optional[str], input_scale: Optional[torch.Tensor] = None) -> "Fp8Experts":
+        """Record the checkpoint's activation scheme (see the class docstring); ``"static"`` needs ``input_scale``
+        ``[E, 3]`` (gate, up, down per expert), positive and finite. Returns the layer."""
+        if scheme not in (None, "dynamic", "static"):
+            raise ValueError(f"Fp8Experts: activation_scheme must be None, 'dynamic' or 'static', got {scheme!r}")
+        if (scheme == "static") != (input_scale is not None):
+            raise ValueError(f"Fp8Experts: input_scale goes with activation_scheme='static' (and only with it), got "
+                             f"activation_scheme={scheme!r} and input_scale "
+                             f"{None if input_scale is None else list(input_scale.shape)}")
+        if input_scale is not None:
+            E = self.num_experts
+            if tuple(input_scale.shape) != (E, 3) or not bool(torch.isfinite(input_scale).all()
+                                                                and (input_scale > 0).all()):
+                raise ValueError(f"Fp8Experts: input_scale must be [E, 3] = [{E}, 3] positive finite scales (gate, "
+                                 f"up, down of each expert), got shape {list(input_scale.shape)}")
+            input_scale = input_scale.detach().to(device=self.gate_up_scale.device, dtype=torch.float32)
+        self.activation_scheme, self.input_scale = scheme, input_scale
+        return self
 
     # ------------------------------------------------------------------------------------------ builders
     @classmethod
@@ -197,8 +223,14 @@ class Fp8Experts(FormatBuffers):
     def extra_repr(self) -> str:
         gran = f"gate_up {self.gate_up_granularity.kind}, down {self.down_granularity.kind}"
         bs = f", block_size={self.block_size}" if self.block_size is not None else ""
+        scheme = (f", checkpoint activations fp8 {self.activation_scheme} (running weights only)"
+                  if self.activation_scheme is not None else "")
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, {gran}{bs}")
+                f"intermediate_size={self.intermediate_size}, {gran}{bs}{scheme}")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._adopt_optional_buffer("input_scale", state_dict, prefix, self.gate_up_scale.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 @register_quantize_experts_handler(Fp8WeightOnly)

@@ -141,7 +141,7 @@ class Fp8Linear(QuantizedLinear):
 
     # ---- fp8 <-> uint8 bits at the edges
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        self._adopt_optional_buffer("input_scale", state_dict, prefix)
+        self._adopt_optional_buffer("input_scale", state_dict, prefix, self.weight.device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _load_weight_entry(self, state_dict, key, error_msgs):
