@@ -95,18 +95,24 @@ X86_PLANTS = [
 ]
 
 
+def planted_harness(cxx, objects, plants, plant, link_extra=()):
+    """(the harness built with `plant` -- (source, text, replacement, what) -- in its source, the set's name)."""
+    out, objs = objects
+    src, text, planted, _ = plant
+    code = open(os.path.join(ROOT, src)).read()
+    assert code.count(text) == 1, f"the planted text is no longer in {src}: update the plant"
+    plant_dir = os.path.join(out, "plant_" + str(plants.index(plant)))
+    flags = [f for f in CXX_FLAGS if f != "-Werror"]  # a plant may leave a variable unused
+    obj = compile_objects(cxx, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
+    exe = link(cxx, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"), link_extra)
+    return exe, os.path.splitext(os.path.basename(src))[0]
+
+
 @needs_host_cxx
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 kernel sets")
 @pytest.mark.parametrize("src,text,planted,what", X86_PLANTS, ids=[p[3] for p in X86_PLANTS])
 def test_planted_x86_bug_fails_the_harness(host_objects, src, text, planted, what):
-    out, objs = host_objects
-    code = open(os.path.join(ROOT, src)).read()
-    assert code.count(text) == 1, f"the planted text is no longer in {src}: update the plant"
-    plant_dir = os.path.join(out, "plant_" + str(X86_PLANTS.index((src, text, planted, what))))
-    flags = [f for f in CXX_FLAGS if f != "-Werror"]  # a plant may leave a variable unused
-    obj = compile_objects(HOST_CXX, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
-    exe = link(HOST_CXX, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"))
-    set_name = os.path.splitext(os.path.basename(src))[0]
+    exe, set_name = planted_harness(HOST_CXX, host_objects, X86_PLANTS, (src, text, planted, what))
     r = run([exe, set_name])
     if "lacks its features" in r.stdout:
         pytest.skip(f"this CPU cannot run the {set_name} set")
@@ -173,15 +179,7 @@ ARM_PLANTS = [
 @needs_arm_tools
 @pytest.mark.parametrize("src,text,planted,what", ARM_PLANTS, ids=[p[3] for p in ARM_PLANTS])
 def test_planted_arm_bug_fails_the_harness(arm_objects, src, text, planted, what):
-    out, objs = arm_objects
-    code = open(os.path.join(ROOT, src)).read()
-    assert code.count(text) == 1, f"the planted text is no longer in {src}: update the plant"
-    plant_dir = os.path.join(out, "plant_" + str(ARM_PLANTS.index((src, text, planted, what))))
-    flags = [f for f in CXX_FLAGS if f != "-Werror"]
-    obj = compile_objects(ARM_CXX, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
-    exe = link(ARM_CXX, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"),
-               ["-static"])
-    set_name = os.path.splitext(os.path.basename(src))[0]
+    exe, set_name = planted_harness(ARM_CXX, arm_objects, ARM_PLANTS, (src, text, planted, what), ["-static"])
     r = run([QEMU, "-cpu", "max", exe, set_name])
     assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
 
