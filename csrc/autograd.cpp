@@ -53,6 +53,7 @@ py::object to_python(const c10::Argument& a, const c10::IValue& v) {
   if (v.isSymInt()) return py::cast(v.toSymInt());
   if (v.isDouble()) return py::float_(v.toDouble());
   if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isString()) return py::str(v.toStringRef());
   TORCH_CHECK(false, "autograd kernel: argument ", a.name(), " has a kind it cannot convert (", v.tagKind(), ")");
 }
 

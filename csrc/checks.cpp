@@ -1,6 +1,7 @@
 #include "checks.h"
 
 #include <ATen/ops/arange.h>
+#include <torch/version.h>
 
 #include <c10/util/irange.h>
 
@@ -306,6 +307,149 @@ at::Tensor shaped(const at::Tensor& t, at::IntArrayRef shape) { return t.sizes()
 
 at::Tensor bias_as_float(const std::optional<at::Tensor>& bias) {
   return bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+}
+
+}  // namespace lowbit
+
+namespace lowbit {
+namespace {
+
+std::string w4_format_names() {
+  std::string s;
+  for (const W4Format& f : kW4Formats) s += (s.empty() ? "'" : ", '") + std::string(f.name) + "'";
+  return s;
+}
+
+// The stored encoding of a 4-bit format's group scales, from the scale tensor's dtype; uint8 holds the bits of the
+// format's byte encoding (e4m3 for nvfp4, e8m0 for mxfp4), as on devices that cannot hold float8 tensors.
+W4Scale w4_scale_encoding(const char* op, const W4Format& f, const at::Tensor& scale) {
+  const at::ScalarType t = scale.scalar_type();
+  std::optional<W4Scale> enc;
+  if (t == at::kFloat) enc = W4Scale::F32;
+  else if (t == at::kHalf) enc = W4Scale::F16;
+  else if (t == at::kBFloat16) enc = W4Scale::BF16;
+  else if (t == at::kFloat8_e4m3fn) enc = W4Scale::E4M3;
+#if defined(TORCH_VERSION_MAJOR) && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 7)
+  else if (t == at::kFloat8_e8m0fnu) enc = W4Scale::E8M0;
+#endif
+  else if (t == at::kByte && (f.scales & w4_scale_bit(W4Scale::E4M3))) enc = W4Scale::E4M3;
+  else if (t == at::kByte && (f.scales & w4_scale_bit(W4Scale::E8M0))) enc = W4Scale::E8M0;
+  const char* want = (f.scales & w4_scale_bit(W4Scale::E4M3))   ? "float8_e4m3fn or uint8 (e4m3 bits)"
+                     : (f.scales & w4_scale_bit(W4Scale::E8M0)) ? "uint8 (e8m0 bits) or float8_e8m0fnu"
+                                                                 : "float32, float16 or bfloat16";
+  TORCH_CHECK(enc.has_value() && (f.scales & w4_scale_bit(*enc)), op, ": scale of format '", f.name, "' must be ",
+              want, ", got ", t);
+  return *enc;
+}
+
+}  // namespace
+
+W4Weight check_w4_weight(const char* op, const at::Tensor& codes, const at::Tensor& scale, const std::string& format,
+                         int64_t group_size, int64_t K, const std::optional<at::Tensor>& offset,
+                         const std::optional<at::Tensor>& global_scale, bool grouped) {
+  W4Weight w;
+  w.format = find_w4_format(format.c_str());
+  TORCH_CHECK(w.format != nullptr, op, ": format must be one of ", w4_format_names(), ", got '", format, "'");
+  const int64_t wdim = grouped ? 3 : 2;
+  TORCH_CHECK(codes.scalar_type() == at::kByte, op, ": codes must be uint8 (two 4-bit codes per byte), got ",
+              codes.scalar_type());
+  TORCH_CHECK(codes.dim() == wdim, op, ": codes must be ", grouped ? "[E, N, ceil(K/2)]" : "[N, ceil(K/2)]",
+              ", got shape ", codes.sizes());
+  TORCH_CHECK(codes.is_contiguous(), op, ": codes must be contiguous (rows of ceil(K/2) bytes back to back), got "
+              "strides ", codes.strides(), "; call .contiguous() once when loading it");
+  TORCH_CHECK(K >= 0, op, ": K must be >= 0, got ", K);
+  TORCH_CHECK(group_size >= 1, op, ": group_size must be >= 1, got ", group_size);
+  check_device(op, "scale", scale, codes, "codes");
+  w.E = grouped ? codes.size(0) : 1;
+  w.N = codes.size(wdim - 2);
+  w.K = K;
+  TORCH_CHECK(codes.size(wdim - 1) == w.row_bytes(), op, ": codes rows must hold ceil(K/2) = ", w.row_bytes(),
+              " bytes for K = ", K, ", got codes of shape ", codes.sizes());
+  w.group = group_size;
+  w.G = ceil_div(K, group_size);
+  w.codes = codes;
+
+  std::vector<int64_t> sshape;
+  if (grouped) sshape.push_back(w.E);
+  sshape.push_back(w.N);
+  sshape.push_back(w.G);
+  w.scale_enc = w4_scale_encoding(op, *w.format, scale);
+  TORCH_CHECK(scale.sizes().vec() == sshape, op, ": scale must be ", grouped ? "[E, N, ceil(K/group_size)] = " :
+              "[N, ceil(K/group_size)] = ", at::IntArrayRef(sshape), " for K = ", K, ", group_size = ", group_size,
+              ", got ", scale.sizes());
+  w.scale = scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf ||
+                    scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kByte
+                ? scale.contiguous()
+                : scale.contiguous().view(at::kByte);
+
+  if (offset.has_value()) {
+    const at::Tensor& o = *offset;
+    check_device(op, "offset", o, codes, "codes");
+    TORCH_CHECK(w.format->offset != W4Offset::None, op, ": format '", w.format->name, "' takes no offset");
+    if (w.format->offset == W4Offset::ZeroPoint) {
+      TORCH_CHECK(o.scalar_type() == at::kChar, op, ": offset of format '", w.format->name,
+                  "' holds zero points and must be int8, got ", o.scalar_type());
+    } else {
+      TORCH_CHECK(o.scalar_type() == scale.scalar_type(), op, ": offset of format '", w.format->name,
+                  "' holds biases and must have scale's dtype (", scale.scalar_type(), "), got ", o.scalar_type());
+    }
+    TORCH_CHECK(o.sizes().vec() == sshape, op, ": offset must have scale's shape ", at::IntArrayRef(sshape), ", got ",
+                o.sizes());
+    w.offset = o.contiguous();
+  }
+  if (global_scale.has_value()) {
+    const at::Tensor& g = *global_scale;
+    check_device(op, "global_scale", g, codes, "codes");
+    TORCH_CHECK(w.format->global_scale, op, ": format '", w.format->name, "' takes no global_scale");
+    TORCH_CHECK(g.numel() == 1, op, ": global_scale must have one element, got shape ", g.sizes());
+    w.global_scale = shaped(widen_scale(op, "global_scale", g), {1});
+  }
+  return w;
+}
+
+W4MmArgs check_w4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const std::string& format,
+                     int64_t group_size, const std::optional<at::Tensor>& offset,
+                     const std::optional<at::Tensor>& global_scale, const std::optional<at::Tensor>& bias) {
+  const char* op = "w4_mm";
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension [..., K]");
+  check_device(op, "codes", codes, x, "x");
+  W4MmArgs a;
+  a.w = check_w4_weight(op, codes, scale, format, group_size, x.size(-1), offset, global_scale, /*grouped=*/false);
+  if (bias.has_value()) {
+    const at::Tensor& b = *bias;
+    check_device(op, "bias", b, x, "x");
+    TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
+    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.w.N, op, ": bias must be [N] = [", a.w.N, "], got ", b.sizes());
+    a.bias = b.contiguous();
+  }
+  a.x = flatten_rows(x, &a.M);
+  a.out_shape = with_last(x, a.w.N);
+  return a;
+}
+
+W4Weight check_w4_dequantize(const at::Tensor& codes, const at::Tensor& scale, const std::string& format,
+                             int64_t group_size, int64_t K, const std::optional<at::Tensor>& offset,
+                             const std::optional<at::Tensor>& global_scale, at::ScalarType dtype) {
+  TORCH_CHECK(is_float_dtype(dtype), "w4_dequantize: dtype must be bfloat16, float16 or float32, got ", dtype);
+  return check_w4_weight("w4_dequantize", codes, scale, format, group_size, K, offset, global_scale, false);
+}
+
+W4MmArgs check_w4_mm_t(const at::Tensor& grad_out, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::string& format, int64_t group_size, int64_t K,
+                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& global_scale) {
+  const char* op = "w4_mm_t";
+  TORCH_CHECK(is_float_dtype(grad_out.scalar_type()), op, ": grad_out must be bfloat16, float16 or float32, got ",
+              grad_out.scalar_type());
+  TORCH_CHECK(grad_out.dim() >= 1, op, ": grad_out must have at least one dimension [..., N]");
+  check_device(op, "codes", codes, grad_out, "grad_out");
+  W4MmArgs a;
+  a.w = check_w4_weight(op, codes, scale, format, group_size, K, offset, global_scale, false);
+  TORCH_CHECK(grad_out.size(-1) == a.w.N, op, ": grad_out's last dimension (", grad_out.size(-1),
+              ") must equal the weight's N (", a.w.N, "); codes are [N, ceil(K/2)] = ", codes.sizes());
+  a.x = flatten_rows(grad_out, &a.M);
+  a.out_shape = with_last(grad_out, K);
+  return a;
 }
 
 }  // namespace lowbit

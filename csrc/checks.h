@@ -5,7 +5,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 #include <vector>
+
+#include "w4_formats.h"
 
 namespace lowbit {
 
@@ -102,6 +105,46 @@ Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::T
 
 Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq, const at::Tensor& w_scale,
                          const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
+
+// A 4-bit weight (w4_formats.h), validated: codes [N, ceil(K/2)] (or [E, N, ceil(K/2)]) with scales, offsets and
+// the global scale in the format's layout.
+struct W4Weight {
+  const W4Format* format = nullptr;
+  W4Scale scale_enc = W4Scale::F32;
+  at::Tensor codes;         // uint8, contiguous
+  at::Tensor scale;         // [N, G] (or [E, N, G]) contiguous, as stored: fp32 / fp16 / bf16, or uint8 bits
+  at::Tensor offset;        // undefined, or [N, G] contiguous: int8 zero points, or biases in the scale's dtype
+  at::Tensor global_scale;  // undefined, or float32 [1]
+  int64_t E = 1, N = 0, K = 0;
+  int64_t group = 0, G = 0;  // group_size and groups per row, ceil(K / group_size)
+  int64_t row_bytes() const { return (K + 1) / 2; }
+  W4Offset offset_kind() const { return offset.defined() ? format->offset : W4Offset::None; }
+};
+
+struct W4MmArgs {
+  at::Tensor x;                    // [M, K] contiguous, x's own dtype (for w4_mm_t: grad_out [M, N])
+  W4Weight w;
+  std::optional<at::Tensor> bias;  // [N], contiguous, its own dtype
+  int64_t M = 0;
+  std::vector<int64_t> out_shape;  // x.shape[:-1] + [N] (w4_mm_t: + [K])
+};
+
+// K: the weight's K, from x for w4_mm (codes only hold ceil(K/2)), given for w4_dequantize and w4_mm_t.
+W4Weight check_w4_weight(const char* op, const at::Tensor& codes, const at::Tensor& scale, const std::string& format,
+                         int64_t group_size, int64_t K, const std::optional<at::Tensor>& offset,
+                         const std::optional<at::Tensor>& global_scale, bool grouped);
+
+W4MmArgs check_w4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const std::string& format,
+                     int64_t group_size, const std::optional<at::Tensor>& offset,
+                     const std::optional<at::Tensor>& global_scale, const std::optional<at::Tensor>& bias);
+
+W4Weight check_w4_dequantize(const at::Tensor& codes, const at::Tensor& scale, const std::string& format,
+                             int64_t group_size, int64_t K, const std::optional<at::Tensor>& offset,
+                             const std::optional<at::Tensor>& global_scale, at::ScalarType dtype);
+
+W4MmArgs check_w4_mm_t(const at::Tensor& grad_out, const at::Tensor& codes, const at::Tensor& scale,
+                       const std::string& format, int64_t group_size, int64_t K,
+                       const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& global_scale);
 
 // Worst case |xq . wq| = K * 2^14 (every value -128): past this K an int32 accumulator could overflow, so
 // int8_mm refuses it on every backend rather than wrapping.

@@ -17,6 +17,13 @@ void define_ops(torch::Library& m) {
   m.def("fp8_grouped_mm_t(Tensor grad_out, Tensor weight, Tensor scale, Tensor offsets, Tensor? expert_ids=None, "
         "SymInt[]? block_size=None) -> Tensor");
   m.def("int8_weight_mm_t(Tensor grad_out, Tensor wq, Tensor w_scale) -> Tensor");
+  // 4-bit weights (csrc/w4_formats.h): codes [N, ceil(K/2)] uint8, scale [N, ceil(K/group_size)] as stored.
+  m.def("w4_mm(Tensor x, Tensor codes, Tensor scale, str format, int group_size, Tensor? offset=None, "
+        "Tensor? global_scale=None, Tensor? bias=None) -> Tensor");
+  m.def("w4_dequantize(Tensor codes, Tensor scale, str format, int group_size, SymInt K, Tensor? offset=None, "
+        "Tensor? global_scale=None, ScalarType dtype=bfloat16) -> Tensor");
+  m.def("w4_mm_t(Tensor grad_out, Tensor codes, Tensor scale, str format, int group_size, SymInt K, "
+        "Tensor? offset=None, Tensor? global_scale=None) -> Tensor");
   m.def("int8_mm(Tensor xq, Tensor x_scale, Tensor wq, Tensor w_scale, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
 }
 

@@ -204,3 +204,60 @@ def ref_fp8_grouped_mm_t(g, bits, scale, offsets, expert_ids=None, block_size=No
     weight_for = weight_for or (lambda rows, w64: w64)
     return _grouped(g, offsets, expert_ids, bits.shape[2], lambda rows, e: ref_matmul_t(
         rows, weight_for(rows, fp8_weight_f64(bits[e], scale[e], block_size))))
+
+
+# ---------------------------------------------------------------------------------------------- 4-bit weights
+# Written from the formats' definitions (OCP microscaling spec, compressed-tensors, MLX), not from csrc/w4_formats.h.
+E2M1_F64 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+W4_VALUES_F64 = {
+    "nvfp4": torch.cat([E2M1_F64, -E2M1_F64]),
+    "mxfp4": torch.cat([E2M1_F64, -E2M1_F64]),
+    "int4": torch.arange(16, dtype=torch.float64) - 8,
+    "uint4": torch.arange(16, dtype=torch.float64),
+}
+
+
+def w4_codes_f64(codes: torch.Tensor, K: int) -> torch.Tensor:
+    """uint8 [..., ceil(K/2)] -> the 4-bit codes [..., K] (even k in the low nibble) as int64."""
+    c = codes.to(torch.int64)
+    both = torch.stack([c & 0xF, c >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
+    return both[..., :K]
+
+
+def w4_scale_f64(format: str, scale: torch.Tensor) -> torch.Tensor:
+    """Stored group scales as float64: e4m3 bits / float8_e4m3fn (nvfp4), e8m0 bits (mxfp4: 2^(b-127), 255 NaN),
+    or float values."""
+    if format == "mxfp4":
+        b = scale.view(torch.uint8).to(torch.int64) if scale.dtype != torch.uint8 else scale.to(torch.int64)
+        v = torch.pow(2.0, (b - 127).double())
+        return torch.where(b == 255, torch.full_like(v, math.nan), v)
+    if format == "nvfp4":
+        return fp8_bits_to_f64(scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale)
+    return scale.double()
+
+
+def w4_weight_f64(format, codes, scale, group_size, K, offset=None, global_scale=None) -> torch.Tensor:
+    """The [N, K] float64 weight of a 4-bit format: value[code] * scale (+ bias), or (value - zero point) * scale,
+    times the global scale."""
+    q = W4_VALUES_F64[format][w4_codes_f64(codes, K)]
+    g = torch.arange(K) // group_size
+    s = w4_scale_f64(format, scale)[..., g]
+    if offset is not None and format == "int4":
+        w = (q - offset.double()[..., g]) * s
+    elif offset is not None and format == "uint4":
+        w = q * s + offset.double()[..., g]
+    else:
+        w = q * s
+    if global_scale is not None:
+        w = w * global_scale.double().reshape(())
+    return w
+
+
+def ref_w4_mm(x, format, codes, scale, group_size, offset=None, global_scale=None, bias=None):
+    """(ref, absref) of w4_mm in float64 (see ref_fp8_mm)."""
+    w = w4_weight_f64(format, codes, scale, group_size, x.shape[-1], offset, global_scale)
+    xd = x.double()
+    ref, absref = xd @ w.T, xd.abs() @ w.abs().T
+    if bias is not None:
+        ref, absref = ref + bias.double(), absref + bias.double().abs()
+    return ref, absref

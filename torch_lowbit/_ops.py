@@ -113,6 +113,36 @@ def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     return _int8_linear(x, wq, w_scale, bias)
 
 
+def w4_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, format: str, group_size: int,
+          offset: Optional[torch.Tensor] = None, global_scale: Optional[torch.Tensor] = None,
+          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ w.T + bias`` for a 4-bit weight ``w [N, K]`` read as stored (W4A16).
+
+    codes: uint8 ``[N, ceil(K/2)]``, two 4-bit codes per byte along K, the even k in the low nibble. scale:
+    ``[N, ceil(K/group_size)]``, one per group of ``group_size`` consecutive k (the last group may be partial).
+    format (csrc/w4_formats.h): ``"nvfp4"`` (E2M1 values, e4m3 scales as float8_e4m3fn or uint8 bits, optional
+    one-element fp32 ``global_scale`` multiplier), ``"mxfp4"`` (E2M1, e8m0 scales as uint8 bits), ``"int4"``
+    (``code - 8``, float scales, optional int8 zero points ``offset``: ``w = (q - zp) * s``), ``"uint4"``
+    (``code``, float scales, optional biases ``offset`` in the scale's dtype: ``w = q * s + b``, MLX affine).
+    x: ``[..., K]`` bfloat16 / float16 / float32; returns ``[..., N]`` in x's dtype, fp32 accumulation.
+    """
+    return torch.ops.lowbit.w4_mm(x, codes, scale, format, int(group_size), offset, global_scale, bias)
+
+
+def w4_dequantize(codes: torch.Tensor, scale: torch.Tensor, format: str, group_size: int, K: int,
+                  offset: Optional[torch.Tensor] = None, global_scale: Optional[torch.Tensor] = None,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dense ``[N, K]`` 4-bit weight (the layouts of :func:`w4_mm`) computed in fp32, rounded once to dtype."""
+    return torch.ops.lowbit.w4_dequantize(codes, scale, format, int(group_size), K, offset, global_scale, dtype)
+
+
+def w4_mm_t(grad_out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, format: str, group_size: int, K: int,
+            offset: Optional[torch.Tensor] = None, global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The transposed product of :func:`w4_mm`'s backward pass: ``grad_out[..., N] @ w`` -> ``[..., K]`` in
+    grad_out's dtype (fp32 accumulation), read from the 4-bit weight as stored."""
+    return torch.ops.lowbit.w4_mm_t(grad_out, codes, scale, format, int(group_size), K, offset, global_scale)
+
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -289,6 +319,44 @@ def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype or torch.bfloat16)
 
 
+def _check_w4_codes(op, codes, scale):
+    _check(codes.dtype == torch.uint8, f"{op}: codes must be uint8 (two 4-bit codes per byte), got {codes.dtype}")
+    _check(codes.dim() == 2, f"{op}: codes must be [N, ceil(K/2)], got shape {tuple(codes.shape)}")
+
+
+def _fake_w4_mm(x, codes, scale, format, group_size, offset=None, global_scale=None, bias=None):
+    op = "w4_mm"
+    _same_device(op, "x", x, codes=codes, scale=scale, offset=offset, global_scale=global_scale, bias=bias)
+    _check_float(op, "x", x)
+    _check(x.dim() >= 1, f"{op}: x must have at least one dimension [..., K]")
+    _check_w4_codes(op, codes, scale)
+    torch._check(codes.shape[1] == (x.shape[-1] + 1) // 2,
+                 lambda: f"{op}: codes rows must hold ceil(K/2) = {(x.shape[-1] + 1) // 2} bytes for K = "
+                 f"{x.shape[-1]}, got codes of shape {list(codes.shape)}")
+    if bias is not None:
+        _check(bias.dim() == 1, f"{op}: bias must be [N], got shape {tuple(bias.shape)}")
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def _fake_w4_dequantize(codes, scale, format, group_size, K, offset=None, global_scale=None, dtype=torch.bfloat16):
+    op = "w4_dequantize"
+    _same_device(op, "codes", codes, scale=scale, offset=offset, global_scale=global_scale)
+    _check(dtype in _FLOAT_DTYPES, f"{op}: dtype must be bfloat16, float16 or float32, got {dtype}")
+    _check_w4_codes(op, codes, scale)
+    return codes.new_empty((codes.shape[0], K), dtype=dtype)
+
+
+def _fake_w4_mm_t(grad_out, codes, scale, format, group_size, K, offset=None, global_scale=None):
+    op = "w4_mm_t"
+    _same_device(op, "grad_out", grad_out, codes=codes, scale=scale, offset=offset, global_scale=global_scale)
+    _check_float(op, "grad_out", grad_out)
+    _check(grad_out.dim() >= 1, f"{op}: grad_out must have at least one dimension [..., N]")
+    _check_w4_codes(op, codes, scale)
+    torch._check(grad_out.shape[-1] == codes.shape[0], lambda: f"{op}: grad_out's last dimension must equal the "
+                 "weight's N")
+    return grad_out.new_empty((*grad_out.shape[:-1], K))
+
+
 _FAKES = {
     "fp8_mm": _fake_fp8_mm,
     "fp8_dequantize": _fake_fp8_dequantize,
@@ -298,6 +366,9 @@ _FAKES = {
     "fp8_mm_t": _fake_fp8_mm_t,
     "fp8_grouped_mm_t": _fake_fp8_grouped_mm_t,
     "int8_weight_mm_t": _fake_int8_weight_mm_t,
+    "w4_mm": _fake_w4_mm,
+    "w4_dequantize": _fake_w4_dequantize,
+    "w4_mm_t": _fake_w4_mm_t,
 }
 
 
