@@ -1,0 +1,117 @@
+"""W4Linear: W4A16 linear layer, 4-bit weights in one of the formats of ``torch_lowbit.w4_mm`` (nvfp4, mxfp4, int4
+with optional zero points, uint4 with MLX's additive biases), group scales along K."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .. import _ops
+from .._storage import FP8, as_stored_fp8
+from ._quantized_linear import QuantizedLinear, frozen_bias
+
+# scale dtypes each format stores (the first is what a new layer holds); uint8 = bits of an 8-bit scale encoding
+W4_SCALE_DTYPES = {
+    "nvfp4": (FP8, torch.uint8),
+    "mxfp4": (torch.uint8,),
+    "int4": (torch.bfloat16, torch.float16, torch.float32),
+    "uint4": (torch.bfloat16, torch.float16, torch.float32),
+}
+W4_OFFSETS = {"int4": "zero point", "uint4": "bias"}  # what weight_offset holds, per format that takes one
+W4_GLOBAL_SCALE = ("nvfp4",)
+
+
+class W4Linear(QuantizedLinear):
+    """``y = x @ w.T + bias`` with ``w`` a 4-bit weight read as stored by ``torch_lowbit.w4_mm`` (fp32 accumulation,
+    output in x's dtype; the weight is never dequantized in memory).
+
+    Buffers: ``weight_packed`` uint8 ``[N, ceil(K/2)]`` (two codes per byte, even k in the low nibble),
+    ``weight_scale`` ``[N, ceil(K/group_size)]`` in the format's scale dtype (never converted by ``.half()`` /
+    ``.to(dtype)``), ``weight_offset`` (optional: int8 zero points for ``int4``, biases in the scale's dtype for
+    ``uint4``), ``weight_scale_2`` (optional fp32 ``[1]``: nvfp4's per-tensor multiplier), ``bias`` ``[N]``.
+    ``format`` and ``group_size`` are attributes.
+    """
+    _format_buffers = ("weight_packed", "weight_scale", "weight_offset", "weight_scale_2")
+    _scale_buffers = ("weight_scale_2",)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, format: str = "int4",
+                 group_size: Optional[int] = None, scale_dtype: Optional[torch.dtype] = None, offset: bool = False,
+                 global_scale: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if format not in W4_SCALE_DTYPES:
+            raise ValueError(f"W4Linear: format must be one of {list(W4_SCALE_DTYPES)}, got {format!r}")
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        N, K = self.out_features, self.in_features
+        group_size = max(K, 1) if group_size is None else int(group_size)
+        if group_size < 1:
+            raise ValueError(f"W4Linear: group_size must be >= 1 (None: per channel), got {group_size}")
+        scale_dtype = scale_dtype or W4_SCALE_DTYPES[format][0]
+        if scale_dtype not in W4_SCALE_DTYPES[format]:
+            raise ValueError(f"W4Linear: format {format!r} stores scales as one of "
+                             f"{[str(d) for d in W4_SCALE_DTYPES[format]]}, got {scale_dtype}")
+        if offset and format not in W4_OFFSETS:
+            raise ValueError(f"W4Linear: format {format!r} takes no offset (formats with one: {list(W4_OFFSETS)})")
+        if global_scale and format not in W4_GLOBAL_SCALE:
+            raise ValueError(f"W4Linear: format {format!r} takes no global scale")
+        self.format, self.group_size = format, group_size
+        self._fp8_buffers = ("weight_scale",) if scale_dtype == FP8 else ()
+        G = -(-K // group_size)
+        self.register_buffer("weight_packed", torch.zeros(N, (K + 1) // 2, dtype=torch.uint8, device=device))
+        scale = torch.zeros(N, G, dtype=torch.uint8 if scale_dtype == FP8 else scale_dtype, device=device)
+        self.register_buffer("weight_scale", as_stored_fp8(scale) if scale_dtype == FP8 else scale)
+        off_dtype = torch.int8 if format == "int4" else scale_dtype
+        self.register_buffer("weight_offset", torch.zeros(N, G, dtype=off_dtype, device=device) if offset else None)
+        self.register_buffer("weight_scale_2",
+                             torch.ones(1, dtype=torch.float32, device=device) if global_scale else None)
+        self.register_parameter("bias", frozen_bias(torch.zeros(N, dtype=dtype, device=device) if bias else None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        return _ops.w4_mm(x, self.weight_packed, self.weight_scale, self.format, self.group_size, self.weight_offset,
+                          self.weight_scale_2, self.bias)
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The dense ``[N, K]`` weight (fp32 arithmetic, rounded once to ``dtype``, default the bias's or bf16)."""
+        dtype = dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
+        return _ops.w4_dequantize(self.weight_packed, self.weight_scale, self.format, self.group_size,
+                                  self.in_features, self.weight_offset, self.weight_scale_2, dtype)
+
+    @classmethod
+    def from_quantized(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor, *, format: str,
+                       group_size: int, in_features: int, bias: Optional[torch.Tensor] = None,
+                       weight_offset: Optional[torch.Tensor] = None,
+                       weight_scale_2: Optional[torch.Tensor] = None) -> "W4Linear":
+        """A layer around existing tensors (a checkpoint's, converted to the layouts above); checked by one call of
+        the op on an empty input, so a bad layout fails here with the op's message."""
+        if not isinstance(weight_packed, torch.Tensor) or weight_packed.dtype != torch.uint8 or weight_packed.dim() != 2:
+            raise ValueError("W4Linear.from_quantized: weight_packed must be uint8 [N, ceil(K/2)], got "
+                             + (f"{weight_packed.dtype} of shape {tuple(weight_packed.shape)}"
+                                if isinstance(weight_packed, torch.Tensor) else type(weight_packed).__name__))
+        N = weight_packed.shape[0]
+        layer = cls(in_features, N, bias=bias is not None, format=format, group_size=group_size,
+                    scale_dtype=weight_scale.dtype, offset=weight_offset is not None,
+                    global_scale=weight_scale_2 is not None, device="meta",
+                    dtype=bias.dtype if bias is not None else torch.bfloat16)
+        layer.weight_packed = weight_packed.contiguous()
+        layer.weight_scale = as_stored_fp8(weight_scale.contiguous()) if weight_scale.dtype == FP8 else \
+            weight_scale.contiguous()
+        layer.weight_offset = None if weight_offset is None else weight_offset.contiguous()
+        layer.weight_scale_2 = None if weight_scale_2 is None else weight_scale_2.to(torch.float32).reshape(1)
+        layer.bias = frozen_bias(bias)
+        if not weight_packed.is_meta:
+            probe_dtype = bias.dtype if bias is not None else torch.float32
+            layer(torch.empty(0, in_features, dtype=probe_dtype, device=weight_packed.device))
+        return layer
+
+    def extra_repr(self) -> str:
+        s = (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+             f"format={self.format}, group_size={self.group_size}")
+        if self.weight_offset is not None:
+            s += f", {W4_OFFSETS[self.format]}s"
+        return s
+
+    def _load_weight_entry(self, state_dict, key, error_msgs):
+        key = key + "_packed"
+        if key in state_dict and state_dict[key].dtype != torch.uint8:
+            self._reject_weight(state_dict, key, error_msgs, "uint8 (two 4-bit codes per byte)")
