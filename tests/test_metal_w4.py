@@ -112,10 +112,10 @@ def run_mm_t(backend, g, w):
 # threadgroups (4 columns) and a partial GEMM tile; K = 200 ends every group size here in a partial group.
 @pytest.mark.parametrize("backend", metal_backends())
 @pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fid", list(FORMATS))
-def test_mm_formats(backend, fid, M):
-    g = _gen("fmt", fid, M)
-    dtype = DTYPES[list(FORMATS).index(fid) % 3]
+def test_mm_formats(backend, fid, dtype, M):
+    g = _gen("fmt", fid, str(dtype), M)
     run_mm(backend, _x((M, 200), dtype, g), W4(fid, 9, 200, g))
 
 
@@ -278,10 +278,10 @@ def test_dequantize_alignment_and_empty(backend, K, codes_offset):
 # partial groups and a partial 32-column output tile, or aligned code rows.
 @pytest.mark.parametrize("backend", metal_backends())
 @pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fid", list(FORMATS))
-def test_mm_t_formats(backend, fid, M):
-    g = _gen("t", fid, M)
-    dtype = DTYPES[(list(FORMATS).index(fid) + M) % 3]
+def test_mm_t_formats(backend, fid, dtype, M):
+    g = _gen("t", fid, str(dtype), M)
     K = 64 if M == 5 else 75
     run_mm_t(backend, _x((M, 37), dtype, g), W4(fid, 37, K, g))
 
