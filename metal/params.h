@@ -153,21 +153,13 @@ enum W4Flags : uint {
   kW4HasGlobalScale = 16u,  // global_scale (fp32 [1]) is bound and multiplies the product
 };
 
-// How a group's offset applies (lowbit::W4Offset): w = (value - zero_point) * scale, w = value * scale + bias
-enum W4OffsetKind : uint {
-  kW4OffsetNone = 0u,
-  kW4OffsetZeroPoint = 1u,  // int8 [N, G]
-  kW4OffsetBias = 2u,       // [N, G] in the scale's encoding
-};
-
-// One 4-bit weight [N, K] and the product's sizes. The format reaches the kernels only as its value table, its
-// scale encoding (the kernel variant) and its offset kind: no kernel names a format.
+// One 4-bit weight [N, K] and the product's sizes. The format reaches the kernels only as its value table and
+// the kernel variant of its scale encoding and offset kind (metal/w4.h): no kernel names a format.
 struct W4Params {
   uint M, N, K;       // M: rows of x (w4_mm) or grad_out (w4_mm_t); 0 for w4_dequantize
   uint G;             // groups per row, ceil(K / group)
   uint group;         // group size, at most K (a group spanning K is per channel)
   uint group_shift;   // log2(group) when a power of two, else kW4NoShift
-  uint offset_kind;   // W4OffsetKind
   uint flags;         // W4Flags
   uint bias_dtype;    // LowbitDtype (w4_mm with kW4HasBias)
   float values[16];   // the value of each 4-bit code

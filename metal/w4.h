@@ -1,12 +1,11 @@
 // 4-bit weights (W4A16): the decode every w4 kernel shares. A weight is rows of ceil(K/2) bytes, two codes per
 // byte along K (the even k in the low nibble), one scale per group of p.group consecutive k, an optional offset
-// per group and an optional global scale (csrc/w4_formats.h). w[n, k] = (value[code] - zero) * scale + bias in
-// fp32, where zero is the int8 zero point or 0 and bias the additive bias or 0: with the absent term 0 this is
-// exactly each format's own arithmetic, (v - zp) * s, v * s + b or v * s.
+// per group and an optional global scale (csrc/w4_formats.h). w[n, k] is computed in fp32 exactly as the format
+// defines it: v * s, (v - zp) * s or v * s + b, v = value[code].
 //
-// The format reaches a kernel as data: its 16-entry value table (W4Params::values), its offset kind (a uniform
-// branch once per group) and its scale encoding, the one template parameter (S below), since it sets the width
-// and the decode of the scale loads.
+// The format reaches a kernel as data and as two template parameters: its 16-entry value table
+// (W4Params::values), its scale encoding (S: the width and decode of the scale loads) and its offset kind (O).
+// Kernels are instantiated for every S x O (csrc/metal/w4_instances.py), so a new format is a table line.
 #pragma once
 #include <metal_stdlib>
 #include "bias.h"
@@ -35,20 +34,31 @@ struct W4ScaleE8M0 {
   }
 };
 
-// The terms of one group: w = (value - z) * s + b
+// ---- offset kinds (lowbit::W4Offset): a group's terms and each format's own arithmetic, in fp32 ----
+// A group: its scale s and its offset o (the zero point or the additive bias; unused without one).
 struct W4Group {
-  float s, z, b;
+  float s, o;
 };
 
-template <typename S>
-inline W4Group w4_group(constant W4Params& p, device const uchar* scale, device const uchar* offset, ulong i) {
-  W4Group g{S::load(scale, i), 0.0f, 0.0f};
-  if (p.offset_kind == kW4OffsetZeroPoint) {
-    g.z = float(((device const char*)offset)[i]);
-  } else if (p.offset_kind == kW4OffsetBias) {
-    g.b = S::load(offset, i);
-  }
-  return g;
+struct W4OffsetNone {
+  template <typename S>
+  static float offset(device const uchar*, ulong) { return 0.0f; }
+  static float apply(float v, W4Group g) { return v * g.s; }
+};
+struct W4OffsetZeroPoint {  // int8 zero points
+  template <typename S>
+  static float offset(device const uchar* o, ulong i) { return float(((device const char*)o)[i]); }
+  static float apply(float v, W4Group g) { return (v - g.o) * g.s; }
+};
+struct W4OffsetBias {  // additive biases in the scale's encoding (MLX affine)
+  template <typename S>
+  static float offset(device const uchar* o, ulong i) { return S::load(o, i); }
+  static float apply(float v, W4Group g) { return v * g.s + g.o; }
+};
+
+template <typename S, typename O>
+inline W4Group w4_group(device const uchar* scale, device const uchar* offset, ulong i) {
+  return W4Group{S::load(scale, i), O::template offset<S>(offset, i)};
 }
 
 inline uint w4_group_of(constant W4Params& p, uint k) {
@@ -73,19 +83,19 @@ inline uint w4_load_word(device const uchar* row, uint b0, uint rb, bool word) {
 // The 8 weights w[n, k0 .. k0 + 8) of the codes in `word` (k0 a multiple of 8, k0 < K), zeros past len = min(8,
 // K - k0) so that nothing past K reaches a sum (not even a NaN scale times a zero activation). srow = n * G. With
 // a group size that is a multiple of 8 the 8 codes share one group: one scale (and offset) load.
-template <typename S>
+template <typename S, typename O>
 inline void w4_decode8(constant W4Params& p, uint word, device const uchar* scale, device const uchar* offset,
                        ulong srow, uint k0, uint len, thread float4& lo, thread float4& hi) {
   const bool one_group = p.group % 8 == 0;
-  W4Group g = w4_group<S>(p, scale, offset, srow + w4_group_of(p, k0));
+  W4Group g = w4_group<S, O>(scale, offset, srow + w4_group_of(p, k0));
   float w[8];
   for (uint j = 0; j < 8; j++) {
     w[j] = 0.0f;
     if (j < len) {
       if (!one_group && j > 0 && (k0 + j) % p.group == 0) {
-        g = w4_group<S>(p, scale, offset, srow + w4_group_of(p, k0 + j));
+        g = w4_group<S, O>(scale, offset, srow + w4_group_of(p, k0 + j));
       }
-      w[j] = (p.values[(word >> (4 * j)) & 0xFu] - g.z) * g.s + g.b;
+      w[j] = O::apply(p.values[(word >> (4 * j)) & 0xFu], g);
     }
   }
   lo = float4(w[0], w[1], w[2], w[3]);

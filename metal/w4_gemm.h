@@ -15,7 +15,7 @@ constant constexpr uint kW4TileStride = kGemmXStride;  // floats per threadgroup
 
 // ws[r, c] = W[n0 + r, k0 + c] for n0 + r < N, k0 + c < K, else 0. Thread t decodes row t / 4, columns
 // (t % 4) * 8 .. + 8: one 32-bit word of codes.
-template <typename S>
+template <typename S, typename O>
 inline void w4_stage_w(threadgroup float* ws, device const uchar* codes, device const uchar* scale,
                        device const uchar* offset, constant W4Params& p, uint n0, uint k0, uint tid) {
   const uint r = tid / 4, c = (tid % 4) * 8;
@@ -23,7 +23,7 @@ inline void w4_stage_w(threadgroup float* ws, device const uchar* codes, device 
   float4 lo = float4(0.0f), hi = float4(0.0f);
   if (n < p.N && k < p.K) {
     const uint word = w4_load_word(codes + ulong(n) * rb, k / 2, rb, (p.flags & kW4CodesWord) != 0);
-    w4_decode8<S>(p, word, scale, offset, ulong(n) * p.G, k, min(8u, p.K - k), lo, hi);
+    w4_decode8<S, O>(p, word, scale, offset, ulong(n) * p.G, k, min(8u, p.K - k), lo, hi);
   }
   threadgroup float* dst = ws + r * kW4TileStride + c;
   *(threadgroup float4*)dst = lo;

@@ -144,13 +144,14 @@ def w4_weight(fmt, N, K):
 
 
 def w4_params(r):
-    """M, N, K, G, group, group_shift, offset_kind, flags of a w4 dispatch's W4Params"""
-    return u32s(r, 8)
+    """M, N, K, G, group, group_shift, flags of a w4 dispatch's W4Params"""
+    return u32s(r, 7)
 
 
 # flags: 16-byte and 4-byte code loads, vector activation loads (1 | 2 | 4), and the global scale (16)
 W4_FLAGS = {"nvfp4": 1 | 2 | 4 | 16, "int4": 1 | 2 | 4}
-W4_PARAMS = {"nvfp4": (16, 4, 0), "int4": (128, 7, 1)}  # group, its log2, offset kind (none / zero points)
+W4_PARAMS = {"nvfp4": (16, 4), "int4": (128, 7)}  # group, its log2
+W4_VARIANT = {"nvfp4": "_e4m3_none", "int4": "_bf16_zp"}  # scale encoding, offset kind
 
 
 @pytest.mark.parametrize("M", [1, 5, 4096])
@@ -163,7 +164,7 @@ def test_w4_mm_grids_at_llama_70b_sizes(fmt, M, K, N):
     assert out.shape == (M, N) and len(recs) == 1
     r = recs[0]
     rows, cols = tile_of(r["kernel"])
-    assert r["kernel"].endswith("_bfloat_" + ("e4m3" if fmt == "nvfp4" else "bf16"))
+    assert r["kernel"].endswith("_bfloat" + W4_VARIANT[fmt])
     assert r["grid"] == (math.ceil(N / cols), math.ceil(M / rows), 1)
     assert w4_params(r) == (M, N, K, math.ceil(K / group)) + W4_PARAMS[fmt] + (W4_FLAGS[fmt],)
     assert r["buffers"]["codes"]["nbytes"] == N * K // 2
@@ -176,7 +177,7 @@ def test_w4_mm_t_grids_at_llama_70b_sizes(fmt, M, K, N):
     codes, scale, group, offset, gs = w4_weight(fmt, N, K)
     out, (r,) = run("w4_mm_t", torch.empty(M, N, dtype=torch.bfloat16, device=META), codes, scale, fmt, group, K,
                     offset, gs)
-    assert out.shape == (M, K) and r["kernel"].startswith("w4_mm_t_gemm_bfloat_")
+    assert out.shape == (M, K) and r["kernel"] == "w4_mm_t_gemm_bfloat" + W4_VARIANT[fmt]
     rows, cols = tile_of(r["kernel"])
     assert r["grid"] == (math.ceil(K / cols), math.ceil(M / rows), 1) and r["threads"] == (128, 1, 1)
     assert w4_params(r) == (M, N, K, math.ceil(K / group)) + W4_PARAMS[fmt] + (W4_FLAGS[fmt],)
@@ -186,7 +187,7 @@ def test_w4_mm_t_grids_at_llama_70b_sizes(fmt, M, K, N):
 def test_w4_dequantize_grid_at_llama_70b_sizes(N, K):
     codes, scale, group, offset, gs = w4_weight("nvfp4", N, K)
     out, (r,) = run("w4_dequantize", codes, scale, "nvfp4", group, K, offset, gs, torch.bfloat16)
-    assert out.shape == (N, K) and r["kernel"] == "w4_dequantize_bfloat_e4m3"
+    assert out.shape == (N, K) and r["kernel"] == "w4_dequantize_bfloat_e4m3_none"
     assert r["grid"] == (math.ceil(K / 8 / 64), math.ceil(N / 4), 1) and r["threads"] == (64, 4, 1)
 
 
@@ -196,7 +197,7 @@ def test_w4_vector_loads_need_aligned_buffers(x_off, c_off, flags):
     x = view_at(x_off, (M, K), torch.bfloat16)  # 16-byte aligned at a multiple of 8 elements
     codes = view_at(c_off, (N, K // 2), torch.uint8)
     _, (r,) = run("w4_mm", x, codes, torch.empty(N, K // 32, device=META), "int4", 32, None, None, None)
-    assert w4_params(r)[7] == flags
+    assert w4_params(r)[6] == flags
 
 
 # ---------------------------------------------------------------------------------------------- MoE

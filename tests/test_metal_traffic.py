@@ -114,8 +114,8 @@ def test_w4_gemv_reads_codes_and_scales_once_in_full_lines():
     with torch_lowbit.emulator.traced() as trace:
         for case in chosen:
             m = MT.measure(case, trace)
-            assert [r["kernel"] for r in m.launches] == ["w4_gemv_bfloat_" + ("e4m3" if "nvfp4" in case.label else
-                                                                              "bf16")]
+            variant = "e4m3_none" if "nvfp4" in case.label else "bf16_zp"
+            assert [r["kernel"] for r in m.launches] == ["w4_gemv_bfloat_" + variant]
             assert m.read_ratio == pytest.approx(1.0, abs=0.005), case.label
             assert m.line_use >= MT.LINE_USE_GOAL, case.label
             assert m.tg_per_core(40) >= MT.TG_PER_CORE_GOAL, case.label
@@ -128,5 +128,5 @@ def test_w4_gemm_reads_each_code_once_per_tile_column():
     (case,) = [c for c in MT.cases(64, 256) if c.op == "w4_mm" and not c.decode]
     with torch_lowbit.emulator.traced() as trace:
         m = MT.measure(case, trace)
-    assert [r["kernel"] for r in m.launches] == ["w4_gemm_bfloat_e4m3"]
+    assert [r["kernel"] for r in m.launches] == ["w4_gemm_bfloat_e4m3_none"]
     assert m.read_ratio == pytest.approx(1.0, abs=0.01)

@@ -321,16 +321,19 @@ def test_kernel_instantiations_are_generated():
 @pytest.mark.skipif(not torch_lowbit.emulator.available(), reason="the Metal emulator is not built in this install")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_plan_picks_kernel_per_m_and_scale_encoding(dtype):
-    """M = 1: the GEMV; 2 .. 8: the multi-row GEMV; more: the GEMM; the scale encoding picks the variant."""
+    """M = 1: the GEMV; 2 .. 8: the multi-row GEMV; more: the GEMM; the scale encoding and the offset kind pick
+    the variant (a format that may carry an offset runs the offset-free variant without one)."""
     meta = torch.device("meta")
     s = SUFFIX[dtype]
-    cases = [("nvfp4", torch.uint8, "e4m3"), ("mxfp4", torch.uint8, "e8m0"), ("int4", torch.float32, "f32"),
-             ("int4", torch.float16, "f16"), ("uint4", torch.bfloat16, "bf16")]
-    for fmt, sdt, enc in cases:
+    cases = [("nvfp4", torch.uint8, None, "e4m3_none"), ("mxfp4", torch.uint8, None, "e8m0_none"),
+             ("int4", torch.float32, torch.int8, "f32_zp"), ("int4", torch.float16, None, "f16_none"),
+             ("uint4", torch.bfloat16, torch.bfloat16, "bf16_bias")]
+    for fmt, sdt, odt, variant in cases:
         for M, kernel in [(1, "w4_gemv"), (2, "w4_gemv_rows"), (8, "w4_gemv_rows"), (9, "w4_gemm"), (4096, "w4_gemm")]:
             with torch_lowbit.emulator.dry_run() as d:
                 d.ops.w4_mm(torch.empty(M, 64, dtype=dtype, device=meta),
                             torch.empty(16, 32, dtype=torch.uint8, device=meta),
-                            torch.empty(16, 2, dtype=sdt, device=meta), fmt, 32)
+                            torch.empty(16, 2, dtype=sdt, device=meta), fmt, 32,
+                            None if odt is None else torch.empty(16, 2, dtype=odt, device=meta))
                 (rec,) = d.take()
-            assert rec["kernel"] == f"{kernel}_{s}_{enc}", (fmt, M)
+            assert rec["kernel"] == f"{kernel}_{s}_{variant}", (fmt, M)

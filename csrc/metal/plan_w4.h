@@ -5,15 +5,16 @@
 
 namespace lowbit::metal {
 
-// "f32", "f16", "bf16", "e4m3", "e8m0": the scale-encoding part of a w4 kernel's name (the list of variants is
-// csrc/metal/w4_instances.py, which writes the .metal instantiations)
+// "f32", "f16", "bf16", "e4m3", "e8m0" and "none", "zp", "bias": the parts of a w4 kernel's name for its scale
+// encoding and offset kind (the list of variants is csrc/metal/w4_instances.py, which writes the instantiations)
 const char* w4_scale_variant(W4Scale s);
+const char* w4_offset_variant(W4Offset o);
 
-// <base>_<dtype>_<scale>, e.g. w4_kernel_name("w4_gemv", kBFloat16, W4Scale::E4M3) == "w4_gemv_bfloat_e4m3"
-std::string w4_kernel_name(const char* base, at::ScalarType dtype, W4Scale s);
+// <base>_<dtype>_<scale>_<offset> for weight w, e.g. "w4_gemv_bfloat_e4m3_none" for nvfp4 and bf16 activations
+std::string w4_kernel_name(const char* base, at::ScalarType dtype, const W4Weight& w);
 
-// The params of weight w for a product with M rows (0 for w4_dequantize): sizes, the format's value table and
-// offset kind, the code-load flags; `flags` adds the op's own (kW4XVec, kW4HasBias, ...).
+// The params of weight w for a product with M rows (0 for w4_dequantize): sizes, the format's value table, the
+// code-load flags; `flags` adds the op's own (kW4XVec, kW4HasBias, ...).
 W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags);
 
 // Binds the weight's four buffers in kernel order: codes, scale, offset, global_scale. An absent offset or global

@@ -4,10 +4,6 @@
 
 namespace lowbit::metal {
 
-static_assert(uint32_t(W4Offset::None) == kW4OffsetNone && uint32_t(W4Offset::ZeroPoint) == kW4OffsetZeroPoint &&
-                  uint32_t(W4Offset::Bias) == kW4OffsetBias,
-              "W4Params::offset_kind carries lowbit::W4Offset");
-
 const char* w4_scale_variant(W4Scale s) {
   switch (s) {
     case W4Scale::F32: return "f32";
@@ -19,8 +15,18 @@ const char* w4_scale_variant(W4Scale s) {
   TORCH_CHECK(false, "torch_lowbit metal: no 4-bit kernel for scale encoding ", int(s));
 }
 
-std::string w4_kernel_name(const char* base, at::ScalarType dtype, W4Scale s) {
-  return kernel_name(base, dtype, w4_scale_variant(s));
+const char* w4_offset_variant(W4Offset o) {
+  switch (o) {
+    case W4Offset::None: return "none";
+    case W4Offset::ZeroPoint: return "zp";
+    case W4Offset::Bias: return "bias";
+  }
+  TORCH_CHECK(false, "torch_lowbit metal: no 4-bit kernel for offset kind ", int(o));
+}
+
+std::string w4_kernel_name(const char* base, at::ScalarType dtype, const W4Weight& w) {
+  const std::string variant = std::string(w4_scale_variant(w.scale_enc)) + "_" + w4_offset_variant(w.offset_kind());
+  return kernel_name(base, dtype, variant.c_str());
 }
 
 W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags) {
@@ -36,7 +42,6 @@ W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags) {
     p.group_shift = 0;
     while ((1u << p.group_shift) != p.group) p.group_shift++;
   }
-  p.offset_kind = uint32_t(w.offset_kind());
   const int64_t rb = w.row_bytes();
   p.flags = flags | (vector_access_ok(kW4CodesVecBytes, rb, {w.codes}) ? kW4CodesVec : 0u) |
             (vector_access_ok(kW4CodesWordBytes, rb, {w.codes}) ? kW4CodesWord : 0u) |

@@ -12,7 +12,7 @@ at::Tensor plan_w4_dequantize(Target t, const at::Tensor& codes, const at::Tenso
   at::Tensor out = at::empty({w.N, w.K}, codes.options().dtype(dtype));
   if (out.numel() == 0) return out;
   const W4Params p = w4_params(w, 0, 0u);
-  Dispatch d(w4_kernel_name("w4_dequantize", dtype, w.scale_enc));
+  Dispatch d(w4_kernel_name("w4_dequantize", dtype, w));
   bind_w4_weight(d, w);
   d.buffer("out", out, Access::Write).value("params", p);
   d.grid({checked_u32("grid x", ceil_div(ceil_div(w.K, 8), kW4DequantizeThreadsX)),

@@ -48,7 +48,7 @@ at::Tensor plan_w4_mm(Target t, const at::Tensor& x, const at::Tensor& codes, co
   if (a.bias) p.bias_dtype = kernel_dtype_code(a.bias->scalar_type());
 
   const W4MmKernel k = choose_w4_mm_kernel(M);
-  Dispatch d(w4_kernel_name(pick_kernel(kW4MmKernels, k, t.caps), a.x.scalar_type(), a.w.scale_enc));
+  Dispatch d(w4_kernel_name(pick_kernel(kW4MmKernels, k, t.caps), a.x.scalar_type(), a.w));
   d.buffer("x", a.x);
   bind_w4_weight(d, a.w);
   // without a bias the kernel never reads [[buffer(5)]]; bind the codes there so it is never unbound

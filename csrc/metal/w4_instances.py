@@ -9,7 +9,9 @@ DTYPES = ("float", "half", "bfloat")
 # lowbit::W4Scale -> (kernel-name suffix, metal/w4.h decode struct), in W4Scale order
 SCALES = (("f32", "W4ScaleF32"), ("f16", "W4ScaleF16"), ("bf16", "W4ScaleBF16"), ("e4m3", "W4ScaleE4M3"),
           ("e8m0", "W4ScaleE8M0"))
-# file -> [(host_name base, template function, extra template arguments after <T, S>)]
+# lowbit::W4Offset -> (kernel-name suffix, metal/w4.h offset struct), in W4Offset order
+OFFSETS = (("none", "W4OffsetNone"), ("zp", "W4OffsetZeroPoint"), ("bias", "W4OffsetBias"))
+# file -> [(host_name base, template function, extra template arguments after <T, S, O>)]
 KERNELS = {
     "metal/w4_gemv.metal": [("w4_gemv", "w4_gemv", ", 1"), ("w4_gemv_rows", "w4_gemv", ", kW4GemvRows")],
     "metal/w4_gemm.metal": [("w4_gemm", "w4_gemm", "")],
@@ -24,9 +26,11 @@ def lines(path):
     out = []
     for base, func, extra in KERNELS[path]:
         for dtype in DTYPES:
-            for suffix, scale in SCALES:
-                f = f"{func}<{dtype}, {scale}{extra}>"
-                out.append(f'template [[host_name("{base}_{dtype}_{suffix}")]] [[kernel]] decltype({f}) {f};')
+            for scale_suffix, scale in SCALES:
+                for offset_suffix, offset in OFFSETS:
+                    f = f"{func}<{dtype}, {scale}, {offset}{extra}>"
+                    name = f"{base}_{dtype}_{scale_suffix}_{offset_suffix}"
+                    out.append(f'template [[host_name("{name}")]] [[kernel]] decltype({f}) {f};')
     return out
 
 
