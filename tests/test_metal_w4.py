@@ -177,6 +177,17 @@ def test_mm_unaligned_buffers(backend, M):
     run_mm(backend, x, w)
 
 
+@pytest.mark.parametrize("backend", metal_backends(rev=False))
+@pytest.mark.parametrize("M", [1, 5, 40])
+def test_mm_strided_x_and_scales(backend, M):
+    g = _gen("strided", M)
+    N, K = 6, 64
+    x = _x((M, 2 * K), torch.float16, g)[:, ::2]
+    w = W4("int4_zp_bf16", N, K, g)
+    w.scale = torch.cat([w.scale, w.scale], 1)[:, ::2]
+    run_mm(backend, x, w)
+
+
 # NaN and inf activations propagate as in float64 (inf times a zero weight is NaN); a NaN or infinite scale
 # makes only its own column NaN / inf, also in the GEMV lanes and GEMM tiles that pad past K with zeros.
 @pytest.mark.parametrize("backend", metal_backends())
