@@ -125,4 +125,44 @@ struct Int8MmParams {
   uint bias_dtype;     // LowbitDtype
 };
 
+// ---- 4-bit weights (w4_mm, w4_dequantize, w4_mm_t; csrc/w4_formats.h) ----
+// w4_gemv: kW4GemvSimdgroups simdgroups of kW4GemvCols output columns each, 4 weight rows per threadgroup (N =
+// 1024 is 256 threadgroups, >= 4 per core of a 40-core GPU, as the fp8 decode GEMV); w4_gemv_rows runs
+// kW4GemvRows activation rows per pass. Each lane reads kW4GemvLaneBytes code bytes (32 codes) of a row per step.
+LOWBIT_CONSTANT uint kW4GemvSimdgroups = 2;
+LOWBIT_CONSTANT uint kW4GemvCols = 2;
+LOWBIT_CONSTANT uint kW4GemvRows = 8;
+LOWBIT_CONSTANT uint kW4GemvLaneBytes = 16;
+// w4_gemm and w4_mm_t_gemm: a 32 x 32 output tile, 4 simdgroups of 2 x 2 8x8 accumulators (the fp8 GEMM's geometry)
+LOWBIT_CONSTANT uint kW4GemmTile = 32;
+LOWBIT_CONSTANT uint kW4GemmThreads = 128;
+// w4_dequantize: one thread per 8 codes of a row, threadgroups of kW4DequantizeThreadsX x kW4DequantizeThreadsY
+LOWBIT_CONSTANT uint kW4DequantizeThreadsX = 64;
+LOWBIT_CONSTANT uint kW4DequantizeThreadsY = 4;
+LOWBIT_CONSTANT uint kW4NoShift = 0xFFFFFFFFu;
+
+// W4Params::flags
+LOWBIT_CONSTANT uint kW4CodesVecBytes = 16;  // the GEMV's code loads (uint4)
+LOWBIT_CONSTANT uint kW4CodesWordBytes = 4;  // the GEMM's and the dequantize's code loads (uint)
+LOWBIT_CONSTANT uint kW4XVecBytes = 16;      // activation loads (vec<T, 4> / float4)
+enum W4Flags : uint {
+  kW4CodesVec = 1u,         // rows of codes (ceil(K/2) bytes) start 16-byte aligned: uint4 code loads
+  kW4CodesWord = 2u,        // rows of codes start 4-byte aligned: uint code loads
+  kW4XVec = 4u,             // rows of x / grad_out start 16-byte aligned: vector loads
+  kW4HasBias = 8u,          // w4_mm: bias [N] (of dtype bias_dtype) is bound and added
+  kW4HasGlobalScale = 16u,  // global_scale (fp32 [1]) is bound and multiplies the product
+};
+
+// One 4-bit weight [N, K] and the product's sizes. The format reaches the kernels only as its value table and
+// the kernel variant of its scale encoding and offset kind (metal/w4.h): no kernel names a format.
+struct W4Params {
+  uint M, N, K;       // M: rows of x (w4_mm) or grad_out (w4_mm_t); 0 for w4_dequantize
+  uint G;             // groups per row, ceil(K / group)
+  uint group;         // group size, at most K (a group spanning K is per channel)
+  uint group_shift;   // log2(group) when a power of two, else kW4NoShift
+  uint flags;         // W4Flags
+  uint bias_dtype;    // LowbitDtype (w4_mm with kW4HasBias)
+  float values[16];   // the value of each 4-bit code
+};
+
 LOWBIT_PARAMS_NAMESPACE_END

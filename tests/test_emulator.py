@@ -22,6 +22,7 @@ GUARANTEES = os.path.join(E.PLANTED, "emu_guarantees.metal")
 DEQUANT_BUG = os.path.join(E.PLANTED, "fp8_dequantize_tail_bug.metal")
 RULES = os.path.join(E.PLANTED, "metal_rules.metal")
 CONVERTING_LOAD = os.path.join(E.PLANTED, "simdgroup_load_converting.metal")
+MMA_BARRIER = os.path.join(E.PLANTED, "mma_barrier.metal")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,26 @@ def test_missing_barrier_is_caught_in_one_of_the_orders(lib):
     # N = 6 with 4 rows per threadgroup: the last threadgroup has idle simdgroups, as in real dispatches
     results = [close(*run_gemv(lib, "gemv_tiled_bug_no_barrier", 6, 300, reverse=r), 300) for r in (False, True)]
     assert not all(results)
+
+
+def run_mma_tiles(kernel, reverse, steps=3):
+    x = np.random.default_rng(0).standard_normal(steps * 64).astype(np.float32)
+    out = np.zeros(128, np.float32)
+    E.Library(E.build([MMA_BARRIER])).run(kernel, [x, out, np.array([steps], np.uint32)], grid=(1,), tg=(64,),
+                                          outputs=(1,), reverse=reverse)
+    return out, np.tile(x.reshape(steps, 64).astype(np.float64).sum(0), 2)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_mma_tiles_with_barriers_pass(reverse):
+    assert np.allclose(*run_mma_tiles("mma_tiles_ok", reverse), rtol=1e-6, atol=1e-6)
+
+
+def test_missing_barrier_after_an_mma_is_caught_in_the_reverse_order():
+    """Lockstep rounds cannot show it (each simdgroup's tile reads end in an MMA all simdgroups reach in one
+    round); the reverse order runs the simdgroups one at a time from barrier to barrier, as a GPU may."""
+    results = [np.allclose(*run_mma_tiles("mma_tiles_bug_no_barrier", r), rtol=1e-6, atol=1e-6) for r in (False, True)]
+    assert results == [True, False]
 
 
 def test_barrier_skipped_by_returning_threads_is_reported(lib):

@@ -26,6 +26,8 @@ TILES = {"fp8_gemv_rows_": (8, 16), "fp8_gemv_": (1, 4), "fp8_gemm_": (32, 32), 
 # the transposed products (out [M, K]): rows of grad_out, columns of out
 for _op in ("fp8_mm_t_", "int8_weight_mm_t_"):
     TILES.update({_op + "gemv_rows_": (8, 128), _op + "gemv_": (1, 128), _op + "gemm_": (32, 32)})
+# 4-bit: w4_mm (rows of x, columns of out), w4_mm_t (rows of grad_out, columns of out [M, K])
+TILES.update({"w4_gemv_rows_": (8, 4), "w4_gemv_": (1, 4), "w4_gemm_": (32, 32), "w4_mm_t_gemm_": (32, 32)})
 
 
 def tile_of(kernel):
@@ -123,6 +125,79 @@ def test_transposed_grids_at_llama_70b_sizes(op, M, K, N):
     assert r["grid"] == (math.ceil(K / cols), math.ceil(M / rows), 1)
     assert u32s(r, 4) == (M, N, K, 3)  # flags: 4-byte weight loads, vector loads of grad_out
     assert r["buffers"]["weight"]["nbytes"] == N * K
+
+
+# ---------------------------------------------------------------------------------------------- 4-bit
+W4_GROUP = {"nvfp4": 16, "int4": 128}
+
+
+def w4_weight(fmt, N, K):
+    """codes, scale, group_size, offset, global_scale on META: nvfp4 (e4m3 bits per 16, a global scale) or int4
+    (bf16 scale and int8 zero point per 128)."""
+    group = W4_GROUP[fmt]
+    G = math.ceil(K / group)
+    codes = torch.empty(N, (K + 1) // 2, dtype=torch.uint8, device=META)
+    if fmt == "nvfp4":
+        return codes, torch.empty(N, G, dtype=torch.uint8, device=META), group, None, torch.empty(1, device=META)
+    return (codes, torch.empty(N, G, dtype=torch.bfloat16, device=META), group,
+            torch.empty(N, G, dtype=torch.int8, device=META), None)
+
+
+def w4_params(r):
+    """M, N, K, G, group, group_shift, flags of a w4 dispatch's W4Params"""
+    return u32s(r, 7)
+
+
+# flags: 16-byte and 4-byte code loads, vector activation loads (1 | 2 | 4), and the global scale (16)
+W4_FLAGS = {"nvfp4": 1 | 2 | 4 | 16, "int4": 1 | 2 | 4}
+W4_PARAMS = {"nvfp4": (16, 4), "int4": (128, 7)}  # group, its log2
+W4_VARIANT = {"nvfp4": "_e4m3_none", "int4": "_bf16_zp"}  # scale encoding, offset kind
+
+
+@pytest.mark.parametrize("M", [1, 5, 4096])
+@pytest.mark.parametrize("K,N", LLAMA_70B)
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_w4_mm_grids_at_llama_70b_sizes(fmt, M, K, N):
+    codes, scale, group, offset, gs = w4_weight(fmt, N, K)
+    out, recs = run("w4_mm", torch.empty(M, K, dtype=torch.bfloat16, device=META), codes, scale, fmt, group, offset,
+                    gs, None)
+    assert out.shape == (M, N) and len(recs) == 1
+    r = recs[0]
+    rows, cols = tile_of(r["kernel"])
+    assert r["kernel"].endswith("_bfloat" + W4_VARIANT[fmt])
+    assert r["grid"] == (math.ceil(N / cols), math.ceil(M / rows), 1)
+    assert w4_params(r) == (M, N, K, math.ceil(K / group)) + W4_PARAMS[fmt] + (W4_FLAGS[fmt],)
+    assert r["buffers"]["codes"]["nbytes"] == N * K // 2
+
+
+@pytest.mark.parametrize("M", [1, 4096])
+@pytest.mark.parametrize("K,N", LLAMA_70B)
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_w4_mm_t_grids_at_llama_70b_sizes(fmt, M, K, N):
+    codes, scale, group, offset, gs = w4_weight(fmt, N, K)
+    out, (r,) = run("w4_mm_t", torch.empty(M, N, dtype=torch.bfloat16, device=META), codes, scale, fmt, group, K,
+                    offset, gs)
+    assert out.shape == (M, K) and r["kernel"] == "w4_mm_t_gemm_bfloat" + W4_VARIANT[fmt]
+    rows, cols = tile_of(r["kernel"])
+    assert r["grid"] == (math.ceil(K / cols), math.ceil(M / rows), 1) and r["threads"] == (128, 1, 1)
+    assert w4_params(r) == (M, N, K, math.ceil(K / group)) + W4_PARAMS[fmt] + (W4_FLAGS[fmt],)
+
+
+@pytest.mark.parametrize("N,K", [(28672, 8192), (8192, 28672), (128256, 8192)])
+def test_w4_dequantize_grid_at_llama_70b_sizes(N, K):
+    codes, scale, group, offset, gs = w4_weight("nvfp4", N, K)
+    out, (r,) = run("w4_dequantize", codes, scale, "nvfp4", group, K, offset, gs, torch.bfloat16)
+    assert out.shape == (N, K) and r["kernel"] == "w4_dequantize_bfloat_e4m3_none"
+    assert r["grid"] == (math.ceil(K / 8 / 64), math.ceil(N / 4), 1) and r["threads"] == (64, 4, 1)
+
+
+@pytest.mark.parametrize("x_off,c_off,flags", [(0, 0, 7), (8, 0, 7), (4, 0, 3), (0, 4, 6), (0, 1, 4), (1, 3, 0)])
+def test_w4_vector_loads_need_aligned_buffers(x_off, c_off, flags):
+    M, N, K = 1, 32, 256
+    x = view_at(x_off, (M, K), torch.bfloat16)  # 16-byte aligned at a multiple of 8 elements
+    codes = view_at(c_off, (N, K // 2), torch.uint8)
+    _, (r,) = run("w4_mm", x, codes, torch.empty(N, K // 32, device=META), "int4", 32, None, None, None)
+    assert w4_params(r)[6] == flags
 
 
 # ---------------------------------------------------------------------------------------------- MoE

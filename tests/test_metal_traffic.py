@@ -90,7 +90,8 @@ def test_gemvs_meet_the_occupancy_and_activation_reuse_goals():
     per weight byte for the multi-row fp8 GEMV at M = 8 (bf16)."""
     if not torch_lowbit.emulator.trace_available():
         pytest.skip("no traffic build of the emulator in this install")
-    chosen = [c for c in MT.cases(64, 512, small_N=1024, rows=8) if "N=1024" in c.label or c.act_goal]
+    chosen = [c for c in MT.cases(64, 512, small_N=1024, rows=8)
+              if ("N=1024" in c.label and not c.op.startswith("w4")) or c.act_goal]
     assert len(chosen) == 3
     with torch_lowbit.emulator.traced() as trace:
         for case in chosen:
@@ -99,3 +100,33 @@ def test_gemvs_meet_the_occupancy_and_activation_reuse_goals():
                 assert m.act_per_weight <= MT.ACT_PER_WEIGHT_GOAL, case.label
             else:
                 assert m.tg_per_core(40) >= MT.TG_PER_CORE_GOAL, case.label
+
+
+def test_w4_gemv_reads_codes_and_scales_once_in_full_lines():
+    """The 4-bit GEMV (M = 1) at N = 1024: 1.00x the ideal bytes (codes + scales + offsets, activations), >= 90% of
+    every 128-byte line its code loads touch used, >= 4 threadgroups per core of a 40-core GPU; for nvfp4 (e4m3
+    scales per 16, a global scale) and int4 (bf16 scales and int8 zero points per 128). K = 1280: a row of 640
+    bytes (whole lines, as at every Llama size), so the last 512-byte step of each row is partial."""
+    if not torch_lowbit.emulator.trace_available():
+        pytest.skip("no traffic build of the emulator in this install")
+    chosen = [c for c in MT.cases(64, 1280, small_N=1024) if c.op == "w4_mm" and c.decode and "N=1024" in c.label]
+    assert len(chosen) == 2
+    with torch_lowbit.emulator.traced() as trace:
+        for case in chosen:
+            m = MT.measure(case, trace)
+            variant = "e4m3_none" if "nvfp4" in case.label else "bf16_zp"
+            assert [r["kernel"] for r in m.launches] == ["w4_gemv_bfloat_" + variant]
+            assert m.read_ratio == pytest.approx(1.0, abs=0.005), case.label
+            assert m.line_use >= MT.LINE_USE_GOAL, case.label
+            assert m.tg_per_core(40) >= MT.TG_PER_CORE_GOAL, case.label
+
+
+def test_w4_gemm_reads_each_code_once_per_tile_column():
+    """One 32-row tile of the 4-bit GEMM: each code byte is read by the one threadgroup of its 32 output columns."""
+    if not torch_lowbit.emulator.trace_available():
+        pytest.skip("no traffic build of the emulator in this install")
+    (case,) = [c for c in MT.cases(64, 256) if c.op == "w4_mm" and not c.decode]
+    with torch_lowbit.emulator.traced() as trace:
+        m = MT.measure(case, trace)
+    assert [r["kernel"] for r in m.launches] == ["w4_gemm_bfloat_e4m3_none"]
+    assert m.read_ratio == pytest.approx(1.0, abs=0.01)

@@ -15,7 +15,8 @@ def available() -> bool:
 
 @contextlib.contextmanager
 def reversed_thread_order():
-    """Run the threads of every emulated threadgroup in reverse order inside this block.
+    """Run the threads of every emulated threadgroup in reverse order inside this block, and its simdgroups one
+    at a time (the last first) from barrier to barrier, as a GPU may schedule them.
 
     A kernel whose result depends on the order threads happen to run in (a missing barrier, a race on
     threadgroup memory, lanes assumed to run in lockstep) gives different results in the two orders.
@@ -33,7 +34,7 @@ class DryRun:
 
     @property
     def ops(self):
-        """``torch.ops.lowbit_dryrun``: the five ops, to be called on meta tensors."""
+        """``torch.ops.lowbit_dryrun``: every op with a Metal plan (csrc/metal/planned_ops.h), on meta tensors."""
         import torch
         return torch.ops.lowbit_dryrun
 

@@ -99,7 +99,8 @@ static const size_t kPage = size_t(sysconf(_SC_PAGESIZE));
 // threadgroup epochs, unique across launches: a worker's first threadgroup must not match a threadgroup
 // array's epoch left from an earlier launch on the same OS thread (it would skip the poisoning)
 static std::atomic<unsigned long> g_epoch{0};
-// MSL_EMU_SCHED=rev runs the fibers of a round in reverse thread order (shakes out different races)
+// MSL_EMU_SCHED=rev runs the fibers of a round in reverse thread order and the simdgroups one at a time, the last
+// first, from barrier to barrier (shakes out different races)
 // (the test suite flips it per launch through msl_emu_set_reverse)
 static std::atomic<bool> g_reverse{[] { const char* e = getenv("MSL_EMU_SCHED"); return e && std::string(e) == "rev"; }()};
 
@@ -301,9 +302,15 @@ static void run_threadgroup(Worker& w, Launch& L, u3 tg) {
   }
   w.in_tg = true;
   const bool reverse = g_reverse.load();
+  // In reverse order the simdgroups also run one at a time, the last first, each until all its lanes wait at a
+  // threadgroup_barrier or have finished: a schedule a GPU may run (one simdgroup far ahead of the others) that
+  // lockstep rounds never produce. It shows a missing barrier between the simdgroups' reads of threadgroup
+  // memory and its next overwrite, which rounds hide when those reads end in a simd collective (an MMA).
+  uint32_t running_sg = nsg - 1;
   for (;;) {
     for (uint32_t i = 0; i < T; i++) {
       const uint32_t t = reverse ? T - 1 - i : i;
+      if (reverse && t / 32 != running_sg) continue;
       if (w.ctx[t].state == RUNNABLE) {
         tl_cur = &w.ctx[t];
 #ifdef MSL_FAST_SWITCH
@@ -315,6 +322,7 @@ static void run_threadgroup(Worker& w, Launch& L, u3 tg) {
     }
     tl_cur = nullptr;
     bool progress = false, live = false;
+    for (uint32_t t = 0; t < T; t++) live |= w.ctx[t].state != DONE;
     for (uint32_t s = 0; s < nsg; s++) {  // simd collectives, per simdgroup and call site
       ThreadCtx* lanes[32];
       int n = 0, nlive = 0;
@@ -322,7 +330,6 @@ static void run_threadgroup(Worker& w, Launch& L, u3 tg) {
         if (w.ctx[t].state != DONE) nlive++;
         if (w.ctx[t].state == AT_SIMD) lanes[n++] = &w.ctx[t];
       }
-      live |= nlive > 0;
       if (n == 0) continue;
       progress = true;
       if (n != nlive || !std::all_of(lanes, lanes + n, [&](ThreadCtx* c) { return same_site(*c, *lanes[0]); })) {
@@ -346,6 +353,11 @@ static void run_threadgroup(Worker& w, Launch& L, u3 tg) {
     }
     if (!live) break;
     if (progress) continue;
+    if (reverse && running_sg > 0) {  // this simdgroup waits at the barrier or is done: run the next one
+      running_sg--;
+      continue;
+    }
+    running_sg = nsg - 1;
     // every live thread waits at a threadgroup_barrier
     ThreadCtx* first = nullptr;
     int ndone = 0;

@@ -2,7 +2,7 @@
 // op pattern (aten/src/ATen/native/mps/operations/*.mm): encode on the stream's command encoder inside
 // dispatch_sync_with_rethrow on the stream's serial queue; never a private queue, a wait, a commit or an
 // endEncoding (the stream owns the command buffer and coalesces our kernels with its own), nor a CPU copy.
-// It also registers the five ops for the MPS dispatch key. macOS only (setup.py adds *.mm on darwin).
+// It also registers every planned op (planned_ops.h) for the MPS dispatch key. macOS only (setup.py adds *.mm on darwin).
 //
 // Checked on Linux by tests/test_mps_launcher_check.py: clang compiles this file in Objective-C++ mode
 // against tests/launcher_stubs/ (the Apple declarations used here) and the installed torch's own headers.

@@ -56,6 +56,28 @@ struct PlannedOps {
     return plan_int8_weight_mm_t(Target{l, HostVisible, l.caps()}, grad_out, wq, w_scale);
   }
 
+  static at::Tensor w4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                          c10::string_view format, int64_t group_size, const std::optional<at::Tensor>& offset,
+                          const std::optional<at::Tensor>& global_scale, const std::optional<at::Tensor>& bias) {
+    L l;
+    return plan_w4_mm(Target{l, HostVisible, l.caps()}, x, codes, scale, std::string(format), group_size, offset,
+                      global_scale, bias);
+  }
+  static at::Tensor w4_dequantize(const at::Tensor& codes, const at::Tensor& scale, c10::string_view format,
+                                  int64_t group_size, c10::SymInt K, const std::optional<at::Tensor>& offset,
+                                  const std::optional<at::Tensor>& global_scale, at::ScalarType dtype) {
+    L l;
+    return plan_w4_dequantize(Target{l, HostVisible, l.caps()}, codes, scale, std::string(format), group_size,
+                              K.expect_int(), offset, global_scale, dtype);
+  }
+  static at::Tensor w4_mm_t(const at::Tensor& grad_out, const at::Tensor& codes, const at::Tensor& scale,
+                            c10::string_view format, int64_t group_size, c10::SymInt K,
+                            const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& global_scale) {
+    L l;
+    return plan_w4_mm_t(Target{l, HostVisible, l.caps()}, grad_out, codes, scale, std::string(format), group_size,
+                        K.expect_int(), offset, global_scale);
+  }
+
   static void register_all(torch::Library& m) {
     m.impl("fp8_mm", &fp8_mm);
     m.impl("fp8_dequantize", &fp8_dequantize);
@@ -65,6 +87,9 @@ struct PlannedOps {
     m.impl("fp8_mm_t", &fp8_mm_t);
     m.impl("fp8_grouped_mm_t", &fp8_grouped_mm_t);
     m.impl("int8_weight_mm_t", &int8_weight_mm_t);
+    m.impl("w4_mm", &w4_mm);
+    m.impl("w4_dequantize", &w4_dequantize);
+    m.impl("w4_mm_t", &w4_mm_t);
   }
 };
 

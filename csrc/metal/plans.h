@@ -110,6 +110,19 @@ at::Tensor plan_fp8_grouped_mm_t(Target t, const at::Tensor& grad_out, const at:
 
 at::Tensor plan_int8_weight_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale);
 
+// 4-bit weights (csrc/w4_formats.h; shared plan code: plan_w4.h)
+at::Tensor plan_w4_mm(Target t, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                      const std::string& format, int64_t group_size, const std::optional<at::Tensor>& offset,
+                      const std::optional<at::Tensor>& global_scale, const std::optional<at::Tensor>& bias);
+
+at::Tensor plan_w4_dequantize(Target t, const at::Tensor& codes, const at::Tensor& scale, const std::string& format,
+                              int64_t group_size, int64_t K, const std::optional<at::Tensor>& offset,
+                              const std::optional<at::Tensor>& global_scale, at::ScalarType dtype);
+
+at::Tensor plan_w4_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& codes, const at::Tensor& scale,
+                        const std::string& format, int64_t group_size, int64_t K,
+                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& global_scale);
+
 at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq,
                         const at::Tensor& w_scale, const std::optional<at::Tensor>& bias,
                         std::optional<at::ScalarType> out_dtype);

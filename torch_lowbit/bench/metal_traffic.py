@@ -17,7 +17,7 @@ GPU thread and groups them into SIMD instructions. Per op call and shape it prin
              reaches the core's L1) per weight byte loaded: a GEMV that reloads its activation rows in every
              simdgroup spends more load bandwidth on them than on the weights
 
-Goals for the decode kernels (M = 1 fp8 GEMV, grouped decode, int8 GEMV): read <= 1.02 x ideal, line use
+Goals for the decode kernels (M = 1 fp8 GEMV, grouped decode, int8 GEMV, 4-bit GEMV): read <= 1.02 x ideal, line use
 >= 90% and >= 4 threadgroups per core (also at N = 1024, a Llama-3-8B k/v projection); for the multi-row fp8
 GEMV (M = 8): act/w <= 1 (pass/fail columns). Ops whose Metal kernel does not exist yet are listed and skipped.
 """
@@ -32,7 +32,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-WEIGHT_ARGS = ("weight", "wq")  # the schemas' names of the weight argument; plans name the buffer after them
+WEIGHT_ARGS = ("weight", "wq", "codes")  # the schemas' names of the weight argument; plans name the buffer after them
 ACTIVATION_ARGS = ("x", "xq")
 SECTOR = 32
 READ_GOAL = 1.02
@@ -144,6 +144,10 @@ def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024
         go, w, s, _ = a
         return nbytes(go) + nbytes(w) + nbytes(s)
 
+    def w4_mm_ideal(a):
+        xx, codes, s, _fmt, _group, offset, gscale, bias = a
+        return nbytes(xx) + nbytes(codes) + nbytes(s) + nbytes(offset) + nbytes(gscale) + nbytes(bias)
+
     def dequant_ideal(a):
         w, s, _, _ = a
         return nbytes(w) + nbytes(s)
@@ -163,7 +167,22 @@ def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024
                         torch.randint(-127, 128, (n, K), dtype=torch.int8, generator=gen),
                         torch.rand(n, generator=gen) + 0.5, None, torch.bfloat16)
 
+    def w4_mm(M, n, fmt):
+        """w4_mm args: nvfp4 (e4m3 scale per 16, global scale) or int4 (bf16 scale and int8 zero point per 128)."""
+        codes = torch.randint(0, 256, (n, (K + 1) // 2), dtype=torch.uint8, generator=gen)
+        if fmt == "nvfp4":
+            G = (K + 15) // 16
+            return lambda: (x(M), codes, torch.randint(0x28, 0x48, (n, G), dtype=torch.uint8, generator=gen), fmt,
+                            16, None, torch.ones(1), None)
+        G = (K + 127) // 128
+        return lambda: (x(M), codes, (torch.rand(n, G, generator=gen) + 0.5).to(torch.bfloat16), fmt, 128,
+                        torch.randint(-8, 8, (n, G), dtype=torch.int8, generator=gen), None, None)
+
     return [
+        *[Case(f"w4_mm M=1 N={n} K={K} {fmt} bf16", "w4_mm", w4_mm(1, n, fmt), w4_mm_ideal, True)
+          for fmt in ("nvfp4", "int4") for n in (N, small_N)],
+        # one 32-row tile of the GEMM: every code byte is read by the one threadgroup of its tile column
+        Case(f"w4_mm M=32 N={N} K={K} nvfp4 bf16", "w4_mm", w4_mm(32, N, "nvfp4"), w4_mm_ideal, False),
         Case(f"fp8_mm M=1 N={N} K={K} per-channel bf16", "fp8_mm", fp8_mm_channel(1, N), fp8_mm_ideal, True),
         Case(f"fp8_mm M=1 N={small_N} K={K} per-channel bf16", "fp8_mm", fp8_mm_channel(1, small_N), fp8_mm_ideal,
              True),

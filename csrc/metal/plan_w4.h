@@ -1,0 +1,24 @@
+// The plan code shared by the 4-bit ops (plan_w4_mm.cpp, plan_w4_dequantize.cpp, plan_w4_mm_t.cpp): kernel names,
+// the params struct, the weight's buffers. Kernels: metal/w4*.
+#pragma once
+#include "metal/plans.h"
+
+namespace lowbit::metal {
+
+// "f32", "f16", "bf16", "e4m3", "e8m0" and "none", "zp", "bias": the parts of a w4 kernel's name for its scale
+// encoding and offset kind (the list of variants is csrc/metal/w4_instances.py, which writes the instantiations)
+const char* w4_scale_variant(W4Scale s);
+const char* w4_offset_variant(W4Offset o);
+
+// <base>_<dtype>_<scale>_<offset> for weight w, e.g. "w4_gemv_bfloat_e4m3_none" for nvfp4 and bf16 activations
+std::string w4_kernel_name(const char* base, at::ScalarType dtype, const W4Weight& w);
+
+// The params of weight w for a product with M rows (0 for w4_dequantize): sizes, the format's value table, the
+// code-load flags; `flags` adds the op's own (kW4XVec, kW4HasBias, ...).
+W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags);
+
+// Binds the weight's four buffers in kernel order: codes, scale, offset, global_scale. An absent offset or global
+// scale binds the scale in its place (never read: the params say it is absent), so no buffer is ever unbound.
+void bind_w4_weight(Dispatch& d, const W4Weight& w);
+
+}  // namespace lowbit::metal
