@@ -94,23 +94,44 @@ def _fp8_layer_scheme(name, q, scheme):
     return layer_scheme
 
 
+def _read_bias(src, name, linear, dev, dtype, used, report):
+    if linear.bias is None:
+        return None
+    bkey = f"{name}.bias"
+    if bkey not in src:
+        report.missing_keys.append(bkey)
+        return None
+    b = src.get(bkey)
+    if tuple(b.shape) != (linear.out_features,):
+        raise CheckpointError(f"{bkey} has shape {list(b.shape)}, expected [{linear.out_features}]")
+    used.add(bkey)
+    return b.to(device=dev, dtype=dtype or (linear.bias.dtype if linear.bias.is_floating_point() else torch.bfloat16))
+
+
+def _swap_w4_linear(model, name, linear, w, src, device, dtype, used, report):
+    """A 4-bit weight (:class:`~torch_lowbit.formats.tensors.W4Weight`) as a W4Linear, its tensors as stored."""
+    from ..nn.w4_linear import W4Linear
+
+    dev = _target_device(device, linear.weight)
+    bias = _read_bias(src, name, linear, dev, dtype, used, report)
+    move = (lambda t: None if t is None else t.to(dev))
+    try:
+        layer = W4Linear.from_quantized(move(w.packed), move(w.scale), format=w.format, group_size=w.group_size,
+                                        in_features=w.in_features, bias=bias, weight_offset=move(w.offset),
+                                        weight_scale_2=move(w.global_scale))
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{name}: the checkpoint's 4-bit weight does not make a W4Linear: {e}") from None
+    model.set_submodule(name, layer)
+    report.converted[name] = w.describe()
+    used.update(w.keys)
+
+
 def _swap_linear(model, name, linear, q, src, device, dtype, used, report, fmt, activations):
     from ..nn import Fp8Linear, Int8Linear
     from .._storage import to_fp8_storage
 
     dev = _target_device(device, linear.weight)
-    bias = None
-    if linear.bias is not None:
-        bkey = f"{name}.bias"
-        if bkey in src:
-            b = src.get(bkey)
-            if tuple(b.shape) != (linear.out_features,):
-                raise CheckpointError(f"{bkey} has shape {list(b.shape)}, expected [{linear.out_features}]")
-            bias = b.to(device=dev, dtype=dtype or (linear.bias.dtype if linear.bias.is_floating_point()
-                                                     else torch.bfloat16))
-            used.add(bkey)
-        else:
-            report.missing_keys.append(bkey)
+    bias = _read_bias(src, name, linear, dev, dtype, used, report)
     scheme = fmt.activation_scheme(name)
     if scheme is not None:
         report.activations[name] = scheme
@@ -146,9 +167,14 @@ def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, 
             report.missing_keys.extend(keys)
             continue
         key = found[0]
-        if tuple(src.shape(key)) != tuple(old.shape):
+        dense = None if fmt.format is None else fmt.format.dense_tensor(src, fmt, key, tuple(old.shape))
+        if dense is not None:  # stored packed (MLX's quantized embeddings): dequantized once, here
+            value, keys_read = dense
+            used.update(keys_read)
+        elif tuple(src.shape(key)) != tuple(old.shape):
             raise CheckpointError(f"{key} has shape {list(src.shape(key))} but the model expects {list(old.shape)}")
-        value = src.get(key)
+        else:
+            value = src.get(key)
         used.update(found)
         if value.dtype in (torch.float8_e4m3fn, torch.int8) and old.is_floating_point():
             value = _upcast_unscaled(key, value, src, fmt, used)
@@ -267,6 +293,14 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
         for name, mod in list(model.named_modules()):
             if not _is_plain_linear(mod) or _inside(name, done):
                 continue
+            w4 = None if fmt.format is None else fmt.format.w4_weight(src, fmt, name,
+                                                                        (mod.out_features, mod.in_features))
+            if w4 is not None:
+                if fmt.is_ignored(name):
+                    raise CheckpointError(f"{name} holds a 4-bit weight but is in the checkpoint's ignore list")
+                _swap_w4_linear(model, name, mod, w4, src, device, dtype, used, report)
+                done.add(name)
+                continue
             wkey = f"{name}.weight"
             if wkey not in src:
                 continue
@@ -304,8 +338,9 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
 
 def _refuse_unused_quantized(src: Source, fmt: QuantFormat, unused: List[str], original):
     """A quantized weight (or its scale) that went nowhere means a module of the checkpoint was not filled."""
-    bad = [k for k in unused if (k.endswith(".weight") and src.dtype(k) in QUANTIZED_DTYPES)
-           or k.endswith(f".{fmt.scale_key}")]
+    bad = [k for k in unused if (k.endswith(".weight") and (src.dtype(k) in QUANTIZED_DTYPES
+                                                             or src.dtype(k) == torch.uint32))
+           or k.endswith((f".{fmt.scale_key}", ".weight_packed"))]
     if not bad:
         return
     modules = sorted({k.rsplit(".", 1)[0] for k in bad})
