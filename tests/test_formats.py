@@ -314,8 +314,17 @@ def test_unknown_quant_method():
 def test_unsupported_compressed_tensors_format():
     sd, _ = make_checkpoint(_source_model(), "ct-fp8-channel")
     cfg = config_for("ct-fp8-channel")
-    cfg["quantization_config"]["format"] = "pack-quantized"
-    with pytest.raises(CheckpointError, match="'pack-quantized' is not supported"):
+    cfg["quantization_config"]["format"] = "marlin-24"
+    with pytest.raises(CheckpointError, match="'marlin-24' is not supported"):
+        load_quantized(_model(), sd, config=cfg)
+
+
+@pytest.mark.parametrize("ct_format", ["pack-quantized", "nvfp4-pack-quantized"])
+def test_8bit_weights_in_a_4bit_compressed_tensors_format_are_refused_by_name(ct_format):
+    sd, _ = make_checkpoint(_source_model(), "ct-fp8-channel")
+    cfg = config_for("ct-fp8-channel")
+    cfg["quantization_config"]["format"] = ct_format
+    with pytest.raises(CheckpointError, match=f"8-bit float weights in format '{ct_format}' are not supported"):
         load_quantized(_model(), sd, config=cfg)
 
 

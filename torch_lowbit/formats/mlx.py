@@ -67,7 +67,9 @@ class Mlx(CheckpointFormat):
             if v is False:
                 overrides.append(((name,), None))
             elif isinstance(v, dict):
-                overrides.append(((name,), _args({**{k: qc[k] for k in CONFIG_KEYS}, "mode": default.mode, **v},
+                # mlx_lm writes null for what the module takes from the defaults
+                given = {k: x for k, x in v.items() if x is not None}
+                overrides.append(((name,), _args({**{k: qc[k] for k in CONFIG_KEYS}, "mode": default.mode, **given},
                                                  f"{at}.{name}")))
             elif v is not True:
                 raise CheckpointError(f"{at}.{name} must be a per-module quantization dict or a bool, got "
@@ -96,6 +98,8 @@ class Mlx(CheckpointFormat):
             raise CheckpointError(f"{skey} must be {' / '.join(str(d) for d in scale_dtypes)} of shape [{N}, {G}] "
                                   f"(mode {args.mode!r}, groups of {args.group_size} along K = {K}), got "
                                   f"{scale.dtype} of shape {list(scale.shape)}")
+        if f"{prefix}.global_scale" in src:
+            raise CheckpointError(f"{prefix}.global_scale: MLX weights with a global scale are not supported")
         keys, offset = [wkey, skey], None
         if args.mode == "affine":
             if bkey not in src:
