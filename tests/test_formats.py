@@ -401,8 +401,8 @@ def test_not_a_quantized_checkpoint():
 
 def test_modelopt_non_fp8_algorithm_is_refused():
     sd, _ = make_checkpoint(_source_model(), "modelopt-tensor")
-    with pytest.raises(CheckpointError, match="ModelOpt quant_algo 'NVFP4' is not supported"):
-        load_quantized(_model(), sd, config={"quantization": {"quant_algo": "NVFP4"}})
+    with pytest.raises(CheckpointError, match="ModelOpt quant_algo 'W4A16_AWQ' is not supported"):
+        load_quantized(_model(), sd, config={"quantization": {"quant_algo": "W4A16_AWQ"}})
 
 
 # ----------------------------------------------------------------------------------------- 4-bit checkpoints
@@ -649,3 +649,34 @@ def test_mlx_affine_without_biases_is_refused_by_name():
     with pytest.raises(CheckpointError, match=r"a\.biases is missing: MLX affine weights are q \* scale \+ bias"):
         load_quantized(_TwoLinears(K=64), {f"a.{k}": v for k, v in ta.items()},
                        config={"quantization": {"group_size": 32, "bits": 4}})
+
+
+def test_modelopt_nvfp4_loads_weights_only_and_says_so(tmp_path):
+    """ModelOpt's NVFP4 export: compressed-tensors' nvfp4 layout under the plain names, weight_scale_2 a multiplier."""
+    K = 64
+    model = _TwoLinears(K=K)
+    sd, want = {"a.bias": torch.randn(W4_N)}, {}
+    for name, seed in (("a", 0), ("b", 3)):
+        t, w = _ct_fp4("nvfp4", W4_N, K, seed=seed)  # divisor 3.0: ModelOpt stores the multiplier 1/3 instead
+        sd.update({f"{name}.weight": t["weight_packed"], f"{name}.weight_scale": t["weight_scale"],
+                   f"{name}.weight_scale_2": torch.tensor(0.25), f"{name}.input_scale": torch.tensor(0.5)})
+        want[name] = w * 3.0 * 0.25
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                            "exclude_modules": ["lm_head"]}}))
+    report = load_quantized(model, tmp_path, dtype=torch.float32, strict=True)
+    assert report.format == "modelopt" and report.converted == {n: "W4Linear(nvfp4, group 16)" for n in "ab"}
+    for name in "ab":
+        layer = model.get_submodule(name)
+        assert torch.equal(layer.weight_scale_2, torch.tensor([0.25]))
+        assert torch.equal(layer.dequantize(torch.float32).double(), want[name])  # e2m1 * e4m3 * 2^-2: exact
+    assert any("NVFP4 activations (W4A4)" in n and "run W4A16" in n for n in report.notes)
+
+
+def test_modelopt_nvfp4_with_a_wrong_scale_shape_is_refused_by_name():
+    t, _ = _ct_fp4("nvfp4", W4_N, 64)
+    sd = {"a.weight": t["weight_packed"], "a.weight_scale": t["weight_scale"][:, :3],
+          "a.weight_scale_2": torch.tensor(1.0)}
+    with pytest.raises(CheckpointError, match=r"a\.weight_scale must be torch\.float8_e4m3fn of shape \[24, 4\]"):
+        load_quantized(_TwoLinears(K=64), sd, config={"quantization": {"quant_algo": "NVFP4"}})

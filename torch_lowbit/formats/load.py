@@ -108,9 +108,13 @@ def _read_bias(src, name, linear, dev, dtype, used, report):
     return b.to(device=dev, dtype=dtype or (linear.bias.dtype if linear.bias.is_floating_point() else torch.bfloat16))
 
 
-def _swap_w4_linear(model, name, linear, w, src, device, dtype, used, report):
+def _swap_w4_linear(model, name, linear, w, src, device, dtype, used, report, fmt):
     """A 4-bit weight (:class:`~torch_lowbit.formats.tensors.W4Weight`) as a W4Linear, its tensors as stored."""
     from ..nn.w4_linear import W4Linear
+
+    scheme = fmt.activation_scheme(name)
+    if scheme is not None:  # W4Linear computes W4A16 whatever the checkpoint was written for: the report says so
+        report.activations[name] = scheme
 
     dev = _target_device(device, linear.weight)
     bias = _read_bias(src, name, linear, dev, dtype, used, report)
@@ -298,7 +302,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             if w4 is not None:
                 if fmt.is_ignored(name):
                     raise CheckpointError(f"{name} holds a 4-bit weight but is in the checkpoint's ignore list")
-                _swap_w4_linear(model, name, mod, w4, src, device, dtype, used, report)
+                _swap_w4_linear(model, name, mod, w4, src, device, dtype, used, report, fmt)
                 done.add(name)
                 continue
             wkey = f"{name}.weight"
@@ -388,8 +392,9 @@ def _add_notes(fmt: QuantFormat, report: LoadReport, activations: str):
         else:
             why = ("Fp8Experts quantizes no activations" if kind == "Fp8Experts"
                    else "torch_lowbit does not run this activation scheme")
-            report.notes.append(f"the checkpoint was written for {words} activations; {n} run W8A16 (weights only) "
-                                f"whatever activations= says: {why}")
+            weights_only = "W4A16" if kind == "W4Linear" else "W8A16"
+            report.notes.append(f"the checkpoint was written for {words} activations; {n} run {weights_only} "
+                                f"(weights only) whatever activations= says: {why}")
     if any(v.startswith("Int8Linear") for v in report.converted.values()) and not any(
             k[1] == "Int8Linear" and k[0] != "int8-dynamic-token" for k in by_scheme):
         report.notes.append("Int8Linear quantizes activations per token at run time (dynamic INT8)")
