@@ -1,6 +1,7 @@
 """Checkpoint formats: detection, loading into torch_lowbit layers (vs the float64 model with the dequantized
 weights), ignore lists, the report, and every error path."""
 import json
+import re
 import os
 
 import pytest
@@ -680,3 +681,13 @@ def test_modelopt_nvfp4_with_a_wrong_scale_shape_is_refused_by_name():
           "a.weight_scale_2": torch.tensor(1.0)}
     with pytest.raises(CheckpointError, match=r"a\.weight_scale must be torch\.float8_e4m3fn of shape \[24, 4\]"):
         load_quantized(_TwoLinears(K=64), sd, config={"quantization": {"quant_algo": "NVFP4"}})
+
+
+def test_4bit_moe_experts_are_refused_by_name():
+    model = TinyLM(moe=(4, 2))
+    experts = next(n for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    t, _ = _ct_int4(80, 48, 16, False)
+    sd = {f"{experts}.0.gate_proj.{k}": v for k, v in t.items()}
+    with pytest.raises(CheckpointError, match=rf"{re.escape(experts)}\.0\.gate_proj\.weight_packed: 4-bit MoE experts "
+                                              rf"\(compressed-tensors\) are not supported yet"):
+        load_quantized(model, sd, config=_ct_w4_config("pack-quantized", _int4_args(16, False)))

@@ -269,7 +269,7 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
     real (``parameters_on_meta``: no dense weight is ever allocated), loads the checkpoint with
     :func:`torch_lowbit.load_quantized` (transformers' own key renaming for the architecture; quantized layers
-    become Fp8Linear / Int8Linear / Fp8Experts), and moves it to `device` (default: mps if available, else cpu).
+    become Fp8Linear / Int8Linear / W4Linear / Fp8Experts), and moves it to `device` (default: mps if available, else cpu).
     Returns the model in eval mode, on which ``model.generate(...)`` runs; with ``return_report=True``,
     ``(model, LoadReport)``.
 

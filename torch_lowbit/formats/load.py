@@ -235,8 +235,11 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     Each ``nn.Linear`` whose checkpoint weight is float8_e4m3fn (or int8 for compressed-tensors W8A8) and that
     the checkpoint's ignore list (``ignore`` / ``modules_to_not_convert`` / ``exclude_modules``: exact names,
     dotted component runs, fnmatch wildcards, ``re:`` regexes) does not name becomes an ``Fp8Linear`` /
-    ``Int8Linear``; MoE experts modules become ``Fp8Experts`` (see ``torch_lowbit.formats.moe``). Everything else
-    (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``. device: where the loaded
+    ``Int8Linear``; one whose checkpoint weight is 4-bit (compressed-tensors pack-quantized / nvfp4 / mxfp4,
+    ModelOpt NVFP4, MLX) becomes a ``W4Linear`` holding the stored codes and scales (W4A16);
+    MoE experts modules become ``Fp8Experts`` (see ``torch_lowbit.formats.moe``; 4-bit experts are refused).
+    Everything else (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``; MLX's
+    quantized embeddings are dequantized once, into the dense embedding. device: where the loaded
     tensors go (default: where each model tensor is, cpu for meta). dtype: dtype of the high-precision
     parameters and biases (default: each model tensor's own). strict: raise if any key is unused or missing.
     Where stderr is a terminal, a line a second says how many tensors have been read.
