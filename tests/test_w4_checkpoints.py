@@ -18,7 +18,7 @@ LAYER_LINEARS = 7 * W4.LAYERS  # q, k, v, o, gate, up, down per layer
 LLMC_CASES = [("llama", scheme) for scheme in W4.LLMC_SCHEMES] + [("qwen3", "W4A16_ASYM"), ("qwen3", "NVFP4A16")]
 MLX_CASES = [("llama", "affine-g64"), ("qwen3", "affine-g64"), ("llama", "affine-g32"), ("llama", "mxfp4"),
              ("llama", "nvfp4")]
-W4_FORMAT = {"W4A16": "int4", "W4A16_ASYM": "int4", "GPTQ": "int4", "NVFP4A16": "nvfp4"}
+W4_FORMAT = {"W4A16": "int4", "W4A16_ASYM": "int4", "GPTQ": "int4", "NVFP4A16": "nvfp4", "MXFP4A16": "mxfp4"}
 
 
 @pytest.fixture(scope="session")

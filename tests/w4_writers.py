@@ -1,5 +1,5 @@
 """Real writers of 4-bit checkpoints, for the tests: llmcompressor 0.14 (``oneshot`` with W4A16, W4A16_ASYM,
-NVFP4A16, and GPTQ on a tiny calibration set) and ``mlx_lm.convert -q`` (MLX affine 4-bit at two group sizes,
+NVFP4A16, MXFP4A16, and GPTQ on a tiny calibration set) and ``mlx_lm.convert -q`` (MLX affine 4-bit at two group sizes,
 mxfp4, nvfp4), on tiny Llama and Qwen3 models saved by transformers.
 
 llmcompressor pins transformers <= 5.17 and compressed-tensors 0.19, so neither it nor mlx goes into the test
@@ -9,7 +9,8 @@ subprocess with PYTHONPATH pointing there. Without a reachable package index the
 (TORCH_LOWBIT_CI=1), where they fail.
 
 References, independent of torch_lowbit: compressed-tensors checkpoints dequantized in float64 by the writer's
-formula (its own unpack helpers, ``(q - zp) * scale`` per group, ``e2m1 * (scale / global_scale)``) and loaded
+formula (its own unpack helpers, ``(q - zp) * scale`` per group, ``e2m1 * (scale / global_scale)``,
+``e2m1 * 2^(e8m0 - 127)``) and loaded
 dense by transformers; MLX checkpoints dequantized by mlx's own ``mx.dequantize``.
 """
 import hashlib
@@ -107,7 +108,7 @@ def write_dense(arch, path, seed=0):
 
 
 # ------------------------------------------------------------------------------------------------ llmcompressor
-LLMC_SCHEMES = ("W4A16", "W4A16_ASYM", "NVFP4A16", "GPTQ")  # GPTQ: W4A16 weights by GPTQModifier
+LLMC_SCHEMES = ("W4A16", "W4A16_ASYM", "NVFP4A16", "MXFP4A16", "GPTQ")  # GPTQ: W4A16 weights by GPTQModifier
 
 _LLMC_SCRIPT = """
     import json, sys, torch, transformers
@@ -166,7 +167,10 @@ def ct_float64_reference(path, out):
         else:
             N, K = v.shape[0], v.shape[1] * 2
             q = unpack_fp4_from_uint8(v, N, K, dtype=torch.float32).double()
-            s = scale.float().double() / sd[base + "_global_scale"].double()
+            if group["format"] == "mxfp4-pack-quantized":  # E8M0: 2 ** (bits - 127)
+                s = torch.pow(2.0, scale.double() - 127)
+            else:
+                s = scale.float().double() / sd[base + "_global_scale"].double()
         dense[base] = (q * s.repeat_interleave(-(-K // s.shape[1]), 1)[:, :K]).float()
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
