@@ -691,3 +691,16 @@ def test_4bit_moe_experts_are_refused_by_name():
     with pytest.raises(CheckpointError, match=rf"{re.escape(experts)}\.0\.gate_proj\.weight_packed: 4-bit MoE experts "
                                               rf"\(compressed-tensors\) are not supported yet"):
         load_quantized(model, sd, config=_ct_w4_config("pack-quantized", _int4_args(16, False)))
+
+
+def test_packed_4bit_words_become_w4linear_bytes_without_a_copy():
+    """Eight codes per 32-bit word are already W4Linear's byte layout: the layer holds the checkpoint's memory."""
+    ta, _ = _ct_int4(W4_N, 64, 32, False)
+    tm, _, _ = _mlx_module(W4_N, 64, 32, 0)
+    model = _TwoLinears(K=64)
+    load_quantized(model, {**{f"a.{k}": v for k, v in ta.items()}},
+                   config=_ct_w4_config("pack-quantized", _int4_args(32, False)))
+    assert model.a.weight_packed.data_ptr() == ta["weight_packed"].data_ptr()
+    model = _TwoLinears(K=64)
+    load_quantized(model, {f"b.{k}": v for k, v in tm.items()}, config={"quantization": {"group_size": 32, "bits": 4}})
+    assert model.b.weight_packed.data_ptr() == tm["weight"].data_ptr()

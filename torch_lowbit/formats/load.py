@@ -22,8 +22,9 @@ from .tensors import read_quantized
 class LoadReport:
     """What load_quantized did.
 
-    format: the detected format (modelopt, compressed-tensors, fp8, fbgemm_fp8, diffusion-fp8).
-    converted: module name -> what it became (e.g. ``"Fp8Linear(block 128x128)"``, ``"Int8Linear(channel)"``).
+    format: the detected format (modelopt, compressed-tensors, fp8, fbgemm_fp8, mlx, diffusion-fp8).
+    converted: module name -> what it became (e.g. ``"Fp8Linear(block 128x128)"``, ``"Int8Linear(channel)"``,
+    ``"W4Linear(int4, group 128, zero points)"``).
     high_precision: name of each nn.Linear / experts module loaded unquantized -> why (in the ignore list, or
     stored unquantized in the checkpoint).
     unused_keys: checkpoint tensors that went nowhere. missing_keys: model tensors the checkpoint did not provide
