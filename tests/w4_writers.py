@@ -162,7 +162,8 @@ def ct_float64_reference(path, out):
             q = unpack_from_int32(v, 4, torch.Size([N, K])).double()
             zkey = base + "_zero_point"
             if zkey in sd:
-                q = q - unpack_from_int32(sd[zkey], 4, torch.Size([N, scale.shape[1]]), packed_dim=0).double().repeat_interleave(-(-K // scale.shape[1]), 1)[:, :K]
+                zp = unpack_from_int32(sd[zkey], 4, torch.Size([N, scale.shape[1]]), packed_dim=0).double()
+                q = q - zp.repeat_interleave(-(-K // scale.shape[1]), 1)[:, :K]
             s = scale.double()
         else:
             N, K = v.shape[0], v.shape[1] * 2

@@ -231,7 +231,8 @@ def model_tensors(layers) -> Tuple[Dict[str, torch.Tensor], Dict[str, tuple]]:
                                      f"compressed-tensors' 4-bit zero points cannot store")
                 codes = (z + 8).to(torch.uint8).t().contiguous()  # [G, N]: packed along N
                 pairs = torch.nn.functional.pad(codes, (0, N % 2)).view(G, -1, 2)
-                out[f"{name}.weight_zero_point"] = nibble_words(pairs[..., 0] | (pairs[..., 1] << 4), N).t().contiguous()
+                zp_bytes = pairs[..., 0] | (pairs[..., 1] << 4)
+                out[f"{name}.weight_zero_point"] = nibble_words(zp_bytes, N).t().contiguous()
             schemes[name] = ("int4", strategy, group, symmetric)
         else:
             out[f"{name}.weight_packed"] = layer.weight_packed.detach().cpu().contiguous()
@@ -247,13 +248,13 @@ def model_tensors(layers) -> Tuple[Dict[str, torch.Tensor], Dict[str, tuple]]:
 
 
 def scheme_config(key: tuple) -> dict:
-    """The config group of a :func:`scheme_key`."""
+    """The config group of a module's key from :func:`model_tensors` (format, strategy, group size, symmetric)."""
     fmt, strategy, group, symmetric = key
     w = {"num_bits": 4, "type": "int" if fmt == "int4" else "float", "strategy": strategy, "group_size": group,
          "symmetric": symmetric, "dynamic": False, "block_structure": None, "actorder": None}
     if fmt == "int4" and not symmetric:
         w["zp_dtype"] = "torch.int8"
-    if fmt == "nvfp4":
-        w["scale_dtype"] = "torch.float8_e4m3fn"
+    if fmt != "int4":  # as llmcompressor records them
+        w["scale_dtype"] = "torch.float8_e4m3fn" if fmt == "nvfp4" else "torch.uint8"
     return {"weights": w, "input_activations": None, "output_activations": None,
             "format": "pack-quantized" if fmt == "int4" else f"{fmt}-pack-quantized"}
