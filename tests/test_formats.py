@@ -1,6 +1,7 @@
 """Checkpoint formats: detection, loading into torch_lowbit layers (vs the float64 model with the dequantized
 weights), ignore lists, the report, and every error path."""
 import json
+import re
 import os
 
 import pytest
@@ -314,8 +315,17 @@ def test_unknown_quant_method():
 def test_unsupported_compressed_tensors_format():
     sd, _ = make_checkpoint(_source_model(), "ct-fp8-channel")
     cfg = config_for("ct-fp8-channel")
-    cfg["quantization_config"]["format"] = "pack-quantized"
-    with pytest.raises(CheckpointError, match="'pack-quantized' is not supported"):
+    cfg["quantization_config"]["format"] = "marlin-24"
+    with pytest.raises(CheckpointError, match="'marlin-24' is not supported"):
+        load_quantized(_model(), sd, config=cfg)
+
+
+@pytest.mark.parametrize("ct_format", ["pack-quantized", "nvfp4-pack-quantized"])
+def test_8bit_weights_in_a_4bit_compressed_tensors_format_are_refused_by_name(ct_format):
+    sd, _ = make_checkpoint(_source_model(), "ct-fp8-channel")
+    cfg = config_for("ct-fp8-channel")
+    cfg["quantization_config"]["format"] = ct_format
+    with pytest.raises(CheckpointError, match=f"8-bit float weights in format '{ct_format}' are not supported"):
         load_quantized(_model(), sd, config=cfg)
 
 
@@ -392,5 +402,305 @@ def test_not_a_quantized_checkpoint():
 
 def test_modelopt_non_fp8_algorithm_is_refused():
     sd, _ = make_checkpoint(_source_model(), "modelopt-tensor")
-    with pytest.raises(CheckpointError, match="ModelOpt quant_algo 'NVFP4' is not supported"):
-        load_quantized(_model(), sd, config={"quantization": {"quant_algo": "NVFP4"}})
+    with pytest.raises(CheckpointError, match="ModelOpt quant_algo 'W4A16_AWQ' is not supported"):
+        load_quantized(_model(), sd, config={"quantization": {"quant_algo": "W4A16_AWQ"}})
+
+
+# ----------------------------------------------------------------------------------------- 4-bit checkpoints
+# Small hand-written files of each 4-bit layout: codes packed here by plain arithmetic (word = sum of code << 4j),
+# weights compared with the float64 formula of each writer. The real writers' files: test_w4_checkpoints.py.
+W4_N, W4_K = 24, 70  # K: not a multiple of 8 (a padded word) nor of the group (a partial group)
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self, N=W4_N, K=W4_K, vocab=None):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, K) if vocab else None
+        self.a = nn.Linear(K, N)
+        self.b = nn.Linear(K, N, bias=False)
+
+
+def _codes(N, K, seed):
+    return torch.randint(0, 16, (N, K), generator=torch.Generator().manual_seed(seed))
+
+
+def _words(codes, along_rows=False):
+    """int32 words of eight 4-bit codes each along K (or along N: compressed-tensors' zero points)."""
+    c = codes.t() if along_rows else codes
+    R, C = c.shape
+    padded = torch.zeros(R, -(-C // 8) * 8, dtype=torch.int64)
+    padded[:, :C] = c
+    w = (padded.view(R, -1, 8) << (4 * torch.arange(8))).sum(-1)
+    w = torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+    return w.t().contiguous() if along_rows else w
+
+
+def _ct_int4(N, K, group, asym, seed=0):
+    """compressed-tensors pack-quantized tensors of one module and the float64 weight they mean."""
+    G = -(-K // group)
+    codes = _codes(N, K, seed)
+    scale = torch.rand(N, G, generator=torch.Generator().manual_seed(seed + 1)) * 0.1 + 0.01
+    zp = torch.randint(-8, 8, (N, G), generator=torch.Generator().manual_seed(seed + 2)) if asym else None
+    t = {"weight_packed": _words(codes), "weight_scale": scale, "weight_shape": torch.tensor([N, K])}
+    q = (codes - 8).double()
+    if asym:
+        t["weight_zero_point"] = _words(zp + 8, along_rows=True)
+        q = q - zp.double().repeat_interleave(group, 1)[:, :K]
+    return t, q * scale.double().repeat_interleave(group, 1)[:, :K]
+
+
+def _fp4_bytes(codes):
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+
+
+def _ct_fp4(fmt, N, K, seed=0):
+    group = 16 if fmt == "nvfp4" else 32
+    G = K // group
+    codes = _codes(N, K, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    if fmt == "nvfp4":
+        scale = (torch.rand(N, G, generator=g) * 4 + 0.1).to(torch.float8_e4m3fn)
+        t = {"weight_packed": _fp4_bytes(codes), "weight_scale": scale, "weight_global_scale": torch.tensor([3.0])}
+        s = scale.double() / 3.0
+    else:
+        bits = torch.randint(120, 131, (N, G), generator=g).to(torch.uint8)
+        t = {"weight_packed": _fp4_bytes(codes), "weight_scale": bits}
+        s = torch.pow(2.0, bits.double() - 127)
+    return t, E2M1[codes] * s.repeat_interleave(group, 1)
+
+
+def _ct_w4_config(ct_format, weights, ignore=()):
+    return {"quantization_config": {"quant_method": "compressed-tensors", "format": ct_format,
+                                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+                                    "ignore": list(ignore)}}
+
+
+def _int4_args(group, asym):
+    return {"num_bits": 4, "type": "int", "symmetric": not asym, "dynamic": False,
+            "strategy": "group" if group else "channel", "group_size": group}
+
+
+def _w4_state_dict(per_module, model):
+    sd = {f"{m}.{k}": v for m, t in per_module.items() for k, v in t.items()}
+    sd["a.bias"] = torch.randn(W4_N)
+    return sd
+
+
+@pytest.mark.parametrize("group,asym", [(32, False), (32, True), (None, False), (None, True), (16, True)])
+def test_ct_pack_quantized_int4_loads_the_writers_weights_exactly(group, asym):
+    ta, wa = _ct_int4(W4_N, W4_K, group or W4_K, asym, seed=0)
+    tb, wb = _ct_int4(W4_N, W4_K, group or W4_K, asym, seed=5)
+    model = _TwoLinears()
+    sd = _w4_state_dict({"a": ta, "b": tb}, model)
+    report = load_quantized(model, sd, config=_ct_w4_config("pack-quantized", _int4_args(group, asym)),
+                            dtype=torch.float32, strict=True)
+    assert report.format == "compressed-tensors" and set(report.converted) == {"a", "b"}
+    for name, want in (("a", wa), ("b", wb)):
+        layer = model.get_submodule(name)
+        assert isinstance(layer, tlnn.W4Linear) and layer.format == "int4"
+        assert (layer.weight_offset is not None) == asym and layer.weight_scale.dtype == torch.float32
+        # (q - zp) is an integer: its product with an fp32 scale is the float64 value rounded once
+        assert torch.equal(layer.dequantize(torch.float32), want.float())
+    assert torch.equal(model.a.bias, sd["a.bias"])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_ct_fp4_pack_quantized_loads_the_writers_weights(fmt):
+    K = 64
+    ta, wa = _ct_fp4(fmt, W4_N, K, seed=0)
+    tb, wb = _ct_fp4(fmt, W4_N, K, seed=3)
+    model = _TwoLinears(K=K)
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False,
+               "strategy": "tensor_group" if fmt == "nvfp4" else "group", "group_size": 16 if fmt == "nvfp4" else 32}
+    load_quantized(model, _w4_state_dict({"a": ta, "b": tb}, model),
+                   config=_ct_w4_config(f"{fmt}-pack-quantized", weights), dtype=torch.float32, strict=True)
+    for name, want in (("a", wa), ("b", wb)):
+        layer = model.get_submodule(name)
+        assert isinstance(layer, tlnn.W4Linear) and layer.format == fmt
+        got = layer.dequantize(torch.float32).double()
+        if fmt == "mxfp4":
+            assert torch.equal(got, want)
+        else:  # e2m1 * s * fp32(1 / 3): within two fp32 roundings of e2m1 * (s / 3)
+            assert torch.allclose(got, want, rtol=2 ** -22, atol=0)
+            assert torch.equal(layer.weight_scale_2, torch.tensor([1 / 3.0]))
+
+
+def _mlx_module(N, K, group, seed, mode="affine"):
+    codes = _codes(N, K, seed)
+    G = K // group
+    g = torch.Generator().manual_seed(seed + 1)
+    if mode == "affine":
+        scales, biases = torch.rand(N, G, generator=g) * 0.1, torch.randn(N, G, generator=g) * 0.1
+        t = {"weight": _words(codes).view(torch.uint32), "scales": scales, "biases": biases}
+        return t, codes.double() * scales.double().repeat_interleave(group, 1) + biases.double().repeat_interleave(
+            group, 1), codes.double() * scales.double().repeat_interleave(group, 1)
+    bits = torch.randint(120, 131, (N, G), generator=g).to(torch.uint8)  # mxfp4: e8m0
+    return ({"weight": _words(codes).view(torch.uint32), "scales": bits},
+            E2M1[codes] * torch.pow(2.0, bits.double() - 127).repeat_interleave(group, 1), None)
+
+
+def _assert_affine_close(got, want, product):
+    """q * s + b in fp32: the product and the sum each rounded once (or one fused rounding)."""
+    bound = 2 ** -24 * (product.abs() + want.abs()) * 1.0001
+    assert bool(((got.double() - want).abs() <= bound).all()), float((got.double() - want).abs().max())
+
+
+def test_mlx_affine_loads_linears_as_w4linear_and_the_embedding_dequantized():
+    K, V = 64, 40
+    ta, wa, pa = _mlx_module(W4_N, K, 32, 0)
+    te, we, pe = _mlx_module(V, K, 32, 7)
+    model = _TwoLinears(K=K, vocab=V)
+    sd = {**{f"a.{k}": v for k, v in ta.items()}, **{f"emb.{k}": v for k, v in te.items()},
+          "a.bias": torch.randn(W4_N), "b.weight": torch.randn(W4_N, K)}
+    config = {"quantization": {"group_size": 32, "bits": 4, "b": False}}  # older mlx_lm: "quantization" only
+    report = load_quantized(model, sd, config=config, dtype=torch.float32, strict=True)
+    assert report.format == "mlx" == str(detect_format(sd, config=config))
+    assert report.converted == {"a": "W4Linear(uint4, group 32, biases)"}
+    assert report.high_precision == {"b": "in the ignore list"}
+    assert isinstance(model.a, tlnn.W4Linear) and model.a.format == "uint4"
+    _assert_affine_close(model.a.dequantize(torch.float32), wa, pa)
+    assert type(model.emb) is nn.Embedding  # no matmul: dequantized once at load
+    _assert_affine_close(model.emb.weight, we, pe)
+
+
+def test_mlx_mxfp4_mode_and_per_module_overrides(tmp_path):
+    K = 64
+    ta, wa, _ = _mlx_module(W4_N, K, 32, 0, mode="mxfp4")
+    tb, wb, pb = _mlx_module(W4_N, K, 32, 4, mode="affine")
+    model = _TwoLinears(K=K)
+    sd = {**{f"a.{k}": v for k, v in ta.items()}, **{f"b.{k}": v for k, v in tb.items()}, "a.bias": torch.randn(W4_N)}
+    q = {"group_size": 32, "bits": 4, "mode": "mxfp4", "b": {"group_size": None, "bits": 4, "mode": "affine"}}
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization": q, "quantization_config": q}))
+    report = load_quantized(model, tmp_path, dtype=torch.float32, strict=True)
+    assert report.converted == {"a": "W4Linear(mxfp4, group 32)", "b": "W4Linear(uint4, group 32, biases)"}
+    assert torch.equal(model.a.dequantize(torch.float32).double(), wa)
+    _assert_affine_close(model.b.dequantize(torch.float32), wb, pb)
+
+
+def _int4_case(**over):
+    ta, _ = _ct_int4(W4_N, W4_K, 32, True)
+    tb, _ = _ct_int4(W4_N, W4_K, 32, True, seed=5)
+    sd = _w4_state_dict({"a": ta, "b": tb}, None)
+    args = {**_int4_args(32, True), **over}
+    return sd, _ct_w4_config("pack-quantized", args)
+
+
+def _bad_int4(edit, **over):
+    sd, config = _int4_case(**over)
+    edit(sd)
+    return sd, config
+
+
+W4_BAD_FILES = {
+    "words per row": (lambda: _bad_int4(lambda sd: sd.update({"a.weight_packed": sd["a.weight_packed"][:, :8]})),
+                      r"a\.weight_packed has 8 words per row, expected ceil\(70 / 8\) = 9"),
+    "scale missing": (lambda: _bad_int4(lambda sd: sd.pop("b.weight_scale")),
+                      r"its scale b\.weight_scale is missing"),
+    "scale shape": (lambda: _bad_int4(lambda sd: sd.update({"a.weight_scale": sd["a.weight_scale"][:, :2]})),
+                    r"a\.weight_scale has shape \[24, 2\], expected \[24, 3\]"),
+    "zero points missing": (lambda: _bad_int4(lambda sd: sd.pop("a.weight_zero_point")),
+                            r"a\.weight_zero_point is missing: the config says these weights are asymmetric"),
+    "weight_shape": (lambda: _bad_int4(lambda sd: sd.update({"b.weight_shape": torch.tensor([24, 72])})),
+                     r"b\.weight_shape = \[24, 72\] but the model's layer b expects \[24, 70\]"),
+    "8-bit": (lambda: _int4_case(num_bits=8), r"8-bit int weights in format 'pack-quantized' are not supported"),
+    "actorder group": (lambda: _int4_case(actorder="group"), r"actorder 'group' is not supported"),
+    "tensor strategy": (lambda: _int4_case(strategy="tensor"), r"strategy 'tensor' is not supported for 4-bit"),
+    "g_idx permuted": (lambda: _bad_int4(lambda sd: sd.update({"a.weight_g_idx": torch.arange(W4_K).flip(0) // 32})),
+                       r"a\.weight_g_idx permutes the input features"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(W4_BAD_FILES))
+def test_bad_4bit_compressed_tensors_files_are_refused_by_name(case):
+    make, message = W4_BAD_FILES[case]
+    sd, config = make()
+    with pytest.raises(CheckpointError, match=message):
+        load_quantized(_TwoLinears(), sd, config=config)
+
+
+def test_nvfp4_without_its_global_scale_is_refused_by_name():
+    ta, _ = _ct_fp4("nvfp4", W4_N, 64)
+    del ta["weight_global_scale"]
+    weights = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    with pytest.raises(CheckpointError, match=r"a\.weight_global_scale is missing"):
+        load_quantized(_TwoLinears(K=64), {f"a.{k}": v for k, v in ta.items()},
+                       config=_ct_w4_config("nvfp4-pack-quantized", weights))
+
+
+@pytest.mark.parametrize("quantization,message", [
+    ({"group_size": 64, "bits": 8}, r"bits is 8: torch_lowbit reads 4-bit MLX weights only"),
+    ({"group_size": 64, "bits": 2}, r"bits is 2: torch_lowbit reads 4-bit MLX weights only"),
+    ({"group_size": 32, "bits": 8, "mode": "mxfp8"}, r"mode 'mxfp8' is not supported"),
+    ({"group_size": 64, "bits": 4, "mode": "mxfp4"}, r"group_size must be 32 for mode 'mxfp4'"),
+    ({"group_size": 32, "bits": 4, "a": {"bits": 6}}, r"quantization\.a\.bits is 6"),
+])
+def test_unsupported_mlx_quantization_is_refused_by_name(quantization, message):
+    ta, _, _ = _mlx_module(W4_N, 64, 32, 0)
+    with pytest.raises(CheckpointError, match=message):
+        load_quantized(_TwoLinears(K=64), {f"a.{k}": v for k, v in ta.items()}, config={"quantization": quantization})
+
+
+def test_mlx_affine_without_biases_is_refused_by_name():
+    ta, _, _ = _mlx_module(W4_N, 64, 32, 0)
+    del ta["biases"]
+    with pytest.raises(CheckpointError, match=r"a\.biases is missing: MLX affine weights are q \* scale \+ bias"):
+        load_quantized(_TwoLinears(K=64), {f"a.{k}": v for k, v in ta.items()},
+                       config={"quantization": {"group_size": 32, "bits": 4}})
+
+
+def test_modelopt_nvfp4_loads_weights_only_and_says_so(tmp_path):
+    """ModelOpt's NVFP4 export: compressed-tensors' nvfp4 layout under the plain names, weight_scale_2 a multiplier."""
+    K = 64
+    model = _TwoLinears(K=K)
+    sd, want = {"a.bias": torch.randn(W4_N)}, {}
+    for name, seed in (("a", 0), ("b", 3)):
+        t, w = _ct_fp4("nvfp4", W4_N, K, seed=seed)  # divisor 3.0: ModelOpt stores the multiplier 1/3 instead
+        sd.update({f"{name}.weight": t["weight_packed"], f"{name}.weight_scale": t["weight_scale"],
+                   f"{name}.weight_scale_2": torch.tensor(0.25), f"{name}.input_scale": torch.tensor(0.5)})
+        want[name] = w * 3.0 * 0.25
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                                                            "exclude_modules": ["lm_head"]}}))
+    report = load_quantized(model, tmp_path, dtype=torch.float32, strict=True)
+    assert report.format == "modelopt" and report.converted == {n: "W4Linear(nvfp4, group 16)" for n in "ab"}
+    for name in "ab":
+        layer = model.get_submodule(name)
+        assert torch.equal(layer.weight_scale_2, torch.tensor([0.25]))
+        assert torch.equal(layer.dequantize(torch.float32).double(), want[name])  # e2m1 * e4m3 * 2^-2: exact
+    assert any("NVFP4 activations (W4A4)" in n and "run W4A16" in n for n in report.notes)
+
+
+def test_modelopt_nvfp4_with_a_wrong_scale_shape_is_refused_by_name():
+    t, _ = _ct_fp4("nvfp4", W4_N, 64)
+    sd = {"a.weight": t["weight_packed"], "a.weight_scale": t["weight_scale"][:, :3],
+          "a.weight_scale_2": torch.tensor(1.0)}
+    with pytest.raises(CheckpointError, match=r"a\.weight_scale must be torch\.float8_e4m3fn of shape \[24, 4\]"):
+        load_quantized(_TwoLinears(K=64), sd, config={"quantization": {"quant_algo": "NVFP4"}})
+
+
+def test_4bit_moe_experts_are_refused_by_name():
+    model = TinyLM(moe=(4, 2))
+    experts = next(n for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    t, _ = _ct_int4(80, 48, 16, False)
+    sd = {f"{experts}.0.gate_proj.{k}": v for k, v in t.items()}
+    with pytest.raises(CheckpointError, match=rf"{re.escape(experts)}\.0\.gate_proj\.weight_packed: 4-bit MoE experts "
+                                              rf"\(compressed-tensors\) are not supported yet"):
+        load_quantized(model, sd, config=_ct_w4_config("pack-quantized", _int4_args(16, False)))
+
+
+def test_packed_4bit_words_become_w4linear_bytes_without_a_copy():
+    """Eight codes per 32-bit word are already W4Linear's byte layout: the layer holds the checkpoint's memory."""
+    ta, _ = _ct_int4(W4_N, 64, 32, False)
+    tm, _, _ = _mlx_module(W4_N, 64, 32, 0)
+    model = _TwoLinears(K=64)
+    load_quantized(model, {**{f"a.{k}": v for k, v in ta.items()}},
+                   config=_ct_w4_config("pack-quantized", _int4_args(32, False)))
+    assert model.a.weight_packed.data_ptr() == ta["weight_packed"].data_ptr()
+    model = _TwoLinears(K=64)
+    load_quantized(model, {f"b.{k}": v for k, v in tm.items()}, config={"quantization": {"group_size": 32, "bits": 4}})
+    assert model.b.weight_packed.data_ptr() == tm["weight"].data_ptr()

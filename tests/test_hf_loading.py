@@ -291,6 +291,55 @@ def test_torch_lowbit_config_survives_transformers_save_and_reload_of_its_dict()
     assert type(again) is type(config) and again.to_dict() == config.to_dict()
 
 
+@pytest.mark.parametrize("weights,kwargs,error,match", [
+    ("nvfp4", {"group_size": 32}, ValueError, r"group_size=32 does not apply to weights='nvfp4' \(its groups are 16\)"),
+    ("fp8", {"group_size": 64}, ValueError, r"group_size=64 does not apply to weights='fp8'"),
+    ("uint4", {"group_size": None}, ValueError, r"group_size must be a positive int for weights='uint4', got None"),
+    ("int4", {"group_size": 0}, ValueError, r"group_size must be a positive int or None \(per channel\) for "
+                                            r"weights='int4', got 0"),
+    ("mxfp4", {"symmetric": False}, ValueError, r"symmetric=False \(zero points\) is for weights='int4', not "
+                                                r"'mxfp4'"),
+    ("int4", {"symmetric": "no"}, TypeError, r"symmetric must be a bool, got str 'no'"),
+    ("int3", {}, ValueError, r"weights must be one of"),
+])
+def test_torch_lowbit_config_refuses_bad_4bit_arguments_by_name(weights, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        torch_lowbit.TorchLowbitConfig(weights, **kwargs)
+
+
+@pytest.mark.parametrize("weights,kwargs,group", [("int4", {}, 128), ("int4", {"group_size": None}, None),
+                                                  ("uint4", {}, 64), ("nvfp4", {}, None),
+                                                  ("int4", {"group_size": 16, "symmetric": False}, 16)])
+def test_torch_lowbit_config_4bit_defaults_survive_transformers_reload_of_its_dict(weights, kwargs, group):
+    from transformers.quantizers import AutoQuantizationConfig
+
+    config = torch_lowbit.TorchLowbitConfig(weights, **kwargs)
+    assert config.group_size == group and config.symmetric == kwargs.get("symmetric", True)
+    again = AutoQuantizationConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again.to_dict() == config.to_dict()
+
+
+@pytest.mark.skipif(not hasattr(torch_lowbit, "Int4WeightOnly"), reason="needs torch_lowbit.Int4WeightOnly (the "
+                    "4-bit quantize_ configs)")
+@pytest.mark.parametrize("weights,kwargs", [("int4", {"group_size": 16, "symmetric": False}), ("nvfp4", {})])
+def test_torch_lowbit_config_quantizes_to_w4linear_and_save_pretrained_reads_back(tmp_path, weights, kwargs):
+    from torch_lowbit.nn.w4_linear import W4Linear
+
+    W.tiny_model("llama").save_pretrained(tmp_path / "dense")
+    config = torch_lowbit.TorchLowbitConfig(weights, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32,
+                                                              quantization_config=config)
+    assert isinstance(model.model.layers[0].mlp.down_proj, W4Linear) and type(model.lm_head) is nn.Linear
+    assert model.model.layers[0].mlp.down_proj.format == weights
+    want = torch_lowbit.quantize_(W.tiny_model("llama"), config.quantize_config())
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want(IDS).logits)
+    model.save_pretrained(tmp_path / "saved")
+    again = torch_lowbit.from_pretrained(tmp_path / "saved", dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
 def _two_files_with_one_name(path):
     a, b = torch.ones(2), torch.full((2,), 2.0)
     save_file({"x": a, "only_a": a.clone()}, str(path / "a.safetensors"))

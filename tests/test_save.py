@@ -585,3 +585,115 @@ def test_a_read_only_target_is_an_error_and_stays_intact(tmp_path, tmpfs):
         if tmpfs is None:
             os.chmod(base, 0o755)
             os.chmod(target, 0o755)
+
+
+# ---------------------------------------------------------------------------------------------- 4-bit (W4Linear)
+def _w4_model(layout, seed=0):
+    """The tiny Llama with every Linear but lm_head a W4Linear of random codes. layout(name, K) -> (format,
+    group_size, zero points?)."""
+    from torch_lowbit.nn.w4_linear import W4Linear
+
+    g = torch.Generator().manual_seed(seed)
+    model = W.tiny_model("llama")
+    for name, m in list(model.named_modules()):
+        if type(m) is not nn.Linear or name == "lm_head":
+            continue
+        N, K = m.out_features, m.in_features
+        fmt, group, zp = layout(name, K)
+        G = -(-K // group)
+        codes = torch.randint(0, 256, (N, (K + 1) // 2), generator=g, dtype=torch.uint8)
+        if fmt == "nvfp4":
+            scale = (torch.rand(N, G, generator=g) * 0.05 + 0.01).to(torch.float8_e4m3fn)
+            extra = {"weight_scale_2": torch.tensor([1 / 3.0])}
+        else:
+            scale = torch.rand(N, G, generator=g) * K ** -0.5 / 4 + 0.01
+            extra = {"weight_offset": torch.randint(-8, 8, (N, G), generator=g, dtype=torch.int8)} if zp else {}
+        model.set_submodule(name, W4Linear.from_quantized(codes, scale, format=fmt, group_size=group,
+                                                          in_features=K, bias=None, **extra))
+    return model
+
+
+def _int4_one_group(name, K):  # group 16, q_proj per channel, zero points on the MLPs
+    return "int4", (K if name.endswith("q_proj") else 16), ".mlp." in name
+
+
+def test_save_quantized_int4_writes_one_pack_quantized_group_transformers_reads(tmp_path):
+    from torch_lowbit.nn.w4_linear import W4Linear
+
+    model = _w4_model(_int4_one_group)
+    torch_lowbit.save_quantized(model, tmp_path)
+    with open(tmp_path / "config.json") as f:
+        qc = json.load(f)["quantization_config"]
+    (group,) = qc["config_groups"].values()  # per-channel layers written in the model's group size: one group
+    assert qc["format"] == "pack-quantized" and group["targets"] == ["Linear"]
+    assert group["weights"]["strategy"] == "group" and group["weights"]["group_size"] == 16
+    assert group["weights"]["symmetric"] is False and qc["ignore"] == ["lm_head"]
+    sd = _tensors(tmp_path)
+    q = "model.layers.0.self_attn.q_proj"
+    assert sd[f"{q}.weight_packed"].dtype == torch.int32 and sd[f"{q}.weight_scale"].shape == (W.H, W.H // 16)
+    assert torch.equal(sd[f"{q}.weight_zero_point"], torch.full((W.H // 8, W.H // 16), 0x88888888 - 2 ** 32,
+                                                                 dtype=torch.int32))  # zero points 0, stored + 8
+    again = torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32, device="cpu")
+    for name, m in model.named_modules():
+        if isinstance(m, W4Linear):
+            assert torch.equal(again.get_submodule(name).dequantize(torch.float32), m.dequantize(torch.float32))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    assert _rel_err(_logits(theirs), _logits(model)) <= 1e-5
+    assert torch.equal(_logits(again), _logits(model))
+
+
+def test_save_quantized_int4_of_two_group_sizes_writes_a_group_each(tmp_path):
+    model = _w4_model(lambda name, K: ("int4", 8 if ".mlp." in name else 16, False))
+    torch_lowbit.save_quantized(model, tmp_path)
+    with open(tmp_path / "config.json") as f:
+        groups = json.load(f)["quantization_config"]["config_groups"]
+    sizes = {g["weights"]["group_size"]: g["targets"] for g in groups.values()}
+    assert sorted(sizes) == [8, 16] and all(".mlp." in t for t in sizes[8])
+    assert all(g["weights"]["symmetric"] for g in groups.values())
+    assert torch.equal(_logits(torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32, device="cpu")),
+                       _logits(model))
+
+
+def test_save_quantized_nvfp4_writes_the_divisor_compressed_tensors_reads(tmp_path):
+    model = _w4_model(lambda name, K: ("nvfp4", 16, False))
+    torch_lowbit.save_quantized(model, tmp_path)
+    with open(tmp_path / "config.json") as f:
+        qc = json.load(f)["quantization_config"]
+    assert qc["format"] == "nvfp4-pack-quantized"
+    sd = _tensors(tmp_path)
+    gs = sd["model.layers.1.mlp.down_proj.weight_global_scale"]
+    assert gs.dtype == torch.float32 and torch.equal((1.0 / gs.double()).float(), torch.tensor([1 / 3.0]))
+    assert torch.equal(_logits(torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32, device="cpu")),
+                       _logits(model))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    # compressed-tensors rounds scale / global_scale to bf16 when it decompresses: close, not the same
+    assert _rel_err(_logits(theirs), _logits(model)) <= 2e-2
+
+
+@pytest.mark.parametrize("layout,message", [
+    (lambda name, K: ("uint4", 16, False), r"format 'uint4' \(MLX affine.*has no compressed-tensors form"),
+    (lambda name, K: ("nvfp4", 8, False), r"nvfp4 W4Linear with group_size 8, which has no compressed-tensors form"),
+])
+def test_save_quantized_refuses_4bit_layouts_compressed_tensors_lacks(tmp_path, layout, message):
+    from torch_lowbit.nn.w4_linear import W4Linear
+
+    if layout("x", 48)[0] == "uint4":  # uint4's offsets are biases in the scale's dtype
+        model = W.tiny_model("llama")
+        model.model.layers[0].mlp.up_proj = W4Linear.from_quantized(
+            torch.zeros(W.I, W.H // 2, dtype=torch.uint8), torch.ones(W.I, 3), format="uint4", group_size=16,
+            in_features=W.H, weight_offset=torch.zeros(W.I, 3))
+    else:
+        model = _w4_model(layout)
+    with pytest.raises(ValueError, match=message):
+        torch_lowbit.save_quantized(model, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out") and _strays(tmp_path) == []
+
+
+def test_save_quantized_refuses_zero_points_compressed_tensors_cannot_store(tmp_path):
+    model = _w4_model(lambda name, K: ("int4", 16, True))
+    model.model.layers[1].mlp.down_proj.weight_offset[0, 0] = 9
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight_offset holds zero points "
+                                         r"outside \[-8, 7\]"):
+        torch_lowbit.save_quantized(model, tmp_path / "out")

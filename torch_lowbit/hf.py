@@ -269,7 +269,7 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
     real (``parameters_on_meta``: no dense weight is ever allocated), loads the checkpoint with
     :func:`torch_lowbit.load_quantized` (transformers' own key renaming for the architecture; quantized layers
-    become Fp8Linear / Int8Linear / Fp8Experts), and moves it to `device` (default: mps if available, else cpu).
+    become Fp8Linear / Int8Linear / W4Linear / Fp8Experts), and moves it to `device` (default: mps if available, else cpu).
     Returns the model in eval mode, on which ``model.generate(...)`` runs; with ``return_report=True``,
     ``(model, LoadReport)``.
 
@@ -480,9 +480,11 @@ def _checkpoint(model: nn.Module, caller: str):
     from .formats.hf_names import checkpoint_key_renaming
     from .formats.moe import is_experts_module
     from .nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear
+    from .nn.w4_linear import W4Linear
 
     quantized: Dict[str, torch.Tensor] = {}
     schemes: Dict[str, tuple] = {}  # module (model names) -> (kind, granularity, block)
+    w4_layers: Dict[str, nn.Module] = {}
     dense_linears: List[str] = []
     dense_experts: List[str] = []
     done: List[str] = []
@@ -494,7 +496,10 @@ def _checkpoint(model: nn.Module, caller: str):
     for name, mod in model.named_modules():
         if any(name.startswith(p + ".") for p in done):
             continue
-        if isinstance(mod, (Fp8Linear, Int8Linear)):
+        if isinstance(mod, W4Linear):  # written together: formats/ct_w4.py picks the config groups for all of them
+            w4_layers[name] = mod
+            done.append(name)
+        elif isinstance(mod, (Fp8Linear, Int8Linear)):
             t, key = _linear_tensors(name, mod)
             quantized.update(t)
             schemes[name] = key
@@ -508,6 +513,11 @@ def _checkpoint(model: nn.Module, caller: str):
             dense_linears.append(name)
         elif name and is_experts_module(mod):
             dense_experts.append(name)
+    if w4_layers:
+        from .formats import ct_w4
+        t, s = ct_w4.model_tensors(w4_layers)
+        quantized.update(t)
+        schemes.update({name: ("w4",) + key for name, key in s.items()})
     if any(isinstance(m, Int8Experts) for m in model.modules()):
         # compressed-tensors' own layout for INT8 experts (what llmcompressor writes): transformers 5.17 - 5.24
         # refuse it on load ("Concatenate ... Ckpt contains: 0"), loudly; torch_lowbit and vLLM read it
@@ -516,8 +526,8 @@ def _checkpoint(model: nn.Module, caller: str):
                       f"quantize the experts to FP8 (Fp8WeightOnly) for a checkpoint transformers loads too",
                       stacklevel=3)
     if not schemes:
-        raise ValueError(f"{caller}: the model holds no torch_lowbit layer (Fp8Linear, Int8Linear, Fp8Experts, "
-                         f"Int8Experts); quantize it first with torch_lowbit.quantize_(model, ...)")
+        raise ValueError(f"{caller}: the model holds no torch_lowbit layer (Fp8Linear, Int8Linear, W4Linear, "
+                         f"Fp8Experts, Int8Experts); quantize it first with torch_lowbit.quantize_(model, ...)")
     dense = _dense_state_dict(model, done)
     rename = checkpoint_key_renaming(model)
     if rename is not None:
@@ -536,7 +546,10 @@ def save_quantized(model: nn.Module, path, *, max_shard_size=4 * 2 ** 30) -> Lis
     """Write a model holding torch_lowbit layers (after ``quantize_`` or ``load_quantized``) as a compressed-tensors
     checkpoint: config.json with ``quantization_config`` (one config group per scheme: FP8 per tensor / channel /
     block weights with the activation scheme each Fp8Linear records -- W8A16, FP8 dynamic per-token, or FP8 static
-    per-tensor with its ``input_scale`` -- and INT8 W8A8 with dynamic per-token activations), safetensors shards of
+    per-tensor with its ``input_scale`` -- INT8 W8A8 with dynamic per-token activations, and W4Linear's 4-bit weights:
+int4 as ``pack-quantized`` (symmetric, or with zero points), nvfp4 as ``nvfp4-pack-quantized``, mxfp4 as
+``mxfp4-pack-quantized``; MLX's uint4 with float biases has no compressed-tensors form and is refused), safetensors
+shards of
     at most `max_shard_size` (bytes, or a string like ``"2GB"``), and ``model.safetensors.index.json`` when there
     are several. MoE experts (Fp8Experts, Int8Experts) are written one Linear per projection and expert; dense fused
     experts in the model's fused layout. A transformers model's tensors get the names its architecture's
@@ -615,7 +628,11 @@ def _quantization_config(schemes: Dict[str, tuple], dense_linears: List[str]) ->
         by_scheme.setdefault(key, []).append(module)
     groups = {}
     for i, (key, modules) in enumerate(sorted(by_scheme.items(), key=lambda kv: str(kv[0]))):
-        g = _scheme_int8() if key[0] == "int8" else _scheme_fp8(*key[1:])
+        if key[0] == "w4":
+            from .formats import ct_w4
+            g = ct_w4.scheme_config(key[1:])
+        else:
+            g = _scheme_int8() if key[0] == "int8" else _scheme_fp8(*key[1:])
         # one scheme: every Linear but the ignored ones, as compressed-tensors writes it; several: by name
         g["targets"] = ["Linear"] if len(by_scheme) == 1 else sorted(modules)
         groups[f"group_{i}"] = g

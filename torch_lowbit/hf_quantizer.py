@@ -24,22 +24,30 @@ from .granularity import as_granularity, normalize_block_size
 from .quantize import Fp8WeightOnly, Int8Dynamic, quantize_
 
 QUANT_METHOD = "torch_lowbit"
-WEIGHTS = ("fp8", "int8")
+WEIGHTS = ("fp8", "int8", "int4", "nvfp4", "mxfp4", "uint4")
+W4_CONFIGS = {"int4": "Int4WeightOnly", "nvfp4": "Nvfp4WeightOnly", "mxfp4": "Mxfp4WeightOnly",
+              "uint4": "AffineWeightOnly"}  # 4-bit weights: the quantize_ config of each (torch_lowbit.quantize)
+W4_DEFAULT_GROUP = {"int4": 128, "uint4": 64}  # the writers' defaults (llmcompressor W4A16, mlx_lm)
+W4_FIXED_GROUP = {"nvfp4": 16, "mxfp4": 32}
 
 
 @register_quantization_config(QUANT_METHOD)
 class TorchLowbitConfig(QuantizationConfigMixin):
-    """weights: ``"fp8"`` (W8A16, Fp8Linear; fused MoE experts become Fp8Experts) or ``"int8"`` (W8A8 dynamic,
-    Int8Linear). granularity / block_size: of the fp8 scales (see ``Fp8WeightOnly``). modules_to_not_convert:
-    module names (or dotted name parts) kept in high precision; default ``["lm_head"]``."""
+    """weights: ``"fp8"`` (W8A16, Fp8Linear; fused MoE experts become Fp8Experts), ``"int8"`` (W8A8 dynamic,
+    Int8Linear), or 4-bit W4A16 (W4Linear): ``"int4"`` (``Int4WeightOnly(group_size, symmetric)``), ``"nvfp4"``,
+    ``"mxfp4"``, ``"uint4"`` (MLX affine, ``AffineWeightOnly(group_size)``). granularity / block_size: of the fp8
+    scales (see ``Fp8WeightOnly``). group_size: of the int4 / uint4 scales (default 128 for int4, 64 for uint4;
+    None: per channel, int4 only; nvfp4 and mxfp4 have theirs, 16 and 32). symmetric: int4 without zero points.
+    modules_to_not_convert: module names (or dotted name parts) kept in high precision; default ``["lm_head"]``."""
 
     def __init__(self, weights: str = "fp8", granularity: str = "channel", block_size: Sequence[int] = (128, 128),
-                 modules_to_not_convert: Optional[List[str]] = None, **kwargs):
+                 modules_to_not_convert: Optional[List[str]] = None, group_size: Optional[int] = -1,
+                 symmetric: bool = True, **kwargs):
         # transformers rebuilds a saved config as TorchLowbitConfig(**to_dict()): quant_method comes back with it
         method = kwargs.pop("quant_method", QUANT_METHOD)
         if kwargs:
             raise TypeError(f"TorchLowbitConfig got unexpected keyword arguments {sorted(kwargs)} (it takes weights, "
-                            f"granularity, block_size, modules_to_not_convert)")
+                            f"granularity, block_size, modules_to_not_convert, group_size, symmetric)")
         if method != QUANT_METHOD:
             raise ValueError(f"TorchLowbitConfig: quant_method must be {QUANT_METHOD!r}, got {method!r}")
         if weights not in WEIGHTS:
@@ -51,11 +59,45 @@ class TorchLowbitConfig(QuantizationConfigMixin):
         self.granularity = granularity
         self.block_size = list(normalize_block_size(block_size, "TorchLowbitConfig.block_size"))
         self.modules_to_not_convert = _module_names(modules_to_not_convert)
+        self.group_size, self.symmetric = _w4_options(weights, group_size, symmetric)
 
     def quantize_config(self):
         if self.weights == "int8":
             return Int8Dynamic()
+        if self.weights in W4_CONFIGS:
+            from . import quantize
+
+            cls = getattr(quantize, W4_CONFIGS[self.weights], None)
+            if cls is None:
+                raise NotImplementedError(f"TorchLowbitConfig(weights={self.weights!r}) needs "
+                                          f"torch_lowbit.{W4_CONFIGS[self.weights]}, which this build lacks")
+            if self.weights == "int4":
+                return cls(group_size=self.group_size, symmetric=self.symmetric)
+            return cls(group_size=self.group_size) if self.weights == "uint4" else cls()
         return Fp8WeightOnly(self.granularity, tuple(self.block_size))
+
+
+def _w4_options(weights: str, group_size, symmetric):
+    """(group_size, symmetric) as the config records them: the format's default group size where -1 (not given),
+    None for the formats without a choice; a choice a format does not have is refused by name."""
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"TorchLowbitConfig: symmetric must be a bool, got {type(symmetric).__name__} {symmetric!r}")
+    if weights != "int4" and not symmetric:
+        raise ValueError(f"TorchLowbitConfig: symmetric=False (zero points) is for weights='int4', not {weights!r}")
+    if group_size == -1:
+        return W4_DEFAULT_GROUP.get(weights), symmetric
+    if weights not in W4_DEFAULT_GROUP:
+        if group_size is None or group_size == W4_FIXED_GROUP.get(weights):
+            return None, symmetric
+        raise ValueError(f"TorchLowbitConfig: group_size={group_size!r} does not apply to weights={weights!r}"
+                         + (f" (its groups are {W4_FIXED_GROUP[weights]})" if weights in W4_FIXED_GROUP else ""))
+    if group_size is None and weights == "int4":
+        return None, symmetric
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"TorchLowbitConfig: group_size must be a positive int"
+                         f"{' or None (per channel)' if weights == 'int4' else ''} for weights={weights!r}, "
+                         f"got {group_size!r}")
+    return group_size, symmetric
 
 
 def _module_names(names) -> List[str]:

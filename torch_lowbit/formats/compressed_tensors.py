@@ -1,7 +1,8 @@
 """compressed-tensors (llmcompressor): ``weight`` + ``weight_scale`` in the model's dtype (often bf16): per tensor
 ``[1]``, per channel ``[N, 1]``, per block ``[ceil(N/bh), ceil(K/bw)]`` with the weight padded to whole blocks and
 its true shape in ``weight_shape_original``. ``format`` float-quantized (FP8), int-quantized (INT8 W8A8, per-token
-dynamic activations) or naive-quantized; ``ignore`` holds names and ``re:`` regexes."""
+dynamic activations) or naive-quantized; ``ignore`` holds names and ``re:`` regexes. The 4-bit formats
+(pack-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized) are read and written by ``ct_w4.py``."""
 from __future__ import annotations
 
 import re
@@ -9,10 +10,11 @@ import re
 import torch
 
 from ..granularity import PerBlock, PerChannel, PerTensor
+from . import ct_w4
 from .registry import (CheckpointError, CheckpointFormat, Example, activation_scheme_name, block_field, config_field,
                        name_list)
 
-SUPPORTED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "dense")
+SUPPORTED_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "dense") + tuple(ct_w4.W4_FORMATS)
 MIXED = "mixed-precision"
 STRATEGIES = ("tensor", "channel", "block")
 EXAMPLE_BLOCK = PerBlock(16, 32)  # partial blocks on the tests' dims (48, 80, 97: multiples of neither)
@@ -41,14 +43,25 @@ class CompressedTensors(CheckpointFormat):
         bad = formats - set(SUPPORTED_FORMATS)
         if bad:
             raise CheckpointError(f"{at}: compressed-tensors format {sorted(bad)[0]!r} is not supported: torch_lowbit "
-                                  f"loads 'float-quantized' (FP8), 'int-quantized' (INT8) and 'naive-quantized'")
-        block, kinds, activations = None, [], []
+                                  f"loads 'float-quantized' (FP8), 'int-quantized' (INT8), 'naive-quantized' and the "
+                                  f"4-bit {', '.join(repr(f) for f in ct_w4.W4_FORMATS)}")
+        block, kinds, activations, w4 = None, [], [], []
         for gname, g in groups.items():
             gwhere = f"{at}.config_groups.{gname}"
             w = config_field(g or {}, "weights", dict, gwhere, {})
             if not w:
                 continue
             wwhere = f"{gwhere}.weights"
+            gfmt = (g or {}).get("format") or fmt
+            if gfmt in ct_w4.W4_FORMATS:
+                args = ct_w4.parse_args(gfmt, w, wwhere)
+                if (g or {}).get("input_activations"):
+                    raise CheckpointError(f"{gwhere}.input_activations: 4-bit weights with quantized activations "
+                                          f"are not supported (W4A16 only)")
+                w4.append((tuple(name_list(g, "targets", gwhere)) or ("Linear",), args))
+                kinds.append({"group": gname, "format": gfmt, "w4": args.format, "strategy": args.strategy,
+                              "group_size": args.group_size, "symmetric": args.symmetric})
+                continue
             bits, typ = config_field(w, "num_bits", int, wwhere, 8), config_field(w, "type", str, wwhere, "float")
             if bits != 8 or typ not in ("float", "int"):
                 raise CheckpointError(f"{wwhere}: {bits}-bit {typ} weights are not supported (8-bit float or int only)")
@@ -70,9 +83,20 @@ class CompressedTensors(CheckpointFormat):
             activations.append((tuple(name_list(g, "targets", gwhere)) or ("Linear",),
                                 _input_scheme(acts, f"{gwhere}.input_activations")))
         return self.make(block_size=block, ignore=name_list(qc, "ignore", at), activations=tuple(activations),
+                         weights=tuple(w4),
                          extra_keys=("input_scale", "input_zero_point", "weight_zero_point", self.original_shape_key,
                                      "weight_g_idx"),
                          details={"format": fmt, "groups": kinds})
+
+    def w4_weight(self, src, fmt, prefix, shape):
+        pkey = f"{prefix}.weight_packed"
+        if pkey not in src:
+            return None
+        args = fmt.weight_args(prefix)
+        if args is None:
+            raise CheckpointError(f"{pkey} is a packed 4-bit weight, but no 4-bit config group of the checkpoint's "
+                                  f"quantization_config targets {prefix}")
+        return ct_w4.read(src, args, prefix, shape)
 
     def examples(self):
         bf16 = torch.bfloat16

@@ -3,6 +3,7 @@
 Rules, first match wins:
 1. ``quantization_config.quant_method`` (from the ``config`` argument, else the directory's config.json): the
    registered format that claims it (modelopt, compressed-tensors, fp8, fbgemm_fp8); an unknown one is an error.
+   A quantization_config without one (or config.json's ``quantization``) that a format recognizes: MLX's.
 2. A format's side config (ModelOpt's ``hf_quant_config.json``, or a ``config`` dict shaped like it).
 3. No config: each format's tensor rule, in registration order: a ``*.weight_scale_inv`` tensor -> Hugging Face
    fine-grained FP8 (blocks of 128 x 128, as transformers assumes); any float8_e4m3fn tensor -> diffusion FP8;
@@ -28,6 +29,11 @@ class ConfigPlace:
     side: str = "side config"
 
 
+def _claiming_format(qc: dict) -> Optional[CheckpointFormat]:
+    """The format that recognizes a quantization_config without ``quant_method`` (MLX's)."""
+    return next((f for f in registered_formats() if f.claims_config(qc)), None)
+
+
 def _side_format(cfg: dict) -> Optional[CheckpointFormat]:
     return next((f for f in registered_formats() if f.is_side_config(cfg)), None)
 
@@ -41,10 +47,13 @@ def split_config(config, where: str = "config") -> Tuple[Optional[dict], Optiona
         raise CheckpointError(f"{where} must be a JSON object (dict), got {type(config).__name__}")
     if "quantization_config" in config:
         return config_field(config, "quantization_config", dict, where), None, f"{where}.quantization_config"
+    q = config.get("quantization")
+    if isinstance(q, dict) and _claiming_format(q) is not None:  # MLX's config.json (older mlx_lm: no _config)
+        return q, None, f"{where}.quantization"
     side = _side_format(config)
     if side is not None:
         return None, (side, config), where
-    if "quant_method" in config:
+    if "quant_method" in config or _claiming_format(config) is not None:
         return config, None, where
     return None, None, where
 
@@ -74,7 +83,10 @@ def detect(src: Source, config: Optional[dict] = None) -> QuantFormat:
     if qc is not None:
         method = config_field(qc, "quant_method", str, qwhere)
         if method is None:
-            raise CheckpointError(f"{qwhere} has no 'quant_method'")
+            fmt = _claiming_format(qc)
+            if fmt is None:
+                raise CheckpointError(f"{qwhere} has no 'quant_method'")
+            return _parse(fmt, qc, None, ConfigPlace(qwhere, "side config"))
         fmt = format_for_method(method)
         if fmt is None:
             known = sorted(m for f in registered_formats() for m in f.quant_methods[:1])

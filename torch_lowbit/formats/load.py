@@ -22,8 +22,9 @@ from .tensors import read_quantized
 class LoadReport:
     """What load_quantized did.
 
-    format: the detected format (modelopt, compressed-tensors, fp8, fbgemm_fp8, diffusion-fp8).
-    converted: module name -> what it became (e.g. ``"Fp8Linear(block 128x128)"``, ``"Int8Linear(channel)"``).
+    format: the detected format (modelopt, compressed-tensors, fp8, fbgemm_fp8, mlx, diffusion-fp8).
+    converted: module name -> what it became (e.g. ``"Fp8Linear(block 128x128)"``, ``"Int8Linear(channel)"``,
+    ``"W4Linear(int4, group 128, zero points)"``).
     high_precision: name of each nn.Linear / experts module loaded unquantized -> why (in the ignore list, or
     stored unquantized in the checkpoint).
     unused_keys: checkpoint tensors that went nowhere. missing_keys: model tensors the checkpoint did not provide
@@ -94,23 +95,48 @@ def _fp8_layer_scheme(name, q, scheme):
     return layer_scheme
 
 
+def _read_bias(src, name, linear, dev, dtype, used, report):
+    if linear.bias is None:
+        return None
+    bkey = f"{name}.bias"
+    if bkey not in src:
+        report.missing_keys.append(bkey)
+        return None
+    b = src.get(bkey)
+    if tuple(b.shape) != (linear.out_features,):
+        raise CheckpointError(f"{bkey} has shape {list(b.shape)}, expected [{linear.out_features}]")
+    used.add(bkey)
+    return b.to(device=dev, dtype=dtype or (linear.bias.dtype if linear.bias.is_floating_point() else torch.bfloat16))
+
+
+def _swap_w4_linear(model, name, linear, w, src, device, dtype, used, report, fmt):
+    """A 4-bit weight (:class:`~torch_lowbit.formats.tensors.W4Weight`) as a W4Linear, its tensors as stored."""
+    from ..nn.w4_linear import W4Linear
+
+    scheme = fmt.activation_scheme(name)
+    if scheme is not None:  # W4Linear computes W4A16 whatever the checkpoint was written for: the report says so
+        report.activations[name] = scheme
+
+    dev = _target_device(device, linear.weight)
+    bias = _read_bias(src, name, linear, dev, dtype, used, report)
+    move = (lambda t: None if t is None else t.to(dev))
+    try:
+        layer = W4Linear.from_quantized(move(w.packed), move(w.scale), format=w.format, group_size=w.group_size,
+                                        in_features=w.in_features, bias=bias, weight_offset=move(w.offset),
+                                        weight_scale_2=move(w.global_scale))
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{name}: the checkpoint's 4-bit weight does not make a W4Linear: {e}") from None
+    model.set_submodule(name, layer)
+    report.converted[name] = w.describe()
+    used.update(w.keys)
+
+
 def _swap_linear(model, name, linear, q, src, device, dtype, used, report, fmt, activations):
     from ..nn import Fp8Linear, Int8Linear
     from .._storage import to_fp8_storage
 
     dev = _target_device(device, linear.weight)
-    bias = None
-    if linear.bias is not None:
-        bkey = f"{name}.bias"
-        if bkey in src:
-            b = src.get(bkey)
-            if tuple(b.shape) != (linear.out_features,):
-                raise CheckpointError(f"{bkey} has shape {list(b.shape)}, expected [{linear.out_features}]")
-            bias = b.to(device=dev, dtype=dtype or (linear.bias.dtype if linear.bias.is_floating_point()
-                                                     else torch.bfloat16))
-            used.add(bkey)
-        else:
-            report.missing_keys.append(bkey)
+    bias = _read_bias(src, name, linear, dev, dtype, used, report)
     scheme = fmt.activation_scheme(name)
     if scheme is not None:
         report.activations[name] = scheme
@@ -146,9 +172,14 @@ def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, 
             report.missing_keys.extend(keys)
             continue
         key = found[0]
-        if tuple(src.shape(key)) != tuple(old.shape):
+        dense = None if fmt.format is None else fmt.format.dense_tensor(src, fmt, key, tuple(old.shape))
+        if dense is not None:  # stored packed (MLX's quantized embeddings): dequantized once, here
+            value, keys_read = dense
+            used.update(keys_read)
+        elif tuple(src.shape(key)) != tuple(old.shape):
             raise CheckpointError(f"{key} has shape {list(src.shape(key))} but the model expects {list(old.shape)}")
-        value = src.get(key)
+        else:
+            value = src.get(key)
         used.update(found)
         if value.dtype in (torch.float8_e4m3fn, torch.int8) and old.is_floating_point():
             value = _upcast_unscaled(key, value, src, fmt, used)
@@ -205,8 +236,11 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     Each ``nn.Linear`` whose checkpoint weight is float8_e4m3fn (or int8 for compressed-tensors W8A8) and that
     the checkpoint's ignore list (``ignore`` / ``modules_to_not_convert`` / ``exclude_modules``: exact names,
     dotted component runs, fnmatch wildcards, ``re:`` regexes) does not name becomes an ``Fp8Linear`` /
-    ``Int8Linear``; MoE experts modules become ``Fp8Experts`` (see ``torch_lowbit.formats.moe``). Everything else
-    (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``. device: where the loaded
+    ``Int8Linear``; one whose checkpoint weight is 4-bit (compressed-tensors pack-quantized / nvfp4 / mxfp4,
+    ModelOpt NVFP4, MLX) becomes a ``W4Linear`` holding the stored codes and scales (W4A16);
+    MoE experts modules become ``Fp8Experts`` (see ``torch_lowbit.formats.moe``; 4-bit experts are refused).
+    Everything else (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``; MLX's
+    quantized embeddings are dequantized once, into the dense embedding. device: where the loaded
     tensors go (default: where each model tensor is, cpu for meta). dtype: dtype of the high-precision
     parameters and biases (default: each model tensor's own). strict: raise if any key is unused or missing.
     Where stderr is a terminal, a line a second says how many tensors have been read.
@@ -267,6 +301,14 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
         for name, mod in list(model.named_modules()):
             if not _is_plain_linear(mod) or _inside(name, done):
                 continue
+            w4 = None if fmt.format is None else fmt.format.w4_weight(src, fmt, name,
+                                                                        (mod.out_features, mod.in_features))
+            if w4 is not None:
+                if fmt.is_ignored(name):
+                    raise CheckpointError(f"{name} holds a 4-bit weight but is in the checkpoint's ignore list")
+                _swap_w4_linear(model, name, mod, w4, src, device, dtype, used, report, fmt)
+                done.add(name)
+                continue
             wkey = f"{name}.weight"
             if wkey not in src:
                 continue
@@ -304,8 +346,9 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
 
 def _refuse_unused_quantized(src: Source, fmt: QuantFormat, unused: List[str], original):
     """A quantized weight (or its scale) that went nowhere means a module of the checkpoint was not filled."""
-    bad = [k for k in unused if (k.endswith(".weight") and src.dtype(k) in QUANTIZED_DTYPES)
-           or k.endswith(f".{fmt.scale_key}")]
+    bad = [k for k in unused if (k.endswith(".weight") and (src.dtype(k) in QUANTIZED_DTYPES
+                                                             or src.dtype(k) == torch.uint32))
+           or k.endswith((f".{fmt.scale_key}", ".weight_packed"))]
     if not bad:
         return
     modules = sorted({k.rsplit(".", 1)[0] for k in bad})
@@ -353,8 +396,9 @@ def _add_notes(fmt: QuantFormat, report: LoadReport, activations: str):
         else:
             why = ("Fp8Experts quantizes no activations" if kind == "Fp8Experts"
                    else "torch_lowbit does not run this activation scheme")
-            report.notes.append(f"the checkpoint was written for {words} activations; {n} run W8A16 (weights only) "
-                                f"whatever activations= says: {why}")
+            weights_only = "W4A16" if kind == "W4Linear" else "W8A16"
+            report.notes.append(f"the checkpoint was written for {words} activations; {n} run {weights_only} "
+                                f"(weights only) whatever activations= says: {why}")
     if any(v.startswith("Int8Linear") for v in report.converted.values()) and not any(
             k[1] == "Int8Linear" and k[0] != "int8-dynamic-token" for k in by_scheme):
         report.notes.append("Int8Linear quantizes activations per token at run time (dynamic INT8)")

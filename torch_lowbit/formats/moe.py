@@ -171,6 +171,11 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
     E, H, I = experts_dims(module)
     wkeys = {(e, p): f"{name}.{e}.{p}_proj.weight" for e in range(E) for p in PROJS}
     present = [k for k in wkeys.values() if k in src]
+    packed = [k + "_packed" for k in wkeys.values() if k + "_packed" in src] + [
+        k for k in present if src.dtype(k) == torch.uint32]
+    if packed:
+        raise CheckpointError(f"{packed[0]}: 4-bit MoE experts ({fmt.name}) are not supported yet: torch_lowbit loads "
+                              f"4-bit weights into linear layers (W4Linear), and {name} is a fused experts module")
     if not present:
         return None
     missing = [k for k in wkeys.values() if k not in src]

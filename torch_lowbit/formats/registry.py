@@ -34,7 +34,8 @@ class QuantFormat:
     scales, zero points, ...): consumed, not reported as unused. details: what the config said, for the report.
     notes: what the report should tell the caller about this checkpoint. activations: the activation quantization
     each config group was written for, ``((targets, scheme), ...)`` in the config's order (see
-    :meth:`activation_scheme`).
+    :meth:`activation_scheme`). weights: the same for what a format records per group about its weights (the
+    4-bit layouts: see :meth:`weight_args`).
     """
     name: str
     scale_key: str = "weight_scale"
@@ -45,6 +46,7 @@ class QuantFormat:
     details: Dict[str, Any] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
     activations: Tuple[Tuple[Tuple[str, ...], Optional[str]], ...] = ()
+    weights: Tuple[Tuple[Tuple[str, ...], Any], ...] = ()
     format: Optional["CheckpointFormat"] = field(default=None, repr=False, compare=False)
 
     def __str__(self):
@@ -58,10 +60,11 @@ class QuantFormat:
         :data:`ACTIVATION_SCHEMES` (``"fp8-dynamic-token"``, ...) or a description of a scheme torch_lowbit does not
         run. The first group whose targets name the module decides: a class-name target (``"Linear"``) names
         every linear layer, other targets are module names or ``re:`` regexes (compressed-tensors)."""
-        for targets, scheme in self.activations:
-            if any(t.endswith("Linear") and "." not in t or matches(module_name, t) for t in targets):
-                return scheme
-        return None
+        return _first_group(self.activations, module_name)
+
+    def weight_args(self, module_name: str):
+        """What the first config group naming `module_name` says of its weights (None: no such group)."""
+        return _first_group(self.weights, module_name)
 
     @property
     def scale_is_inverse(self) -> bool:
@@ -82,6 +85,13 @@ class QuantFormat:
             raise CheckpointError(f"{key} is {kind}, but a {self.name} checkpoint holds "
                                   f"{' / '.join(k.upper() for k in kinds)} weights only")
         return kind
+
+
+def _first_group(groups, module_name: str):
+    for targets, value in groups:
+        if any(t.endswith("Linear") and "." not in t or matches(module_name, t) for t in targets):
+            return value
+    return None
 
 
 # the activation schemes checkpoints are written for, as QuantFormat.activations names them, and in words
@@ -243,6 +253,21 @@ class CheckpointFormat:
 
     def from_tensors(self, src: Source) -> Optional[QuantFormat]:
         """Without any config: the QuantFormat if the tensor names / dtypes show this format, else None."""
+        return None
+
+    def claims_config(self, quantization_config: dict) -> bool:
+        """Is a quantization_config without ``quant_method`` this format's (MLX writes none)?"""
+        return False
+
+    # ---- 4-bit weights and packed tensors outside the converted layers
+    def w4_weight(self, src: Source, fmt: QuantFormat, prefix: str, shape: Tuple[int, int]):
+        """The :class:`~torch_lowbit.formats.tensors.W4Weight` of module `prefix` (an nn.Linear of ``shape`` [N, K])
+        if the checkpoint holds it as a 4-bit weight of this format, else None."""
+        return None
+
+    def dense_tensor(self, src: Source, fmt: QuantFormat, key: str, shape: Tuple[int, ...]):
+        """(tensor, keys read) for a model tensor `key` the checkpoint stores packed outside any layer torch_lowbit
+        converts (MLX's quantized embeddings), dequantized once; None where it is stored as it is."""
         return None
 
     def make(self, **kw) -> QuantFormat:

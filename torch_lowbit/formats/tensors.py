@@ -4,6 +4,7 @@ multiplier of shape [1] (per tensor), [N] (per channel) or [ceil(N/bn), ceil(K/b
 between formats (scale name, inverse scales, padding, extra tensors) comes from the QuantFormat."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -90,3 +91,60 @@ def read_quantized(src: Source, fmt: QuantFormat, prefix: str, kind: str,
     if kind == "fp8" and weight.dtype != torch.float8_e4m3fn:
         raise CheckpointError(f"{wkey} is {weight.dtype}, expected float8_e4m3fn")
     return QuantizedWeight(kind, weight, scale, gran, input_scale, keys)
+
+
+# ------------------------------------------------------------------------------------------------- 4-bit weights
+@dataclass
+class W4Weight:
+    """One 4-bit linear weight in what ``W4Linear.from_quantized`` takes (see ``torch_lowbit.w4_mm``): ``packed``
+    uint8 ``[N, ceil(K/2)]`` (even k in the low nibble), ``scale`` ``[N, G]`` in its stored dtype, ``offset`` (int8
+    zero points for int4, biases for uint4), ``global_scale`` (nvfp4's fp32 multiplier)."""
+    format: str
+    group_size: int
+    in_features: int
+    packed: torch.Tensor
+    scale: torch.Tensor
+    offset: Optional[torch.Tensor] = None
+    global_scale: Optional[torch.Tensor] = None
+    keys: List[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        groups = "channel" if self.group_size >= self.in_features else f"group {self.group_size}"
+        extra = {"int4": ", zero points", "uint4": ", biases"}.get(self.format, "") if self.offset is not None else ""
+        return f"W4Linear({self.format}, {groups}{extra})"
+
+
+def nibble_bytes(words: torch.Tensor, cols: int, key: str) -> torch.Tensor:
+    """uint8 ``[rows, ceil(cols/2)]`` of 32-bit words packing eight 4-bit codes each, code j in bits
+    ``4*(j%8)`` of word ``j//8`` (compressed-tensors' pack-quantized, MLX): on a little-endian host those are
+    already two codes per byte with the even one low, so this is a view of the words' memory (a slice, copied only
+    where the words pad the row: never a dense copy)."""
+    if words.dim() != 2 or words.dtype not in (torch.int32, torch.uint32):
+        raise CheckpointError(f"{key} must be 2-D int32 / uint32 words of eight 4-bit codes, got {words.dtype} "
+                              f"of shape {list(words.shape)}")
+    need = -(-cols // 8)
+    if words.shape[1] != need:
+        raise CheckpointError(f"{key} has {words.shape[1]} words per row, expected ceil({cols} / 8) = {need} for "
+                              f"{cols} 4-bit codes")
+    b = words.contiguous().view(torch.uint8)
+    if sys.byteorder == "big":  # a word's low byte is its last one there
+        b = b.view(words.shape[0], need, 4).flip(-1).reshape(words.shape[0], need * 4)
+    half = (cols + 1) // 2
+    return b if half == b.shape[1] else b[:, :half].contiguous()
+
+
+def nibble_words(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """The inverse of :func:`nibble_bytes`: int32 ``[rows, ceil(cols/8)]`` (unused codes zero)."""
+    rows, need = packed.shape[0], -(-cols // 8)
+    b = torch.zeros(rows, need * 4, dtype=torch.uint8)
+    b[:, :packed.shape[1]] = packed.cpu()
+    if cols % 2:  # the last byte's high nibble is no code: written as 0, as compressed-tensors pads
+        b[:, cols // 2] &= 0x0F
+    if sys.byteorder == "big":
+        b = b.view(rows, need, 4).flip(-1).reshape(rows, need * 4)
+    return b.view(torch.int32)
+
+
+def unpack_nibbles(b: torch.Tensor, cols: int) -> torch.Tensor:
+    """uint8 codes ``[rows, cols]`` of two-per-byte rows (small tensors only: zero points)."""
+    return torch.stack((b & 0x0F, b >> 4), -1).reshape(b.shape[0], -1)[:, :cols]
