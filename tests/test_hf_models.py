@@ -265,7 +265,7 @@ def test_transformers_from_pretrained_with_torch_lowbit_config_quantizes_while_l
     assert (arch == "qwen3_moe") == isinstance(getattr(model.model.layers[1].mlp, "experts", None), Fp8Experts)
     assert torch.equal(_logits(model), _logits(want))
     with pytest.raises(ValueError, match="weights must be one of"):
-        torch_lowbit.TorchLowbitConfig("int4")
+        torch_lowbit.TorchLowbitConfig("int3")
 
 
 def test_e2e_bench_suite_runs_and_writes_json(tmp_path, capsys, scheme="fp8-block"):
