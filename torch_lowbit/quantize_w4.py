@@ -56,7 +56,7 @@ def pack_w4_codes(codes: torch.Tensor) -> torch.Tensor:
     c = codes.to(torch.uint8)
     if K % 2:
         c = torch.nn.functional.pad(c, (0, 1))
-    c = c.view(N, -1, 2)
+    c = c.view(N, (K + 1) // 2, 2)
     return (c[..., 0] | (c[..., 1] << 4)).contiguous()
 
 
