@@ -69,6 +69,13 @@ class W4Linear(QuantizedLinear):
                              torch.ones(1, dtype=torch.float32, device=device) if global_scale else None)
         self.register_parameter("bias", frozen_bias(torch.zeros(N, dtype=dtype, device=device) if bias else None))
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """``weight_packed`` under the name packed 4-bit layers (GPTQ, AWQ) give it: PEFT reads a LoRA target's
+        device from ``qweight`` / ``weight`` / its first parameter, and a W4Linear without bias has none of the
+        last two."""
+        return self.weight_packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         return _ops.w4_mm(x, self.weight_packed, self.weight_scale, self.format, self.group_size, self.weight_offset,
