@@ -284,3 +284,17 @@ def test_quantize___w4_configs_keep_fused_experts_dense_with_the_reason(config):
     assert model.get_submodule(fqn) is experts and torch.equal(experts.gate_up_proj, gate_up)
     assert re.search(type(config).__name__, report.skipped[fqn])
     assert any(isinstance(m, W4Linear) for m in model.modules())
+
+
+def test_quantize_w4__e2m1_ties_go_to_the_even_code_as_the_writer():
+    # a group with amax 4 has scale 2^0 (mxfp4): each midpoint between two e2m1 values lands exactly on a tie
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]  # the neighbour whose code is even (mantissa bit 0)
+    row = torch.tensor(ties + [-t for t in ties] + [4.0] + [0.0] * 17)
+    w = row.reshape(1, 32)
+    q = quantize_w4(w, "mxfp4")
+    assert int(q.weight_scale) == 127
+    got = E2M1[_codes(q, 32)][0]
+    assert got[:7].tolist() == want and got[7:14].tolist() == [-v for v in want]
+    _, _, q_ct, _ = _ct_quantize(w, "MXFP4A16")
+    assert torch.equal(got, q_ct[0].double())
