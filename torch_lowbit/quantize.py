@@ -405,8 +405,10 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
 
     config: ``Fp8WeightOnly(granularity="channel")`` -> ``Fp8Linear`` / ``Fp8Experts``, ``Int8Dynamic()`` ->
     ``Int8Linear`` / ``Int8Experts`` (torchao's ``Float8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig``
-    are aliases), or any config class with a handler registered by ``register_quantize_module_handler`` (and, for
-    experts, ``register_quantize_experts_handler``).
+    are aliases), the 4-bit ``Int4WeightOnly(group_size, symmetric)``, ``Nvfp4WeightOnly()``, ``Mxfp4WeightOnly()``,
+    ``AffineWeightOnly(group_size)`` -> ``W4Linear`` (torchao's ``Int4WeightOnlyConfig`` is an alias; fused experts
+    stay in high precision under them, with a warning), or any config class with a handler registered by
+    ``register_quantize_module_handler`` (and, for experts, ``register_quantize_experts_handler``).
 
     Experts: a fused experts module (transformers >= 5: ``Qwen3MoeExperts``, ``MixtralExperts``, ... with 3-D
     ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``) becomes one quantized experts layer with the same
