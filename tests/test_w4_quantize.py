@@ -51,13 +51,18 @@ def _ct_quantize(w, scheme, group_size=None):
     return s, zp, quantize(w, s, zp, args, global_scale=gscale), gscale
 
 
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
 @pytest.mark.parametrize("symmetric", [True, False], ids=["W4A16", "W4A16_ASYM"])
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_quantize_w4__int4_matches_compressed_tensors(symmetric, group_size):
-    w = _weight(7, 256)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_w4__int4_matches_compressed_tensors(symmetric, group_size, dtype):
+    # bf16 / fp16: compressed-tensors computes in the weight's dtype; the same codes need the same roundings
+    w = _weight(16, 256, dtype=dtype)
     s, zp, q_ct, _ = _ct_quantize(w, "W4A16" if symmetric else "W4A16_ASYM", group_size)
     q = quantize_w4(w, "int4", group_size, symmetric)
-    assert q.weight_scale.dtype == torch.float32 and torch.equal(q.weight_scale, s)
+    assert q.weight_scale.dtype == dtype and torch.equal(q.weight_scale, s)
     assert torch.equal(_codes(q, 256) - 8, q_ct.to(torch.int64))
     if symmetric:
         assert q.weight_offset is None
@@ -66,8 +71,9 @@ def test_quantize_w4__int4_matches_compressed_tensors(symmetric, group_size):
 
 
 @pytest.mark.parametrize("scheme,fmt", [("NVFP4A16", "nvfp4"), ("MXFP4A16", "mxfp4")])
-def test_quantize_w4__fp4_matches_compressed_tensors(scheme, fmt):
-    w = _weight(6, 192, seed=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_w4__fp4_matches_compressed_tensors(scheme, fmt, dtype):
+    w = _weight(16, 192, seed=1, dtype=dtype)
     s, _, q_ct, gscale = _ct_quantize(w, scheme)
     q = quantize_w4(w, fmt)
     values = E2M1[_codes(q, 192)]

@@ -1,6 +1,8 @@
 """Round-to-nearest 4-bit weight quantization (W4A16) into the layouts of ``torch_lowbit.w4_mm`` / ``W4Linear``.
 
-Each format follows the arithmetic of the writer whose checkpoints it reads, computed in float32:
+Each format follows the arithmetic of the writer whose checkpoints it reads, in float32, except where
+compressed-tensors computes in the weight's dtype (int4 throughout, NVFP4's divisor and ``group_amax / 6``): there
+this module rounds each op to the weight's dtype too (bf16 / fp16 weights), so that it writes the same codes.
 
 - ``int4`` (compressed-tensors ``pack-quantized``, llmcompressor W4A16 / W4A16_ASYM, round to nearest): the group's
   range always holds 0 (``lo = min(w_min, 0)``, ``hi = max(w_max, 0)``). Symmetric: ``s = max(|lo|, |hi|) / 7.5``,
@@ -144,30 +146,33 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
             raise ValueError(f"{fn}: scale_dtype must be one of {_FLOAT_SCALE_DTYPES}, got {scale_dtype}")
     elif scale_dtype is not None:
         raise ValueError(f"{fn}: format {format!r} stores its scales in its own encoding; scale_dtype must be None")
-    w32 = w.detach().to(torch.float32)
+    cd = w.dtype if w.dtype in _FLOAT_SCALE_DTYPES else torch.float32  # the writers' compute dtype
+    wc = w.detach().to(cd)
+    w32 = wc.to(torch.float32)
     if w32.device.type != "meta" and not bool(torch.isfinite(w32).all()):
         raise ValueError(f"{fn}: w contains NaN or inf; no finite scale can represent it")
     grouped, G = _groups(w32, group_size)
     lo, hi = _group_min_max(grouped)
-    amax = torch.maximum(lo.abs(), hi.abs()) if K else w32.new_zeros(N, G)
+    if not K:
+        lo = hi = w32.new_zeros(N, G)
+    amax = torch.maximum(lo.abs(), hi.abs())
     offset = global_mult = None
 
     if format == "int4":
-        lo0, hi0 = torch.clamp(lo, max=0) if K else lo, torch.clamp(hi, min=0) if K else hi
+        # compressed-tensors computes in the weight's dtype, each op rounded to it (torch's bf16 / fp16 ops)
+        lo0, hi0 = torch.clamp(lo, max=0).to(cd), torch.clamp(hi, min=0).to(cd)
         if symmetric:
-            scale = (amax / 7.5).to(scale_dtype)
-            s32 = _safe(scale.to(torch.float32))
-            q = torch.round(w32 / _expand(s32, group_size, K)).clamp(-8, 7)
+            scale = (amax.to(cd) / 7.5).to(scale_dtype)
+            s_c = _safe(scale.to(cd))
+            q = torch.round(wc / _expand(s_c, group_size, K)).clamp(-8, 7)
         else:
             scale = ((hi0 - lo0) / 15).to(scale_dtype)
-            s32 = _safe(scale.to(torch.float32))
-            zp = torch.round(torch.clamp(-8 - lo0 / s32, -8, 7))
-            q = torch.round(w32 / _expand(s32, group_size, K) + _expand(zp, group_size, K)).clamp(-8, 7)
+            s_c = _safe(scale.to(cd))
+            zp = torch.round(torch.clamp(-8 - lo0 / s_c, -8, 7))
+            q = torch.round(wc / _expand(s_c, group_size, K) + _expand(zp, group_size, K)).clamp(-8, 7)
             offset = zp.to(torch.int8)
         codes = (q + 8).to(torch.int64)
-    elif format == "uint4":
-        lo = lo if K else w32.new_zeros(N, G)
-        hi = hi if K else w32.new_zeros(N, G)
+    elif format == "uint4":  # float32 arithmetic (MLX's kernels; torchao's min/max rule)
         if rule == "mlx":
             s = torch.clamp((hi - lo) / 15, min=1e-7)
             low_edge = lo.abs() > hi.abs()
@@ -184,10 +189,12 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
             q = torch.round((w32 - _expand(b32, group_size, K)) / _expand(s32, group_size, K))
         codes = q.clamp(0, 15).to(torch.int64)
     elif format == "nvfp4":
-        tensor_amax = amax.amax() if amax.numel() else w32.new_zeros(())
-        # the writer's divisor; an all-zero weight gets 1 (no global scaling)
-        gs = torch.where(tensor_amax > 0, (E4M3_MAX * E2M1_MAX) / _safe(tensor_amax), torch.ones_like(tensor_amax))
-        scale = _to_e4m3(gs * (amax / E2M1_MAX))
+        # compressed-tensors: the divisor 2688 / amax and amax_g / 6 in the weight's dtype, their product, the e4m3
+        # cast and the values' quotient in float32
+        tensor_amax = (amax.amax() if amax.numel() else w32.new_zeros(())).to(cd)
+        gs = torch.where(tensor_amax > 0, (E4M3_MAX * E2M1_MAX) / _safe(tensor_amax),
+                         torch.ones_like(tensor_amax)).to(torch.float32)  # an all-zero weight: 1, no global scaling
+        scale = _to_e4m3(gs * (amax.to(cd) / E2M1_MAX).to(torch.float32))
         eff = _safe(_e4m3_as_f32(scale) / gs)
         codes = _round_half_even_e2m1(w32 / _expand(eff, group_size, K))
         global_mult = (1.0 / gs).reshape(1).to(torch.float32)
