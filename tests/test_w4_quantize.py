@@ -98,8 +98,9 @@ def _half_away(x):
 
 
 def _ref_mlx_group(g):
-    """mlx.core.quantize (affine, 4 bits) of one group, float32 arithmetic: (codes, scale, bias) unrounded."""
-    lo, hi = _f32(g.min()), _f32(g.max())
+    """mlx.core.quantize (affine, 4 bits, its Metal kernel) of one group, float32 arithmetic: (codes, scale, bias)
+    unrounded. The kernel's running max starts at 0."""
+    lo, hi = _f32(g.min()), _f32(max(g.max(), 0))
     scale = max(_f32((hi - lo) / _f32(15)), _f32(1e-7))
     low_edge = abs(lo) > abs(hi)
     if not low_edge:
@@ -128,6 +129,7 @@ def _ref_minmax_group(g, dtype):
 def test_quantize_w4__uint4_matches_the_float32_reference(rule, dtype):
     N, K, gs = 5, 100, 32  # a partial last group
     w = _weight(N, K, seed=2).clamp(-60000, 60000).to(dtype)
+    w[1, 32:64] = -w[1, 32:64].abs() - 0.01  # a group with no value >= 0
     q = quantize_w4(w, "uint4", gs, rule=rule)
     assert q.weight_scale.dtype == dtype and q.weight_offset.dtype == dtype
     codes = _codes(q, K)

@@ -17,10 +17,12 @@ this module rounds each op to the weight's dtype too (bf16 / fp16 weights), so t
   ``2^e`` the group amax rounded to a power of two (up when its mantissa is >= 1.75, so fewer values saturate than
   with the OCP spec's plain ``floor(log2(amax))``), values ``e2m1(w / 2^(e - 2))`` saturating at 6.
 - ``uint4`` with an additive bias per group, ``w ~ q * s + b``:
-  ``rule="mlx"`` (``mlx.core.quantize``, affine mode): ``s = max((w_max - w_min) / 15, 1e-7)``, signed so that the
-  group's larger-magnitude edge maps to the code ``q0 = round(edge / s)``; then ``s = edge / q0`` and ``b = edge``
-  (``b = 0`` if ``q0 == 0``); codes ``round((w - b) / s)`` (halves away from zero) from the float32 ``s`` and ``b``,
-  which are then stored in the scale dtype.
+  ``rule="mlx"`` (``mlx.core.quantize``, affine mode, as its Metal kernel computes it -- the one that writes the
+  Hub's mlx-community checkpoints): ``w_max = max(0, group max)``, ``s = max((w_max - w_min) / 15, 1e-7)``, signed
+  so that the group's larger-magnitude edge maps to the code ``q0 = round(edge / s)``; then ``s = edge / q0`` and
+  ``b = edge`` (``b = 0`` if ``q0 == 0``); codes ``round((w - b) / s)`` clamped to ``[0, 15]`` (halves away from
+  zero) from the float32 ``s`` and ``b``, which are then stored in the scale dtype. (MLX's CPU path differs only on
+  exact ties, which it rounds to even, and in groups with no value >= 0, whose max it does not raise to 0.)
   ``rule="minmax"`` (torchao's ``Int4WeightOnlyConfig``): ``s = (w_max - w_min) / 15``, ``b = w_min``, codes
   ``round((w - b) / s)`` (half to even) from the stored ``s`` and ``b``.
 
@@ -174,6 +176,7 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
         codes = (q + 8).to(torch.int64)
     elif format == "uint4":  # float32 arithmetic (MLX's kernels; torchao's min/max rule)
         if rule == "mlx":
+            hi = torch.clamp(hi, min=0)  # MLX's Metal kernel starts its max at 0
             s = torch.clamp((hi - lo) / 15, min=1e-7)
             low_edge = lo.abs() > hi.abs()
             s = torch.where(low_edge, s, -s)
