@@ -291,8 +291,8 @@ def _bits(*shape):
                                   torch.tensor([0, 2, 2, 6], dtype=torch.int32), None, None)),
     ("int8_weight_mm_t", lambda: (torch.randn(3, 16), torch.randint(-127, 128, (16, 40), dtype=torch.int8),
                                   torch.rand(16))),
-    ("w4_mm", lambda: (torch.randn(3, 41, requires_grad=True), *_w4(16, 41, "int4_zp"), torch.randn(16,
-                                                                                                      requires_grad=True))),
+    ("w4_mm", lambda: (torch.randn(3, 41, requires_grad=True), *_w4(16, 41, "int4_zp"),
+                       torch.randn(16, requires_grad=True))),
     ("w4_mm_t", lambda: (torch.randn(3, 16, requires_grad=True), *_w4(16, 41, "nvfp4")[:4], 41,
                          *_w4(16, 41, "nvfp4")[4:])),
 ])

@@ -1,5 +1,6 @@
 """LoRA (PEFT) on frozen FP8 / INT8 / 4-bit bases (QLoRA): once torch_lowbit is imported, PEFT's LoRA wraps
-``Fp8Linear``, ``Int8Linear`` and ``W4Linear`` with plain PEFT calls (see ``torch_lowbit._peft_dispatch`` for the one hook this takes)::
+``Fp8Linear``, ``Int8Linear`` and ``W4Linear`` with plain PEFT calls (see ``torch_lowbit._peft_dispatch`` for the
+one hook this takes)::
 
     model = peft.get_peft_model(quantized_model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
     model = peft.PeftModel.from_pretrained(quantized_model, adapter_dir)
@@ -25,8 +26,8 @@ from .nn import Fp8Linear, Int8Linear, W4Linear
 
 
 class LowbitLoraLinear(_PeftLoraLinear):
-    """PEFT's LoRA Linear around an ``Fp8Linear`` / ``Int8Linear`` / ``W4Linear``: ``base(x) + lora_B(lora_A(dropout(x))) *
-    scaling``, unmerged."""
+    """PEFT's LoRA Linear around an ``Fp8Linear`` / ``Int8Linear`` / ``W4Linear``:
+    ``base(x) + lora_B(lora_A(dropout(x))) * scaling``, unmerged."""
 
     def __init__(self, base_layer, adapter_name, **kwargs):
         config = kwargs.get("config")
