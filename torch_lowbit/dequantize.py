@@ -21,7 +21,8 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
     """A copy of ``model`` in which every ``Fp8Linear`` / ``Int8Linear`` / ``W4Linear`` is an ``nn.Linear`` holding
     its exactly dequantized weight: ``fp8_dequantize(weight, weight_scale)`` / ``weight * weight_scale`` (computed in
     float64) / ``w4_dequantize`` (the format's fp32 arithmetic, as ``w4_mm`` reads it), rounded once to ``dtype``.
-    ``model`` is left as it was (its low-bit tensors are not copied); everything else is deep-copied. Works on a PEFT model too, whose LoRA layers then merge::
+    ``model`` is left as it was (its low-bit tensors are not copied); everything else is deep-copied. Works on a PEFT
+    model too, whose LoRA layers then merge::
 
         merged = torch_lowbit.dequantize_model(peft_model).merge_and_unload()
         merged = PeftModel.from_pretrained(torch_lowbit.dequantize_model(base), adapter_dir).merge_and_unload()
