@@ -8,7 +8,8 @@ batch, on the best device (mps if available, else cpu). The table ends with the 
 Columns: bf16 / lowbit time (median, ms), speedup = bf16 / lowbit, vs fp8 = fp8 time / lowbit time (the same
 run), weight GB/s = bytes of the low-bit weight and its scales / lowbit time, and the error:
 max |y_lowbit - y_bf16| / max |y_bf16| over the output, where y_bf16 is what nn.Linear with the bf16 weight
-returns (the path the layer replaces), so it is the quantization error seen by the model (weights normal(0, 0.02), activations normal(0, 1)).
+returns (the path the layer replaces), so it is the quantization error seen by the model (weights normal(0, 0.02),
+activations normal(0, 1)).
 """
 from __future__ import annotations
 
