@@ -1,8 +1,8 @@
 """LoRA with PEFT on FP8 / INT8 / 4-bit (QLoRA) bases: a tiny transformers Llama (dims not multiples of 128) trains
 adapters on cpu and through the emulator; the adapters' gradients match the same LoRA on the dequantized base in
 float64; merging is refused, and merging into torch_lowbit.dequantize_model's dense copy matches float64; unmerged
-inference works; plain PEFT calls (no torch_lowbit.peft.register) wrap the low-bit layers and reload saved adapters; bias="all" /
-"lora_only" train the low-bit layers' biases."""
+inference works; plain PEFT calls (no torch_lowbit.peft.register) wrap the low-bit layers and reload saved
+adapters; bias="all" / "lora_only" train the low-bit layers' biases."""
 import copy
 
 import pytest
@@ -91,7 +91,8 @@ def emulated_layers(monkeypatch):
 
 @pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("channel"),
                                     torch_lowbit.Fp8WeightOnly("block", (16, 32)), torch_lowbit.Nvfp4WeightOnly(),
-                                    torch_lowbit.Int4WeightOnly(16, symmetric=False), torch_lowbit.AffineWeightOnly(32)],
+                                    torch_lowbit.Int4WeightOnly(16, symmetric=False),
+                                    torch_lowbit.AffineWeightOnly(32)],
                          ids=["fp8-channel", "fp8-block", "nvfp4", "int4-asym", "uint4"])
 def test_adapter_gradients_match_dequantized_base_in_float64(config):
     model = tiny_llama()
