@@ -220,7 +220,7 @@ W4_VALUES_F64 = {
 def w4_codes_f64(codes: torch.Tensor, K: int) -> torch.Tensor:
     """uint8 [..., ceil(K/2)] -> the 4-bit codes [..., K] (even k in the low nibble) as int64."""
     c = codes.to(torch.int64)
-    both = torch.stack([c & 0xF, c >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
+    both = torch.stack([c & 0xF, c >> 4], dim=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
     return both[..., :K]
 
 

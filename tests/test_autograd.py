@@ -12,7 +12,8 @@ from torch.library import opcheck
 
 import torch_lowbit
 from conftest import backends_for
-from reference import (assert_matmul_close, fp8_weight_f64, random_fp8_bits, ref_fp8_grouped_mm_t, ref_matmul_t)
+from reference import (assert_matmul_close, fp8_weight_f64, random_fp8_bits, ref_fp8_grouped_mm_t, ref_matmul_t,
+                       w4_weight_f64)
 from test_fp8_mm import make_scale
 from torch_lowbit.nn import Fp8Linear, Int8Linear
 from torch_lowbit.nn.experts import Fp8Experts
@@ -290,6 +291,10 @@ def _bits(*shape):
                                   torch.tensor([0, 2, 2, 6], dtype=torch.int32), None, None)),
     ("int8_weight_mm_t", lambda: (torch.randn(3, 16), torch.randint(-127, 128, (16, 40), dtype=torch.int8),
                                   torch.rand(16))),
+    ("w4_mm", lambda: (torch.randn(3, 41, requires_grad=True), *_w4(16, 41, "int4_zp"),
+                       torch.randn(16, requires_grad=True))),
+    ("w4_mm_t", lambda: (torch.randn(3, 16, requires_grad=True), *_w4(16, 41, "nvfp4")[:4], 41,
+                         *_w4(16, 41, "nvfp4")[4:])),
 ])
 def test_opcheck_with_gradients(op, args):
     opcheck(getattr(torch.ops.lowbit, op).default, args())
@@ -444,3 +449,74 @@ def test_second_order_gradient_through_frozen_scale_is_refused():
     gx = torch.ops.lowbit.int8_weight_mm_t(torch.ones(3, 4), w.view(torch.int8), torch.ones(4, requires_grad=True))
     with pytest.raises(RuntimeError, match="int8_weight_mm_t: w_scale requires grad"):
         gx.sum().backward()
+
+
+# ---- 4-bit weights (w4_mm): the same contract
+def _w4(N, K, kind, seed=0):
+    """(codes, scale, format, group_size, offset, global_scale) of a random 4-bit weight."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (N, (K + 1) // 2), dtype=torch.uint8, generator=g)
+    if kind == "nvfp4":
+        scale = torch.randint(0x20, 0x40, (N, -(-K // 16)), dtype=torch.uint8, generator=g)
+        return codes, scale, "nvfp4", 16, None, torch.tensor([0.02])
+    scale = (torch.rand(N, -(-K // 16), generator=g) / 40).to(torch.bfloat16)
+    return codes, scale, "int4", 16, torch.randint(-8, 8, scale.shape, dtype=torch.int8, generator=g), None
+
+
+@pytest.mark.parametrize("backend", backends_for("w4_mm"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["nvfp4", "int4_zp"])
+@pytest.mark.parametrize("M", [1, 11])
+def test_w4_mm_grad_x_and_bias(backend, dtype, kind, M):
+    N, K = 37, 70
+    codes, scale, fmt, gs, offset, glob = _w4(N, K, kind, M)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(2, M, K, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(N, generator=g).to(dtype).requires_grad_()
+    go = torch.randn(2, M, N, generator=g).to(dtype)
+    backend.op("w4_mm")(x, codes, scale, fmt, gs, offset, glob, bias).backward(go)
+    assert x.grad.shape == x.shape and x.grad.dtype == dtype
+    ref, absref = ref_matmul_t(rows(go), w4_weight_f64(fmt, codes, scale, gs, K, offset, glob))
+    assert_matmul_close(rows(x.grad), ref, absref, acc_rtol=ACC_RTOL)
+    assert_matmul_close(bias.grad, go.double().sum((0, 1)), go.double().abs().sum((0, 1)), acc_rtol=ACC_RTOL)
+
+
+@pytest.mark.parametrize("backend", backends_for("w4_mm"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["nvfp4", "int4_zp"])
+def test_w4_mm_second_order_gradients_match_float64(backend, dtype, kind):
+    N, K = 37, 70
+    codes, scale, fmt, gs, offset, glob = _w4(N, K, kind, 5)
+    w64 = w4_weight_f64(fmt, codes, scale, gs, K, offset, glob)
+    _assert_second_order_close(lambda x: backend.op("w4_mm")(x, codes, scale, fmt, gs, offset, glob),
+                               lambda x: x @ w64.T, torch.randn(2, 5, K, generator=torch.Generator().manual_seed(1)),
+                               dtype)
+
+
+def test_w4_mm_frozen_codes_scales_and_offsets_refuse_gradients():
+    x = torch.randn(3, 32, requires_grad=True)
+    codes, scale, fmt, gs, offset, _ = _w4(4, 32, "int4_zp")
+    for name, args in (("scale", (codes, scale.float().requires_grad_(), fmt, gs, offset)),
+                       ("offset", (codes, scale.float(), "uint4", gs, torch.zeros(4, 2, requires_grad=True)))):
+        out = torch.ops.lowbit.w4_mm(x, *args)
+        with pytest.raises(RuntimeError, match=f"w4_mm: {name} requires grad, but low-bit weights .* frozen"):
+            out.sum().backward()
+    nv = _w4(4, 32, "nvfp4")
+    out = torch.ops.lowbit.w4_mm(x, *nv[:5], torch.tensor([0.5], requires_grad=True))
+    with pytest.raises(RuntimeError, match="w4_mm: global_scale requires grad"):
+        out.sum().backward()
+    gx = torch.ops.lowbit.w4_mm_t(torch.ones(3, 4), codes, scale.float().requires_grad_(), fmt, gs, 32, offset)
+    with pytest.raises(RuntimeError, match="w4_mm_t: scale requires grad"):
+        gx.sum().backward()
+
+
+def test_w4_layer_trains_the_layer_before_it():
+    from torch_lowbit.nn import W4Linear
+    torch.manual_seed(0)
+    pre = nn.Linear(16, 64)
+    layer = W4Linear.from_float(nn.Linear(64, 40), "int4", 32, symmetric=False)
+    x = torch.randn(5, 16)
+    layer(pre(x)).sum().backward()
+    w64 = w4_weight_f64("int4", layer.weight_packed, layer.weight_scale, 32, 64, layer.weight_offset)
+    h_grad = torch.ones(5, 40, dtype=torch.float64) @ w64
+    torch.testing.assert_close(pre.weight.grad.double(), h_grad.T @ x.double(), rtol=1e-5, atol=1e-5)

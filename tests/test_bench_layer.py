@@ -14,19 +14,39 @@ def test_layer_suite_runs_and_writes_json(monkeypatch, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "[2/2] b_proj" in err and "decoder layer (7)" in out and "max rel err" in out
     rows = json.loads(path.read_text())["rows"]
-    assert len(rows) == 2 * 2 * 2 + 2 * 2  # shapes x M x modes, plus a total per (M, mode)
+    modes = len(layer.MODES)
+    assert {r["mode"] for r in rows} == {"fp8", "int8", "nvfp4", "mxfp4", "int4", "uint4"}
+    assert len(rows) == 2 * 2 * modes + 2 * modes  # shapes x M x modes, plus a total per (M, mode)
     for r in rows:
-        assert r["lowbit_ms"] > 0 and r["speedup"] > 0
-        assert 0 < r["max_rel_err"] < (0.08 if r["mode"] == "fp8" else 0.04)
+        assert r["lowbit_ms"] > 0 and r["speedup"] > 0 and r["vs_fp8"] > 0
+        # 4-bit: about a quarter of a step of 16 levels, relative to the largest output
+        bound = {"fp8": 0.08, "int8": 0.04}.get(r["mode"], 0.25)
+        assert 0 < r["max_rel_err"] < bound, r
+    fp8 = {(r["layer"], r["M"]): r["lowbit_ms"] for r in rows if r["mode"] == "fp8"}
+    for r in rows:
+        assert r["vs_fp8"] == pytest.approx(fp8[(r["layer"], r["M"])] / r["lowbit_ms"])
+    # the weight bytes include the 4-bit formats' scales and offsets: 48 x 64 int4 per 128 (one bf16 scale a row)
+    a_int4 = next(r for r in rows if r["layer"] == "a_proj" and r["mode"] == "int4")
+    assert a_int4["weight_bytes"] == 48 * 32 + 48 * 2
 
 
 @pytest.mark.parametrize("argv,match", [(["--m", "0"], "--m values must be >= 1"),
                                         (["--m", "x"], "--m must be comma-separated"),
-                                        (["--repeat", "0"], "--repeat must be >= 1")])
+                                        (["--repeat", "0"], "--repeat must be >= 1"),
+                                        (["--modes", "fp8,nf4"], "--modes must be among")])
 def test_layer_suite_bad_options(argv, match, capsys):
     with pytest.raises(SystemExit):
         layer.run(argv)
     assert match in capsys.readouterr().err
+
+
+def test_layer_suite_runs_a_subset_of_modes(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(layer, "LLAMA3_8B", [("a_proj", 16, 40, 1)])
+    path = tmp_path / "out.json"
+    assert layer.run(["--m", "2", "--repeat", "1", "--device", "cpu", "--working-set-mb", "0", "--modes", "nvfp4",
+                      "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"nvfp4"} and all(r["vs_fp8"] is None for r in rows)
 
 
 def test_cpu_suite_runs_at_a_capped_isa(tmp_path, capsys):

@@ -21,11 +21,15 @@ def test_train_suite_runs_and_writes_json(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step / bf16" in out
     rows = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
-    assert set(rows) == {"bf16", "fp8", "int8"}
+    assert set(rows) == {"bf16", "fp8", "int8", "nvfp4", "mxfp4", "int4", "uint4"}
     for r in rows.values():
         assert r["step_ms"] > 0 and r["bwd_ms"] > 0 and r["train_state_mb"] > 0
     # one byte per weight plus fp32 scales against two bytes per weight
     assert rows["bf16"]["weights_vs_bf16"] == 1 and 0.5 < rows["fp8"]["weights_vs_bf16"] < 0.55
+    # half a byte per weight plus the group scales (K = 64, 96 here: int4's group of 128 is one per row, uint4's 64
+    # is one or two scale + bias pairs), against two bytes per weight
+    assert 0.25 < rows["nvfp4"]["weights_vs_bf16"] < 0.3 and 0.25 < rows["mxfp4"]["weights_vs_bf16"] < 0.3
+    assert 0.25 < rows["int4"]["weights_vs_bf16"] < 0.3 and 0.25 < rows["uint4"]["weights_vs_bf16"] < 0.3
     # the small shapes ran: 28672 weights of two bytes, not a Llama-3-8B layer's 416 MB
     assert rows["bf16"]["weights_mb"] * 2 ** 20 == 2 * 28672, rows["bf16"]["weights_mb"]
 

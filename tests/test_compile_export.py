@@ -8,7 +8,7 @@ from torch.library import opcheck
 
 import torch_lowbit
 from reference import random_fp8_bits
-from torch_lowbit.nn import Fp8Linear, Int8Linear
+from torch_lowbit.nn import Fp8Linear, Int8Linear, W4Linear
 
 G = torch.Generator().manual_seed(0)
 
@@ -147,11 +147,15 @@ def _make(kind):
             return Fp8Linear.from_float(lin, "channel")
         if kind == "fp8_block":
             return Fp8Linear.from_float(lin, "block", (32, 32))
+        if kind == "nvfp4":
+            return W4Linear.from_float(lin, "nvfp4")
+        if kind == "int4_zp":
+            return W4Linear.from_float(lin, "int4", 32, symmetric=False)
         return Int8Linear.from_float(lin)
     return make
 
 
-KINDS = ["fp8", "fp8_block", "int8"]
+KINDS = ["fp8", "fp8_block", "int8", "nvfp4", "int4_zp"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,8 +1,8 @@
-"""LoRA with PEFT on FP8 / INT8 bases: a tiny transformers Llama (dims not multiples of 128) trains adapters on cpu
-and through the emulator; the adapters' gradients match the same LoRA on the dequantized base in float64; merging
-is refused, and merging into torch_lowbit.dequantize_model's dense copy matches float64; unmerged inference works;
-plain PEFT calls (no torch_lowbit.peft.register) wrap the low-bit layers and reload saved adapters; bias="all" /
-"lora_only" train the low-bit layers' biases."""
+"""LoRA with PEFT on FP8 / INT8 / 4-bit (QLoRA) bases: a tiny transformers Llama (dims not multiples of 128) trains
+adapters on cpu and through the emulator; the adapters' gradients match the same LoRA on the dequantized base in
+float64; merging is refused, and merging into torch_lowbit.dequantize_model's dense copy matches float64; unmerged
+inference works; plain PEFT calls (no torch_lowbit.peft.register) wrap the low-bit layers and reload saved
+adapters; bias="all" / "lora_only" train the low-bit layers' biases."""
 import copy
 
 import pytest
@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch_lowbit  # noqa: E402
 import torch_lowbit.peft as lowbit_peft  # noqa: E402
-from reference import fp8_weight_f64  # noqa: E402
-from torch_lowbit.nn import Fp8Linear, Int8Linear  # noqa: E402
+from reference import fp8_weight_f64, w4_weight_f64  # noqa: E402
+from torch_lowbit.nn import Fp8Linear, Int8Linear, W4Linear  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -40,16 +40,16 @@ def lora(model, **kw):
 
 
 def dequantized_copy(quantized):
-    """The same model with every Fp8Linear replaced by an nn.Linear holding its dequantized weight (float64)."""
+    """The same model with every Fp8Linear / W4Linear replaced by an nn.Linear holding its dequantized weight
+    (float64)."""
     dense = copy.deepcopy(quantized).double()
     for name, m in list(dense.named_modules()):
         for cname, child in list(m.named_children()):
-            if isinstance(child, Fp8Linear):
+            if isinstance(child, (Fp8Linear, W4Linear)):
                 lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
                                 dtype=torch.float64)
                 with torch.no_grad():
-                    lin.weight.copy_(fp8_weight_f64(child.weight.view(torch.uint8), child.weight_scale,
-                                                    child.block_size))
+                    lin.weight.copy_(dense_weight_f64(child))
                     if child.bias is not None:
                         lin.bias.copy_(child.bias.double())
                 setattr(m, cname, lin)
@@ -89,11 +89,15 @@ def emulated_layers(monkeypatch):
     monkeypatch.setattr(_ops, "int8_linear", lambda x, w, s, b=None: _autograd.int8_linear(x, w, s, b, "lowbit_emu"))
 
 
-@pytest.mark.parametrize("granularity", ["channel", "block"])
-def test_adapter_gradients_match_dequantized_base_in_float64(granularity):
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("channel"),
+                                    torch_lowbit.Fp8WeightOnly("block", (16, 32)), torch_lowbit.Nvfp4WeightOnly(),
+                                    torch_lowbit.Int4WeightOnly(16, symmetric=False),
+                                    torch_lowbit.AffineWeightOnly(32)],
+                         ids=["fp8-channel", "fp8-block", "nvfp4", "int4-asym", "uint4"])
+def test_adapter_gradients_match_dequantized_base_in_float64(config):
     model = tiny_llama()
-    torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly(granularity, (16, 32)))
-    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    torch_lowbit.quantize_(model, config)
+    assert isinstance(model.model.layers[0].mlp.down_proj, (Fp8Linear, W4Linear))
     dense = dequantized_copy(model)
     pm, pd = lora(model, init_lora_weights=False), lora(dense, init_lora_weights=False)  # random B: nonzero grads
     with torch.no_grad():
@@ -112,7 +116,8 @@ def test_adapter_gradients_match_dequantized_base_in_float64(granularity):
     assert all(not p.requires_grad for n, p in pm.named_parameters() if "lora_" not in n)
 
 
-@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("channel"), torch_lowbit.Int8Dynamic()])
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("channel"), torch_lowbit.Int8Dynamic(),
+                                    torch_lowbit.Mxfp4WeightOnly()])
 def test_lora_trains_on_low_bit_base_and_merge_is_refused(config):
     model = tiny_llama()
     torch_lowbit.quantize_(model, config)
@@ -125,7 +130,7 @@ def test_lora_trains_on_low_bit_base_and_merge_is_refused(config):
         with pm.disable_adapter():
             base = pm(input_ids=ids).logits
         assert torch.isfinite(out).all() and not torch.equal(out, base)  # unmerged inference, adapters active
-    with pytest.raises(ValueError, match="merging a LoRA adapter into a (Fp8|Int8)Linear base is not supported"):
+    with pytest.raises(ValueError, match="merging a LoRA adapter into a (Fp8|Int8|W4)Linear base is not supported"):
         pm.merge_and_unload()
 
 
@@ -202,7 +207,9 @@ def test_peft_bias_all_on_fp8_base_matches_the_dequantized_model_in_float64():
 
 # ---- plain PEFT calls (no torch_lowbit.peft.register), reload, merge into a dense copy
 LOW_BIT_CONFIGS = pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly("block", (16, 32)),
-                                                     torch_lowbit.Int8Dynamic()], ids=["fp8", "int8"])
+                                                     torch_lowbit.Int8Dynamic(), torch_lowbit.Nvfp4WeightOnly(),
+                                                     torch_lowbit.Int4WeightOnly(16, symmetric=False)],
+                                           ids=["fp8", "int8", "nvfp4", "int4-asym"])
 
 
 def plain_lora(**kw):
@@ -271,6 +278,9 @@ def test_plain_peft_reload_in_a_fresh_process_that_imported_peft_first(tmp_path)
 def dense_weight_f64(layer):
     if isinstance(layer, Fp8Linear):
         return fp8_weight_f64(layer.weight.view(torch.uint8), layer.weight_scale, layer.block_size)
+    if isinstance(layer, W4Linear):
+        return w4_weight_f64(layer.format, layer.weight_packed, layer.weight_scale, layer.group_size,
+                             layer.in_features, layer.weight_offset, layer.weight_scale_2)
     return layer.weight.double() * layer.weight_scale.double().reshape(-1, 1)
 
 
@@ -282,7 +292,8 @@ def test_merge_into_a_dequantized_copy_matches_float64(config, tmp_path):
     with pytest.raises(ValueError, match=r"torch_lowbit\.dequantize_model\(peft_model\)\.merge_and_unload\(\)"):
         pm.merge_and_unload()
     dense_base = torch_lowbit.dequantize_model(pm.get_base_model(), dtype=torch.float32)
-    assert isinstance(pm.base_model.model.model.layers[0].mlp.up_proj.base_layer, (Fp8Linear, Int8Linear))  # a copy
+    assert isinstance(pm.base_model.model.model.layers[0].mlp.up_proj.base_layer, (Fp8Linear, Int8Linear,
+                                                                                   W4Linear))  # a copy
     merged = peft.PeftModel.from_pretrained(dense_base, tmp_path).merge_and_unload()
     eps = torch.finfo(torch.float32).eps
     for name, lora_layer in pm.named_modules():
@@ -299,7 +310,7 @@ def test_merge_into_a_dequantized_copy_matches_float64(config, tmp_path):
         assert torch.equal(dense.bias, low_bit.bias)
     # the merged model computes what the unmerged adapters compute on the low-bit base (W8A16: same weights; W8A8:
     # its activations are rounded to int8, so against the unmerged adapters on the dense copy)
-    unmerged = pm if isinstance(config, torch_lowbit.Fp8WeightOnly) else torch_lowbit.dequantize_model(pm)
+    unmerged = pm if not isinstance(config, torch_lowbit.Int8Dynamic) else torch_lowbit.dequantize_model(pm)
     ids = batch(1)
     with torch.no_grad():
         got, want = merged(input_ids=ids).logits, unmerged(input_ids=ids).logits

@@ -3,8 +3,10 @@
 Ops: ``torch.ops.lowbit.{fp8_mm, fp8_dequantize, fp8_grouped_mm, int8_quantize, int8_mm}`` and the
 transposed products of their backward passes ``{fp8_mm_t, fp8_grouped_mm_t, int8_weight_mm_t}`` (wrapped here
 with docstrings); the matmuls are differentiable w.r.t. activations and bias (weights frozen). ``torch.ops.lowbit_emu.*`` runs the Metal kernels in the MSL emulator (tests only).
-Quantization: ``quantize_fp8``, ``quantize_int8``; layers ``torch_lowbit.nn.Fp8Linear`` / ``Int8Linear``; whole
-models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic())`` (torchao's config names work too); scale
+Quantization: ``quantize_fp8``, ``quantize_int8``, ``quantize_w4``; layers ``torch_lowbit.nn.Fp8Linear`` /
+``Int8Linear`` / ``W4Linear``; whole models: ``quantize_(model, Fp8WeightOnly(...) | Int8Dynamic() |
+Int4WeightOnly(...) | Nvfp4WeightOnly() | Mxfp4WeightOnly() | AffineWeightOnly(...))`` (torchao's config names
+work too); 4-bit ops ``w4_mm``, ``w4_dequantize``, ``w4_mm_t``; scale
 granularities ``PerTensor``, ``PerChannel``, ``PerBlock``; checkpoints: ``load_quantized(model, path)``;
 Hugging Face models: ``from_pretrained(path)`` (a quantized checkpoint -> a running transformers model),
 ``save_quantized(model, path)`` (-> a compressed-tensors checkpoint); ``dequantize_model(model)``: a dense copy
@@ -40,9 +42,10 @@ _load_emulator()
 from . import emulator  # noqa: E402,F401
 from . import nn  # noqa: E402,F401
 from .granularity import PerBlock, PerChannel, PerTensor  # noqa: E402,F401
-from .quantize import (Float8WeightOnlyConfig, Fp8WeightOnly, Int8Dynamic,  # noqa: E402,F401
-                       Int8DynamicActivationInt8WeightConfig, quantize_, quantize_fp8, quantize_int8,
-                       register_quantize_module_handler)
+from .quantize import (AffineWeightOnly, Float8WeightOnlyConfig, Fp8WeightOnly, Int4WeightOnly,  # noqa: E402,F401
+                       Int4WeightOnlyConfig, Int8Dynamic, Int8DynamicActivationInt8WeightConfig, Mxfp4WeightOnly,
+                       Nvfp4WeightOnly, quantize_, quantize_fp8, quantize_int8, register_quantize_module_handler)
+from .quantize_w4 import W4Quantized, quantize_w4  # noqa: E402,F401
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
 from .hf import enable_save_pretrained, from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
 from .dequantize import dequantize_model  # noqa: E402,F401

@@ -319,9 +319,14 @@ def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype or torch.bfloat16)
 
 
-def _check_w4_codes(op, codes, scale):
+def _check_w4_codes(op, codes, scale, group_size, K):
     _check(codes.dtype == torch.uint8, f"{op}: codes must be uint8 (two 4-bit codes per byte), got {codes.dtype}")
     _check(codes.dim() == 2, f"{op}: codes must be [N, ceil(K/2)], got shape {tuple(codes.shape)}")
+    _check(group_size >= 1, f"{op}: group_size must be >= 1, got {group_size}")
+    # the scale layout the kernels read (checks.cpp), so that a traced graph fails where the eager call would
+    torch._check(scale.dim() == 2 and scale.shape[0] == codes.shape[0] and scale.shape[1] == (K + group_size - 1)
+                 // group_size, lambda: f"{op}: scale must be [N, ceil(K/group_size)] for K = {K}, group_size = "
+                 f"{group_size}, got {list(scale.shape)}")
 
 
 def _fake_w4_mm(x, codes, scale, format, group_size, offset=None, global_scale=None, bias=None):
@@ -329,10 +334,10 @@ def _fake_w4_mm(x, codes, scale, format, group_size, offset=None, global_scale=N
     _same_device(op, "x", x, codes=codes, scale=scale, offset=offset, global_scale=global_scale, bias=bias)
     _check_float(op, "x", x)
     _check(x.dim() >= 1, f"{op}: x must have at least one dimension [..., K]")
-    _check_w4_codes(op, codes, scale)
-    torch._check(codes.shape[1] == (x.shape[-1] + 1) // 2,
+    torch._check(codes.dim() != 2 or codes.shape[1] == (x.shape[-1] + 1) // 2,
                  lambda: f"{op}: codes rows must hold ceil(K/2) = {(x.shape[-1] + 1) // 2} bytes for K = "
                  f"{x.shape[-1]}, got codes of shape {list(codes.shape)}")
+    _check_w4_codes(op, codes, scale, group_size, x.shape[-1])
     if bias is not None:
         _check(bias.dim() == 1, f"{op}: bias must be [N], got shape {tuple(bias.shape)}")
     return x.new_empty((*x.shape[:-1], codes.shape[0]))
@@ -342,7 +347,7 @@ def _fake_w4_dequantize(codes, scale, format, group_size, K, offset=None, global
     op = "w4_dequantize"
     _same_device(op, "codes", codes, scale=scale, offset=offset, global_scale=global_scale)
     _check(dtype in _FLOAT_DTYPES, f"{op}: dtype must be bfloat16, float16 or float32, got {dtype}")
-    _check_w4_codes(op, codes, scale)
+    _check_w4_codes(op, codes, scale, group_size, K)
     return codes.new_empty((codes.shape[0], K), dtype=dtype)
 
 
@@ -351,7 +356,7 @@ def _fake_w4_mm_t(grad_out, codes, scale, format, group_size, K, offset=None, gl
     _same_device(op, "grad_out", grad_out, codes=codes, scale=scale, offset=offset, global_scale=global_scale)
     _check_float(op, "grad_out", grad_out)
     _check(grad_out.dim() >= 1, f"{op}: grad_out must have at least one dimension [..., N]")
-    _check_w4_codes(op, codes, scale)
+    _check_w4_codes(op, codes, scale, group_size, K)
     torch._check(grad_out.shape[-1] == codes.shape[0], lambda: f"{op}: grad_out's last dimension must equal the "
                  "weight's N")
     return grad_out.new_empty((*grad_out.shape[:-1], K))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._ops import fp8_dequantize
-from .nn import Fp8Linear, Int8Linear
+from .nn import Fp8Linear, Int8Linear, W4Linear
 from .nn.experts import Fp8Experts
 
 _EXPERTS_CHOICES = ("refuse", "keep")
@@ -18,10 +18,11 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the low-bit lay
 
 
 def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, experts: str = "refuse") -> nn.Module:
-    """A copy of ``model`` in which every ``Fp8Linear`` / ``Int8Linear`` is an ``nn.Linear`` holding its exactly
-    dequantized weight: ``fp8_dequantize(weight, weight_scale)`` / ``weight * weight_scale`` (computed in float64),
-    rounded once to ``dtype``. ``model`` is left as it was (its low-bit tensors are not copied); everything else is
-    deep-copied. Works on a PEFT model too, whose LoRA layers then merge::
+    """A copy of ``model`` in which every ``Fp8Linear`` / ``Int8Linear`` / ``W4Linear`` is an ``nn.Linear`` holding
+    its exactly dequantized weight: ``fp8_dequantize(weight, weight_scale)`` / ``weight * weight_scale`` (computed in
+    float64) / ``w4_dequantize`` (the format's fp32 arithmetic, as ``w4_mm`` reads it), rounded once to ``dtype``.
+    ``model`` is left as it was (its low-bit tensors are not copied); everything else is deep-copied. Works on a PEFT
+    model too, whose LoRA layers then merge::
 
         merged = torch_lowbit.dequantize_model(peft_model).merge_and_unload()
         merged = PeftModel.from_pretrained(torch_lowbit.dequantize_model(base), adapter_dir).merge_and_unload()
@@ -41,7 +42,7 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
         raise ValueError(f"dequantize_model: dtype must be one of {_DTYPES}, got {dtype!r}")
     memo = {}
     for name, module in model.named_modules():
-        if isinstance(module, (Fp8Linear, Int8Linear)):
+        if isinstance(module, (Fp8Linear, Int8Linear, W4Linear)):
             memo[id(module)] = _dense_linear(module, dtype)
         elif isinstance(module, Fp8Experts) and experts == "refuse":
             raise ValueError(f"dequantize_model: {name} is an Fp8Experts (fused fp8 experts), which has no dense "
@@ -61,6 +62,8 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 def _dense_linear(layer, dtype: torch.dtype) -> nn.Linear:
     if isinstance(layer, Fp8Linear):
         w = fp8_dequantize(layer.weight, layer.weight_scale, layer.block_size, dtype=dtype)
+    elif isinstance(layer, W4Linear):
+        w = layer.dequantize(dtype)
     else:
         w = layer.weight.to(torch.float64) * layer.weight_scale.to(torch.float64).reshape(-1, 1)
     dense = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")

@@ -1,5 +1,6 @@
-"""LoRA (PEFT) on frozen FP8 / INT8 bases: once torch_lowbit is imported, PEFT's LoRA wraps ``Fp8Linear`` and
-``Int8Linear`` with plain PEFT calls (see ``torch_lowbit._peft_dispatch`` for the one hook this takes)::
+"""LoRA (PEFT) on frozen FP8 / INT8 / 4-bit bases (QLoRA): once torch_lowbit is imported, PEFT's LoRA wraps
+``Fp8Linear``, ``Int8Linear`` and ``W4Linear`` with plain PEFT calls (see ``torch_lowbit._peft_dispatch`` for the
+one hook this takes)::
 
     model = peft.get_peft_model(quantized_model, LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
     model = peft.PeftModel.from_pretrained(quantized_model, adapter_dir)
@@ -21,12 +22,12 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import Linear as _PeftLoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from .nn import Fp8Linear, Int8Linear
+from .nn import Fp8Linear, Int8Linear, W4Linear
 
 
 class LowbitLoraLinear(_PeftLoraLinear):
-    """PEFT's LoRA Linear around an ``Fp8Linear`` / ``Int8Linear``: ``base(x) + lora_B(lora_A(dropout(x))) *
-    scaling``, unmerged."""
+    """PEFT's LoRA Linear around an ``Fp8Linear`` / ``Int8Linear`` / ``W4Linear``:
+    ``base(x) + lora_B(lora_A(dropout(x))) * scaling``, unmerged."""
 
     def __init__(self, base_layer, adapter_name, **kwargs):
         config = kwargs.get("config")
@@ -39,8 +40,9 @@ class LowbitLoraLinear(_PeftLoraLinear):
         return module.in_features, module.out_features
 
     def _get_base_layer_device_and_dtype(self, base_layer):
-        # the adapters follow the base layer's device but not its weight's dtype (float8 / int8)
-        return base_layer.weight.device, None
+        # the adapters follow the base layer's device but not its weight's dtype (float8 / int8 / 4-bit codes)
+        weight = getattr(base_layer, "weight", None)
+        return (weight if weight is not None else base_layer.weight_packed).device, None
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
         base = self.get_base_layer()
@@ -55,7 +57,7 @@ class LowbitLoraLinear(_PeftLoraLinear):
         return super().__repr__().replace("lora.Linear", f"lora.{type(self).__name__}")
 
 
-LOW_BIT_LAYERS = (Fp8Linear, Int8Linear)
+LOW_BIT_LAYERS = (Fp8Linear, Int8Linear, W4Linear)
 
 
 def dispatch_low_bit(target, adapter_name, config, **kwargs):

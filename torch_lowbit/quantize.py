@@ -141,6 +141,54 @@ class Int8Dynamic:
     """W8A8: int8 per-channel weights, activations quantized per row at run time (``Int8Linear``)."""
 
 
+def _check_group_size(config: str, group_size, allow_none: bool):
+    if group_size is None and allow_none:
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{config}: group_size must be an int >= 1{' or None (per channel)' if allow_none else ''}, "
+                         f"got {group_size!r}")
+
+
+# ---- 4-bit weights (W4Linear; the arithmetic of each format: torch_lowbit.quantize_w4)
+@dataclasses.dataclass(frozen=True)
+class Int4WeightOnly:
+    """W4A16, signed int4 as compressed-tensors' W4A16 (``symmetric=True``: ``w ~ q * s``, ``s = amax / 7.5``) or
+    W4A16_ASYM (``symmetric=False``: int8 zero points, ``w ~ (q - zp) * s``), a scale per ``group_size`` K values
+    (None: per output channel), scales in the weight's dtype."""
+    group_size: Optional[int] = 128
+    symmetric: bool = True
+
+    def __post_init__(self):
+        _check_group_size("Int4WeightOnly", self.group_size, allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Nvfp4WeightOnly:
+    """W4A16, NVFP4 as compressed-tensors' NVFP4A16: E2M1 values, an e4m3 scale per 16 K values, an fp32 tensor
+    scale (``amax / (6 * 448)``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4WeightOnly:
+    """W4A16, OCP MXFP4 as compressed-tensors writes it: E2M1 values, a power-of-two (e8m0) scale per 32 K values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AffineWeightOnly:
+    """W4A16, unsigned 4-bit codes with a scale and an additive bias per ``group_size`` K values (``w ~ q * s + b``,
+    MLX's affine quantization, format ``"uint4"``); ``rule="mlx"`` (``mlx.core.quantize``) or ``"minmax"``
+    (``b = group min``: torchao's int4 weight-only arithmetic)."""
+    group_size: int = 64
+    rule: str = "mlx"
+
+    def __post_init__(self):
+        from .quantize_w4 import UINT4_RULES
+
+        _check_group_size("AffineWeightOnly", self.group_size, allow_none=False)
+        if self.rule not in UINT4_RULES:
+            raise ValueError(f"AffineWeightOnly: rule must be one of {UINT4_RULES}, got {self.rule!r}")
+
+
 _HANDLERS: Dict[type, Callable[[nn.Module, Any], nn.Module]] = {}
 _EXPERTS_HANDLERS: Dict[type, Callable[[nn.Module, Any], nn.Module]] = {}
 
@@ -185,7 +233,7 @@ def _handler_for(config):
             return _HANDLERS[cls]
     names = " or ".join(f"{c.__module__.split('.')[0]}.{c.__qualname__}(...)" for c in _HANDLERS)
     raise TypeError(f"quantize_: config must be {names} (or the torchao names Float8WeightOnlyConfig(), "
-                    f"Int8DynamicActivationInt8WeightConfig()), got {config!r}")
+                    f"Int8DynamicActivationInt8WeightConfig(), Int4WeightOnlyConfig()), got {config!r}")
 
 
 # ---- torchao's names, for code written against torchao: the keyword arguments that mean the same here are taken,
@@ -226,6 +274,34 @@ def Int8DynamicActivationInt8WeightConfig(layout=None, act_mapping_type=None, we
     if granularity is not None and _option_name(granularity) not in ("PerRow", "PerChannel", "channel"):
         _refuse(name, "granularity", granularity, "per-row activations and per-channel weights only")
     return Int8Dynamic()
+
+
+_TORCHAO_INT4_ALGORITHMS = ("tinygemm",)  # HQQ optimizes the scales: other arithmetic
+
+
+def Int4WeightOnlyConfig(group_size: int = 128, layout=None, use_hqq: bool = False, zero_point_domain=None,
+                         set_inductor_config: bool = True, preserve_zero=None, int4_packing_format="plain",
+                         int4_choose_qparams_algorithm="tinygemm", version: int = 2) -> AffineWeightOnly:
+    """torchao's name for 4-bit weight-only quantization: unsigned codes with a float zero point per group, which is
+    ``w ~ q * s + min`` with ``s = (max - min) / 15``: :class:`AffineWeightOnly` ``(group_size, rule="minmax")``.
+    ``layout`` / ``int4_packing_format`` choose torchao's memory layouts and change nothing here (sparse ones are
+    refused); ``use_hqq=True``, ``int4_choose_qparams_algorithm="hqq"``, an integer ``zero_point_domain`` and
+    ``preserve_zero=True`` compute other scales and are refused."""
+    name = "Int4WeightOnlyConfig"
+    _check_group_size(name, group_size, allow_none=False)
+    if use_hqq:
+        _refuse(name, "use_hqq", use_hqq, "round-to-nearest min/max scales only")
+    if _option_name(int4_choose_qparams_algorithm).lower() not in _TORCHAO_INT4_ALGORITHMS:
+        _refuse(name, "int4_choose_qparams_algorithm", int4_choose_qparams_algorithm,
+                "round-to-nearest min/max scales ('tinygemm') only")
+    if zero_point_domain is not None and _option_name(zero_point_domain).upper() not in ("FLOAT", "NONE"):
+        _refuse(name, "zero_point_domain", zero_point_domain, "a float zero point (the group min) only")
+    if preserve_zero:
+        _refuse(name, "preserve_zero", preserve_zero, "the group's own min/max range only")
+    for arg, v in (("layout", layout), ("int4_packing_format", int4_packing_format)):
+        if v is not None and "sparse" in _option_name(v).lower():
+            _refuse(name, arg, v, "dense 4-bit weights only")
+    return AffineWeightOnly(group_size=group_size, rule="minmax")
 
 
 SKIPPED_BY_DEFAULT = ("lm_head",)
@@ -269,6 +345,8 @@ class QuantizeReport:
 def _describe(layer: nn.Module) -> str:
     """The report's words for a new layer, as the loader's report writes them."""
     name = type(layer).__name__
+    if hasattr(layer, "format") and hasattr(layer, "group_size"):  # W4Linear
+        return f"{name}({layer.format}, group {layer.group_size})"
     if hasattr(layer, "gate_up_granularity"):
         return (f"{name}(E={layer.num_experts}, gate_up {layer.gate_up_granularity.kind}, "
                 f"down {layer.down_granularity.kind})")
@@ -327,8 +405,10 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
 
     config: ``Fp8WeightOnly(granularity="channel")`` -> ``Fp8Linear`` / ``Fp8Experts``, ``Int8Dynamic()`` ->
     ``Int8Linear`` / ``Int8Experts`` (torchao's ``Float8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig``
-    are aliases), or any config class with a handler registered by ``register_quantize_module_handler`` (and, for
-    experts, ``register_quantize_experts_handler``).
+    are aliases), the 4-bit ``Int4WeightOnly(group_size, symmetric)``, ``Nvfp4WeightOnly()``, ``Mxfp4WeightOnly()``,
+    ``AffineWeightOnly(group_size)`` -> ``W4Linear`` (torchao's ``Int4WeightOnlyConfig`` is an alias; fused experts
+    stay in high precision under them, with a warning), or any config class with a handler registered by
+    ``register_quantize_module_handler`` (and, for experts, ``register_quantize_experts_handler``).
 
     Experts: a fused experts module (transformers >= 5: ``Qwen3MoeExperts``, ``MixtralExperts``, ... with 3-D
     ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``) becomes one quantized experts layer with the same

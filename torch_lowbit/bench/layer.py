@@ -1,13 +1,15 @@
-"""The main job: the linear layers of one Llama-3-8B decoder layer, FP8 (W8A16) and INT8 (W8A8) against bf16.
+"""The main job: the linear layers of one Llama-3-8B decoder layer, FP8 (W8A16), INT8 (W8A8) and 4-bit (W4A16:
+NVFP4, MXFP4, INT4 per 128, MLX-affine UINT4 per 64) against bf16.
 
 Each distinct weight shape is measured once (q/o share 4096x4096, k/v 1024x4096, gate/up 14336x4096) with the
-real layers (nn.Linear in bf16, Fp8Linear per channel, Int8Linear), for decode (M = 1) and a prefill batch, on
-the best device (mps if available, else cpu). The table ends with the whole decoder layer (7 linears).
+real layers (nn.Linear in bf16, Fp8Linear per channel, Int8Linear, W4Linear), for decode (M = 1) and a prefill
+batch, on the best device (mps if available, else cpu). The table ends with the whole decoder layer (7 linears).
 
-Columns: bf16 / lowbit time (median, ms), speedup = bf16 / lowbit, weight GB/s = bytes of the low-bit weight and
-its scales / lowbit time, and the error: max |y_lowbit - y_bf16| / max |y_bf16| over the output, where y_bf16 is
-what nn.Linear with the bf16 weight returns (the path the layer replaces), so it is the quantization error seen by
-the model (weights normal(0, 0.02), activations normal(0, 1)).
+Columns: bf16 / lowbit time (median, ms), speedup = bf16 / lowbit, vs fp8 = fp8 time / lowbit time (the same
+run), weight GB/s = bytes of the low-bit weight and its scales / lowbit time, and the error:
+max |y_lowbit - y_bf16| / max |y_bf16| over the output, where y_bf16 is what nn.Linear with the bf16 weight
+returns (the path the layer replaces), so it is the quantization error seen by the model (weights normal(0, 0.02),
+activations normal(0, 1)).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import time
 import torch
 import torch.nn as nn
 
-from ..nn import Fp8Linear, Int8Linear
+from ..nn import Fp8Linear, Int8Linear, W4Linear
 from .timing import median_time, print_table, sync, write_json
 
 # (names, N, K, how many of the 7 linears of a decoder layer have this shape)
@@ -32,7 +34,9 @@ LLAMA3_8B = [
     ("gate_proj,up_proj", 14336, 4096, 2),
     ("down_proj", 4096, 14336, 1),
 ]
-MODES = ("fp8", "int8")
+# mode -> (W4Linear format, group size); the group sizes are what the formats' writers use
+W4_MODES = {"nvfp4": ("nvfp4", 16), "mxfp4": ("mxfp4", 32), "int4": ("int4", 128), "uint4": ("uint4", 64)}
+MODES = ("fp8", "int8", *W4_MODES)
 TARGET_S = 0.5     # time spent measuring one (shape, M, mode): repeats shrink as calls get slower
 LONG_CALL_S = 1.0  # a CPU call this long is timed once: warm-up has nothing left to warm at that length
 # Decode streams every weight from DRAM once per token. A single weight of these sizes can stay in a large
@@ -67,9 +71,21 @@ def rel_err(y, ref):
     return float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
+def quantized(mode, lin):
+    """The low-bit layer of a mode from a bf16 nn.Linear."""
+    if mode == "fp8":
+        return Fp8Linear.from_float(lin, "channel")
+    if mode == "int8":
+        return Int8Linear.from_float(lin)
+    fmt, group = W4_MODES[mode]
+    return W4Linear.from_float(lin, fmt, group)
+
+
 def weight_bytes(layer):
-    return sum(t.numel() * t.element_size() for t in (layer.weight, getattr(layer, "weight_scale", None))
-               if t is not None)
+    """Bytes of the weight and its scales (and zero points / biases, and nvfp4's tensor scale): every buffer, and
+    nn.Linear's weight."""
+    tensors = {id(t): t for t in (*layer.buffers(), getattr(layer, "weight", None)) if t is not None}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def cycling(layer, working_set_mb):
@@ -87,6 +103,8 @@ def parse(argv):
     p.add_argument("--m", default=None, help="comma-separated batch sizes M (default 1,64; --quick: 1,16)")
     p.add_argument("--repeat", type=int, default=None, help="at most this many timed calls per measurement "
                                                             "(default 10; --quick: 3)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated low-bit layers (default "
+                                                            f"{','.join(MODES)})")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--quick", action="store_true", help="smaller prefill batch and fewer repeats")
     p.add_argument("--working-set-mb", type=int, default=WORKING_SET_MB,
@@ -100,6 +118,9 @@ def parse(argv):
         p.error(f"--m must be comma-separated integers, got {a.m!r}")
     if any(m < 1 for m in a.ms):
         p.error("--m values must be >= 1")
+    a.modes = a.modes.split(",")
+    if not a.modes or any(m not in MODES for m in a.modes):
+        p.error(f"--modes must be among {MODES}, got {a.modes}")
     a.repeat = (3 if a.quick else 10) if a.repeat is None else a.repeat
     if a.repeat < 1:
         p.error("--repeat must be >= 1")
@@ -114,8 +135,8 @@ def measure_shape(names, N, K, args, gen):
     lin = nn.Linear(K, N, bias=False, dtype=torch.bfloat16)
     lin.weight.data = w
     t0 = time.perf_counter()
-    layers = {"fp8": Fp8Linear.from_float(lin, "channel").to(dev), "int8": Int8Linear.from_float(lin).to(dev)}
-    log(f"  {names} {N}x{K}: quantized to fp8 and int8 in {time.perf_counter() - t0:.1f} s")
+    layers = {mode: quantized(mode, lin).to(dev) for mode in args.modes}
+    log(f"  {names} {N}x{K}: quantized to {', '.join(args.modes)} in {time.perf_counter() - t0:.1f} s")
     calls = {mode: cycling(layer, args.working_set_mb) for mode, layer in layers.items()}
     calls["bf16"] = cycling(lin.to(dev), args.working_set_mb)
     rows = []
@@ -123,7 +144,7 @@ def measure_shape(names, N, K, args, gen):
         x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(dev)
         t_bf16, y_bf16, n_bf16 = timed(lambda: calls["bf16"](x), dev, args.repeat, args.target_s)
         log(f"  {names} M={M} bf16: {t_bf16 * 1e3:.2f} ms ({n_bf16} timed)")
-        for mode in MODES:
+        for mode in args.modes:
             layer, call = layers[mode], calls[mode]
             t, y, n = timed(lambda: call(x), dev, args.repeat, args.target_s)
             rows.append(dict(layer=names, shape=f"{N}x{K}", N=N, K=K, M=M, mode=mode, bf16_ms=t_bf16 * 1e3,
@@ -131,6 +152,15 @@ def measure_shape(names, N, K, args, gen):
                              max_rel_err=rel_err(y, y_bf16), timed_calls=n, weight_bytes=weight_bytes(layer)))
             log(f"  {names} M={M} {mode}: {t * 1e3:.2f} ms ({n} timed), {t_bf16 / t:.2f}x bf16, "
                 f"err {rows[-1]['max_rel_err']:.2e}")
+    return with_vs_fp8(rows)
+
+
+def with_vs_fp8(rows):
+    """vs_fp8 = the fp8 layer's time / each row's, for rows whose (layer, M) has an fp8 row (same run)."""
+    fp8 = {(r["layer"], r["M"]): r["lowbit_ms"] for r in rows if r["mode"] == "fp8"}
+    for r in rows:
+        t = fp8.get((r["layer"], r["M"]))
+        r["vs_fp8"] = None if t is None else t / r["lowbit_ms"]
     return rows
 
 
@@ -139,7 +169,7 @@ def layer_totals(rows):
     count = {names: c for names, _, _, c in LLAMA3_8B}
     out = []
     for M in sorted({r["M"] for r in rows}):
-        for mode in MODES:
+        for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:
             rs = [r for r in rows if r["M"] == M and r["mode"] == mode]
             bf16 = sum(r["bf16_ms"] * count[r["layer"]] for r in rs)
             low = sum(r["lowbit_ms"] * count[r["layer"]] for r in rs)
@@ -147,7 +177,7 @@ def layer_totals(rows):
             out.append(dict(layer="decoder layer (7)", shape="", M=M, mode=mode, bf16_ms=bf16, lowbit_ms=low,
                             speedup=bf16 / low, weight_gbs=nbytes / (low / 1e3) / 1e9,
                             max_rel_err=max(r["max_rel_err"] for r in rs)))
-    return out
+    return with_vs_fp8(out)
 
 
 def run(argv) -> int:
@@ -170,11 +200,13 @@ def run(argv) -> int:
     rows.sort(key=lambda r: (r["M"], r["mode"]))
     table = rows + layer_totals(rows)
     table.sort(key=lambda r: (r["M"], r["mode"]))
-    print(f"Llama-3-8B decoder layer, {dev}; fp8 = Fp8Linear (per-channel, W8A16), int8 = Int8Linear (W8A8 dynamic); "
+    print(f"Llama-3-8B decoder layer, {dev}; fp8 = Fp8Linear (per-channel, W8A16), int8 = Int8Linear (W8A8 dynamic), "
+          f"nvfp4 / mxfp4 / int4 (group 128) / uint4 (group 64) = W4Linear (W4A16); "
           f"err = max|y - y_bf16| / max|y_bf16|")
     print_table(table, [("layer", "layer", None), ("shape", "N x K", None), ("M", "M", None), ("mode", "mode", None),
                         ("bf16_ms", "bf16 ms", "{:.2f}"), ("lowbit_ms", "lowbit ms", "{:.2f}"),
-                        ("speedup", "speedup", "{:.2f}x"), ("weight_gbs", "weight GB/s", "{:.1f}"),
+                        ("speedup", "speedup", "{:.2f}x"), ("vs_fp8", "vs fp8", "{:.2f}x"),
+                        ("weight_gbs", "weight GB/s", "{:.1f}"),
                         ("max_rel_err", "max rel err", "{:.2e}")])
     log(f"done in {time.perf_counter() - start:.0f} s")
     if args.json:

@@ -1,5 +1,6 @@
 """LoRA fine-tuning on frozen low-bit bases: one training step (forward, backward, AdamW on the adapters) of one
-Llama-3-8B decoder layer's linear layers, with FP8 (per channel) and INT8 (W8A8) bases against the bf16 base.
+Llama-3-8B decoder layer's linear layers, with FP8 (per channel), INT8 (W8A8) and 4-bit (W4A16, QLoRA: NVFP4,
+MXFP4, INT4 per 128, MLX-affine UINT4 per 64) bases against the bf16 base.
 
 The layer: RMSNorm, q/k/v projections, causal grouped-query attention (32 query heads, 8 KV heads of 128), o
 projection with the residual, RMSNorm, the SwiGLU MLP (gate, up, down) with the residual. LoRA (PEFT, through
@@ -18,12 +19,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..nn import Fp8Linear, Int8Linear
-from .layer import LLAMA3_8B, best_device, log, weight_bytes
+from ..nn import Fp8Linear, Int8Linear, W4Linear
+from .layer import LLAMA3_8B, W4_MODES, best_device, log, quantized, weight_bytes
 from .timing import print_table, sync, write_json
 
 HEADS, KV_HEADS = 32, 8
-MODES = ("bf16", "fp8", "int8")
+MODES = ("bf16", "fp8", "int8", *W4_MODES)
 
 
 def _shape(name):
@@ -63,11 +64,7 @@ def build(mode, device, gen):
         with torch.no_grad():
             lin.weight.normal_(0, 0.02, generator=gen)
         lin.weight.requires_grad_(False)
-        if mode == "fp8":
-            return Fp8Linear.from_float(lin, "channel")
-        if mode == "int8":
-            return Int8Linear.from_float(lin)
-        return lin
+        return lin if mode == "bf16" else quantized(mode, lin)
     return DecoderLinears(make).to(device)
 
 
@@ -84,7 +81,7 @@ def with_lora(model, rank):
 def base_bytes(model):
     """Bytes of the base layers' weights and scales (the adapters' own linears excluded)."""
     return sum(weight_bytes(m) for name, m in model.named_modules()
-               if isinstance(m, (nn.Linear, Fp8Linear, Int8Linear)) and "lora_" not in name)
+               if isinstance(m, (nn.Linear, Fp8Linear, Int8Linear, W4Linear)) and "lora_" not in name)
 
 
 def state_bytes(params, opt):

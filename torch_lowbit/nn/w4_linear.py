@@ -9,6 +9,9 @@ import torch.nn as nn
 
 from .. import _ops
 from .._storage import FP8, as_stored_fp8
+from ..quantize import (AffineWeightOnly, Int4WeightOnly, Mxfp4WeightOnly, Nvfp4WeightOnly,
+                        register_quantize_module_handler)
+from ..quantize_w4 import W4_DEFAULT_GROUP, quantize_w4
 from ._quantized_linear import QuantizedLinear, frozen_bias
 
 # scale dtypes each format stores (the first is what a new layer holds); uint8 = bits of an 8-bit scale encoding
@@ -66,6 +69,13 @@ class W4Linear(QuantizedLinear):
                              torch.ones(1, dtype=torch.float32, device=device) if global_scale else None)
         self.register_parameter("bias", frozen_bias(torch.zeros(N, dtype=dtype, device=device) if bias else None))
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        """``weight_packed`` under the name packed 4-bit layers (GPTQ, AWQ) give it: PEFT reads a LoRA target's
+        device from ``qweight`` / ``weight`` / its first parameter, and a W4Linear without bias has none of the
+        last two."""
+        return self.weight_packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         return _ops.w4_mm(x, self.weight_packed, self.weight_scale, self.format, self.group_size, self.weight_offset,
@@ -104,14 +114,51 @@ class W4Linear(QuantizedLinear):
             layer(torch.empty(0, in_features, dtype=probe_dtype, device=weight_packed.device))
         return layer
 
+    @classmethod
+    def from_float(cls, linear: nn.Linear, format: str = "int4", group_size: Optional[int] = None,
+                   symmetric: bool = True, *, scale_dtype: Optional[torch.dtype] = None,
+                   rule: str = "mlx") -> "W4Linear":
+        """Quantize an nn.Linear with :func:`torch_lowbit.quantize_w4.quantize_w4` (round to nearest, each format
+        as its writer computes it; ``group_size`` None: the format's default, >= in_features: per channel). The
+        bias is kept in its dtype."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"W4Linear.from_float: linear must be an nn.Linear, got {type(linear).__name__}")
+        K = linear.in_features
+        q = quantize_w4(linear.weight.detach(), format, group_size, symmetric, scale_dtype=scale_dtype, rule=rule)
+        group = min(W4_DEFAULT_GROUP[format] if group_size is None else int(group_size), max(K, 1))  # as quantize_w4
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls.from_quantized(q.weight_packed, q.weight_scale, format=format, group_size=group, in_features=K,
+                                  bias=bias, weight_offset=q.weight_offset, weight_scale_2=q.weight_scale_2)
+
     def extra_repr(self) -> str:
         s = (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
              f"format={self.format}, group_size={self.group_size}")
         if self.weight_offset is not None:
-            s += f", {W4_OFFSETS[self.format]}s"
+            s += f", offset={W4_OFFSETS[self.format].replace(' ', '_')}"
         return s
 
     def _load_weight_entry(self, state_dict, key, error_msgs):
         key = key + "_packed"
         if key in state_dict and state_dict[key].dtype != torch.uint8:
             self._reject_weight(state_dict, key, error_msgs, "uint8 (two 4-bit codes per byte)")
+
+
+@register_quantize_module_handler(Int4WeightOnly)
+def _quantize_int4_weight_only(linear: nn.Linear, config: Int4WeightOnly) -> W4Linear:
+    group = max(linear.in_features, 1) if config.group_size is None else config.group_size
+    return W4Linear.from_float(linear, "int4", group, config.symmetric)
+
+
+@register_quantize_module_handler(Nvfp4WeightOnly)
+def _quantize_nvfp4_weight_only(linear: nn.Linear, config: Nvfp4WeightOnly) -> W4Linear:
+    return W4Linear.from_float(linear, "nvfp4")
+
+
+@register_quantize_module_handler(Mxfp4WeightOnly)
+def _quantize_mxfp4_weight_only(linear: nn.Linear, config: Mxfp4WeightOnly) -> W4Linear:
+    return W4Linear.from_float(linear, "mxfp4")
+
+
+@register_quantize_module_handler(AffineWeightOnly)
+def _quantize_affine_weight_only(linear: nn.Linear, config: AffineWeightOnly) -> W4Linear:
+    return W4Linear.from_float(linear, "uint4", config.group_size, rule=config.rule)
