@@ -21,7 +21,7 @@ W4_SCALE_DTYPES = {
     "int4": (torch.bfloat16, torch.float16, torch.float32),
     "uint4": (torch.bfloat16, torch.float16, torch.float32),
 }
-W4_OFFSETS = {"int4": "zero point", "uint4": "bias"}  # what weight_offset holds, per format that takes one
+W4_OFFSETS = {"int4": "zero points", "uint4": "biases"}  # what weight_offset holds, per format that takes one
 W4_GLOBAL_SCALE = ("nvfp4",)
 
 
