@@ -134,7 +134,7 @@ class W4Linear(QuantizedLinear):
         s = (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
              f"format={self.format}, group_size={self.group_size}")
         if self.weight_offset is not None:
-            s += f", offset={W4_OFFSETS[self.format].replace(' ', '_')}"
+            s += f", offset={W4_OFFSETS[self.format]}"
         return s
 
     def _load_weight_entry(self, state_dict, key, error_msgs):
