@@ -12,6 +12,13 @@ namespace {
 
 bool is_float_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
+// The float activations of a product (x [..., K], or grad_out [..., N] of a transposed one): dtype and rank.
+void check_float_rows(const char* op, const char* name, const at::Tensor& t, const char* last) {
+  TORCH_CHECK(is_float_dtype(t.scalar_type()), op, ": ", name, " must be bfloat16, float16 or float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() >= 1, op, ": ", name, " must have at least one dimension [..., ", last, "]");
+}
+
 void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref, const char* ref_name) {
   TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
               ref.device(), "; all tensors must be on one device");
@@ -102,8 +109,7 @@ Fp8Weight check_fp8_weight(const char* op, const at::Tensor& weight, const at::T
 Fp8MmArgs check_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
   const char* op = "fp8_mm";
-  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension [..., K]");
+  check_float_rows(op, "x", x, "K");
   check_device(op, "weight", weight, x, "x");
   Fp8MmArgs a;
   a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/false);
@@ -209,9 +215,7 @@ Fp8GroupedMmArgs check_fp8_grouped_mm_t(const at::Tensor& grad_out, const at::Te
 Fp8MmArgs check_fp8_mm_t(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& scale,
                          at::OptionalIntArrayRef block_size) {
   const char* op = "fp8_mm_t";
-  TORCH_CHECK(is_float_dtype(grad_out.scalar_type()), op, ": grad_out must be bfloat16, float16 or float32, got ",
-              grad_out.scalar_type());
-  TORCH_CHECK(grad_out.dim() >= 1, op, ": grad_out must have at least one dimension [..., N]");
+  check_float_rows(op, "grad_out", grad_out, "N");
   check_device(op, "weight", weight, grad_out, "grad_out");
   Fp8MmArgs a;
   a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/false);
@@ -234,9 +238,7 @@ void check_int8_weight(const char* op, const at::Tensor& wq) {
 
 Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale) {
   const char* op = "int8_weight_mm_t";
-  TORCH_CHECK(is_float_dtype(grad_out.scalar_type()), op, ": grad_out must be bfloat16, float16 or float32, got ",
-              grad_out.scalar_type());
-  TORCH_CHECK(grad_out.dim() >= 1, op, ": grad_out must have at least one dimension [..., N]");
+  check_float_rows(op, "grad_out", grad_out, "N");
   check_int8_weight(op, wq);
   check_device(op, "wq", wq, grad_out, "grad_out");
   check_device(op, "w_scale", w_scale, grad_out, "grad_out");
@@ -253,9 +255,7 @@ Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::T
 }
 
 Int8QuantizeArgs check_int8_quantize(const at::Tensor& x) {
-  TORCH_CHECK(is_float_dtype(x.scalar_type()), "int8_quantize: x must be bfloat16, float16 or float32, got ",
-              x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, "int8_quantize: x must have at least one dimension [..., K]");
+  check_float_rows("int8_quantize", "x", x, "K");
   Int8QuantizeArgs a;
   a.x = flatten_rows(x, &a.M);
   a.K = x.size(-1);
@@ -411,8 +411,7 @@ W4MmArgs check_w4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      int64_t group_size, const std::optional<at::Tensor>& offset,
                      const std::optional<at::Tensor>& global_scale, const std::optional<at::Tensor>& bias) {
   const char* op = "w4_mm";
-  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension [..., K]");
+  check_float_rows(op, "x", x, "K");
   check_device(op, "codes", codes, x, "x");
   W4MmArgs a;
   a.w = check_w4_weight(op, codes, scale, format, group_size, x.size(-1), offset, global_scale, /*grouped=*/false);
@@ -439,9 +438,7 @@ W4MmArgs check_w4_mm_t(const at::Tensor& grad_out, const at::Tensor& codes, cons
                        const std::string& format, int64_t group_size, int64_t K,
                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& global_scale) {
   const char* op = "w4_mm_t";
-  TORCH_CHECK(is_float_dtype(grad_out.scalar_type()), op, ": grad_out must be bfloat16, float16 or float32, got ",
-              grad_out.scalar_type());
-  TORCH_CHECK(grad_out.dim() >= 1, op, ": grad_out must have at least one dimension [..., N]");
+  check_float_rows(op, "grad_out", grad_out, "N");
   check_device(op, "codes", codes, grad_out, "grad_out");
   W4MmArgs a;
   a.w = check_w4_weight(op, codes, scale, format, group_size, K, offset, global_scale, false);

@@ -85,4 +85,12 @@ void Target::run(const Dispatch& d) const {
   launcher.run(d);
 }
 
+bool empty_product(at::Tensor& out, const std::optional<at::Tensor>& bias, int64_t K) {
+  if (out.numel() == 0) return true;
+  if (K != 0) return false;
+  if (bias) out.copy_(bias->expand(out.sizes()));
+  else out.zero_();
+  return true;
+}
+
 }  // namespace lowbit::metal

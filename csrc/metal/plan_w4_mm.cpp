@@ -6,27 +6,11 @@
 namespace lowbit::metal {
 namespace {
 
-// ---- kernel choice: one chooser, named thresholds ----
-// M == 1 (batch-1 decode) is bandwidth-bound: w4_gemv reads every code byte once and keeps everything in registers.
-constexpr int64_t kW4GemvMaxM = 1;
-// Up to kW4GemvRows (8) rows w4_gemv_rows still reads and decodes each code word once for all rows; past that it
-// would decode the weights again per pass, and a 32-row GEMM tile is already more than a quarter full (the same
-// switch points as fp8_mm, for the same reasons).
-constexpr int64_t kW4GemvRowsMaxM = kW4GemvRows;
-
-enum class W4MmKernel { Gemv, GemvRows, Gemm };
-
-W4MmKernel choose_w4_mm_kernel(int64_t M) {
-  if (M <= kW4GemvMaxM) return W4MmKernel::Gemv;
-  if (M <= kW4GemvRowsMaxM) return W4MmKernel::GemvRows;
-  return W4MmKernel::Gemm;
-}
-
 // The kernels of each class (plans.h KernelVariant: newer-GPU variants go before the portable line).
-constexpr KernelVariant<W4MmKernel> kW4MmKernels[] = {
-    {W4MmKernel::Gemv, "w4_gemv", kPortableDevice},
-    {W4MmKernel::GemvRows, "w4_gemv_rows", kPortableDevice},
-    {W4MmKernel::Gemm, "w4_gemm", kPortableDevice},
+constexpr KernelVariant<MmKernel> kW4MmKernels[] = {
+    {MmKernel::Gemv, "w4_gemv", kPortableDevice},
+    {MmKernel::GemvRows, "w4_gemv_rows", kPortableDevice},
+    {MmKernel::Gemm, "w4_gemm", kPortableDevice},
 };
 
 }  // namespace
@@ -37,17 +21,12 @@ at::Tensor plan_w4_mm(Target t, const at::Tensor& x, const at::Tensor& codes, co
   const W4MmArgs a = check_w4_mm(x, codes, scale, format, group_size, offset, global_scale, bias);
   const int64_t M = a.M, N = a.w.N, K = a.w.K;
   at::Tensor out = at::empty({M, N}, a.x.options());
-  if (out.numel() == 0) return out.view(a.out_shape);
-  if (K == 0) {  // an empty sum: bias (or zero) in every row
-    if (a.bias) out.copy_(a.bias->expand({M, N}));
-    else out.zero_();
-    return out.view(a.out_shape);
-  }
+  if (empty_product(out, a.bias, K)) return out.view(a.out_shape);
   W4Params p = w4_params(a.w, M, (vector_access_ok(kW4XVecBytes, K, {a.x}) ? kW4XVec : 0u) |
                                      (a.bias ? kW4HasBias : 0u));
   if (a.bias) p.bias_dtype = kernel_dtype_code(a.bias->scalar_type());
 
-  const W4MmKernel k = choose_w4_mm_kernel(M);
+  const MmKernel k = choose_mm_kernel(M, kW4GemvRows);
   Dispatch d(w4_kernel_name(pick_kernel(kW4MmKernels, k, t.caps), a.x.scalar_type(), a.w));
   d.buffer("x", a.x);
   bind_w4_weight(d, a.w);
@@ -56,13 +35,13 @@ at::Tensor plan_w4_mm(Target t, const at::Tensor& x, const at::Tensor& codes, co
   d.buffer("out", out, Access::Write).value("params", p);
   const uint32_t cols_per_group = kW4GemvSimdgroups * kW4GemvCols;
   switch (k) {
-    case W4MmKernel::Gemv:
-    case W4MmKernel::GemvRows:
+    case MmKernel::Gemv:
+    case MmKernel::GemvRows:
       d.grid({checked_u32("grid x", ceil_div(N, cols_per_group)),
-              checked_u32("grid y", ceil_div(M, k == W4MmKernel::Gemv ? 1 : kW4GemvRows)), 1},
+              checked_u32("grid y", ceil_div(M, k == MmKernel::Gemv ? 1 : kW4GemvRows)), 1},
              {kW4GemvSimdgroups * 32, 1, 1});
       break;
-    case W4MmKernel::Gemm:
+    case MmKernel::Gemm:
       d.grid({checked_u32("grid x", ceil_div(N, kW4GemmTile)), checked_u32("grid y", ceil_div(M, kW4GemmTile)), 1},
              {kW4GemmThreads, 1, 1});
       break;

@@ -83,6 +83,23 @@ uint32_t checked_u32(const char* what, int64_t v);  // sizes travel as 32-bit in
 // (row_elems * element_size) must be multiples of `bytes`. The one rule for every plan's vector variants.
 bool vector_access_ok(int64_t bytes, int64_t row_elems, std::initializer_list<at::Tensor> buffers);
 
+// The three regimes of a weight-only matmul (fp8_mm, w4_mm) by activation rows M. M == 1 (batch-1 decode) is
+// bandwidth-bound: a GEMV reads every weight byte once and keeps everything in registers. Up to gemv_rows rows a
+// multi-row GEMV still reads and decodes each weight chunk once and dots it against every row, keeping the GEMV's
+// memory traffic while doing M times the math; past that it would decode the weights again per pass, and a 32-row
+// GEMM tile is already more than a quarter full, so the tiled GEMM takes over. (Peers switch in the same region:
+// MLX at M ~ 6..33 depending on chip and size, PyTorch's int8 MPS kernel at 12.)
+enum class MmKernel { Gemv, GemvRows, Gemm };
+inline MmKernel choose_mm_kernel(int64_t M, int64_t gemv_rows) {
+  if (M <= 1) return MmKernel::Gemv;
+  if (M <= gemv_rows) return MmKernel::GemvRows;
+  return MmKernel::Gemm;
+}
+
+// The [M, N] product's result where it is empty or K == 0 (an empty sum: the bias, or zero, in every row); false
+// where the kernels must run.
+bool empty_product(at::Tensor& out, const std::optional<at::Tensor>& bias, int64_t K);
+
 // The kernel (host_name) each plan picks, exposed to Python (torch_lowbit._C) so tests pin the thresholds.
 std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype, const DeviceCaps& device);
 std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype);
