@@ -135,38 +135,28 @@ Fp8Weight check_fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale
 
 namespace {
 
-// fp8_grouped_mm (x [T, K]) and its transposed product (grad_out [T, N]): the same groups, experts and offsets.
-Fp8GroupedMmArgs check_grouped(const char* op, const char* xname, bool transposed, const at::Tensor& x,
-                               const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
-                               const std::optional<at::Tensor>& expert_ids, at::OptionalIntArrayRef block_size,
-                               bool validate_values) {
-  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": ", xname, " must be bfloat16, float16 or float32, got ",
-              x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, op, ": ", xname, " must be ", transposed ? "[T, N]" : "[T, K]", ", got shape ", x.sizes());
-  check_device(op, "weight", weight, x, xname);
+// The groups of a grouped product over E experts: offsets / expert_ids checked, and their values where
+// validate_values (x: [T, ...], named xname in errors).
+GroupRows check_group_rows(const char* op, const char* xname, const at::Tensor& x, const at::Tensor& offsets,
+                           const std::optional<at::Tensor>& expert_ids, int64_t E, bool validate_values) {
   check_device(op, "offsets", offsets, x, xname);
-  Fp8GroupedMmArgs a;
-  a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/true);
-  const int64_t want = transposed ? a.w.N : a.w.K;
-  TORCH_CHECK(x.size(1) == want, op, ": ", xname, "'s last dimension (", x.size(1), ") must equal weight's ",
-              transposed ? "N" : "K", " (", want, "); weight is [E, N, K] = ", weight.sizes());
   TORCH_CHECK(offsets.scalar_type() == at::kInt, op, ": offsets must be int32, got ", offsets.scalar_type());
   TORCH_CHECK(offsets.dim() == 1 && offsets.numel() >= 1, op, ": offsets must be [G + 1] with G >= 0, got shape ",
               offsets.sizes());
-  a.x = x.contiguous();
+  GroupRows a;
   a.T = x.size(0);
   a.G = offsets.numel() - 1;
   a.offsets = offsets.contiguous();
   if (expert_ids.has_value()) {
     const at::Tensor& e = *expert_ids;
-    check_device(op, "expert_ids", e, x, "x");
+    check_device(op, "expert_ids", e, x, xname);
     TORCH_CHECK(e.scalar_type() == at::kInt, op, ": expert_ids must be int32, got ", e.scalar_type());
     TORCH_CHECK(e.dim() == 1 && e.numel() == a.G, op, ": expert_ids must be [G] = [", a.G,
                 "] (one per group of offsets), got shape ", e.sizes());
     a.expert_ids = e.contiguous();
   } else {
-    TORCH_CHECK(a.G <= a.w.E, op, ": without expert_ids, group g uses expert g, so G (", a.G,
-                ") must not exceed the number of experts E (", a.w.E, ")");
+    TORCH_CHECK(a.G <= E, op, ": without expert_ids, group g uses expert g, so G (", a.G,
+                ") must not exceed the number of experts E (", E, ")");
     a.expert_ids = at::arange(a.G, x.options().dtype(at::kInt));
   }
   if (validate_values) {
@@ -176,13 +166,37 @@ Fp8GroupedMmArgs check_grouped(const char* op, const char* xname, bool transpose
     for (int64_t g = 0; g < a.G; g++)
       TORCH_CHECK(o[g + 1] >= o[g], op, ": offsets must be non-decreasing, but offsets[", g + 1, "] = ", o[g + 1],
                   " < offsets[", g, "] = ", o[g]);
-    TORCH_CHECK(o[a.G] <= a.T, op, ": offsets[G] = ", o[a.G], " exceeds the number of rows of x (T = ", a.T, ")");
+    TORCH_CHECK(o[a.G] <= a.T, op, ": offsets[G] = ", o[a.G], " exceeds the number of rows of ", xname, " (T = ", a.T,
+                ")");
     const at::Tensor ids = a.expert_ids.cpu();
     const int32_t* id = ids.data_ptr<int32_t>();
     for (int64_t g = 0; g < a.G; g++)
-      TORCH_CHECK(id[g] >= -1 && id[g] < a.w.E, op, ": expert_ids[", g, "] = ", id[g], " is out of range [-1, E = ",
-                  a.w.E, ")");
+      TORCH_CHECK(id[g] >= -1 && id[g] < E, op, ": expert_ids[", g, "] = ", id[g], " is out of range [-1, E = ", E,
+                  ")");
   }
+  return a;
+}
+
+void check_grouped_rows_arg(const char* op, const char* xname, bool transposed, const at::Tensor& x) {
+  TORCH_CHECK(is_float_dtype(x.scalar_type()), op, ": ", xname, " must be bfloat16, float16 or float32, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": ", xname, " must be ", transposed ? "[T, N]" : "[T, K]", ", got shape ", x.sizes());
+}
+
+// fp8_grouped_mm (x [T, K]) and its transposed product (grad_out [T, N]): the same groups, experts and offsets.
+Fp8GroupedMmArgs check_grouped(const char* op, const char* xname, bool transposed, const at::Tensor& x,
+                               const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
+                               const std::optional<at::Tensor>& expert_ids, at::OptionalIntArrayRef block_size,
+                               bool validate_values) {
+  check_grouped_rows_arg(op, xname, transposed, x);
+  check_device(op, "weight", weight, x, xname);
+  Fp8GroupedMmArgs a;
+  a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/true);
+  const int64_t want = transposed ? a.w.N : a.w.K;
+  TORCH_CHECK(x.size(1) == want, op, ": ", xname, "'s last dimension (", x.size(1), ") must equal weight's ",
+              transposed ? "N" : "K", " (", want, "); weight is [E, N, K] = ", weight.sizes());
+  static_cast<GroupRows&>(a) = check_group_rows(op, xname, x, offsets, expert_ids, a.w.E, validate_values);
+  a.x = x.contiguous();
   return a;
 }
 
@@ -401,8 +415,9 @@ W4Weight check_w4_weight(const char* op, const at::Tensor& codes, const at::Tens
     const at::Tensor& g = *global_scale;
     check_device(op, "global_scale", g, codes, "codes");
     TORCH_CHECK(w.format->global_scale, op, ": format '", w.format->name, "' takes no global_scale");
-    TORCH_CHECK(g.numel() == 1, op, ": global_scale must have one element, got shape ", g.sizes());
-    w.global_scale = shaped(widen_scale(op, "global_scale", g), {1});
+    TORCH_CHECK(g.numel() == w.E, op, ": global_scale must have ", grouped ? "one element per expert, [E] = [" : "one "
+                "element, [", w.E, "], got shape ", g.sizes());
+    w.global_scale = shaped(widen_scale(op, "global_scale", g), {w.E});
   }
   return w;
 }
@@ -446,6 +461,25 @@ W4MmArgs check_w4_mm_t(const at::Tensor& grad_out, const at::Tensor& codes, cons
               ") must equal the weight's N (", a.w.N, "); codes are [N, ceil(K/2)] = ", codes.sizes());
   a.x = flatten_rows(grad_out, &a.M);
   a.out_shape = with_last(grad_out, K);
+  return a;
+}
+
+W4GroupedMmArgs check_w4_grouped_mm(const char* op, bool transposed, const at::Tensor& x, const at::Tensor& codes,
+                                    const at::Tensor& scale, const std::string& format, int64_t group_size, int64_t K,
+                                    const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                    const std::optional<at::Tensor>& offset,
+                                    const std::optional<at::Tensor>& global_scale, bool validate_values) {
+  const char* xname = transposed ? "grad_out" : "x";
+  check_grouped_rows_arg(op, xname, transposed, x);
+  check_device(op, "codes", codes, x, xname);
+  W4GroupedMmArgs a;
+  a.w = check_w4_weight(op, codes, scale, format, group_size, transposed ? K : x.size(1), offset, global_scale,
+                        /*grouped=*/true);
+  if (transposed)
+    TORCH_CHECK(x.size(1) == a.w.N, op, ": grad_out's last dimension (", x.size(1), ") must equal the weight's N (",
+                a.w.N, "); codes are [E, N, ceil(K/2)] = ", codes.sizes());
+  static_cast<GroupRows&>(a) = check_group_rows(op, xname, x, offsets, expert_ids, a.w.E, validate_values);
+  a.x = x.contiguous();
   return a;
 }
 

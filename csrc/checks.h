@@ -41,12 +41,17 @@ struct Fp8MmArgs {
   std::vector<int64_t> out_shape;  // x.shape[:-1] + [N]
 };
 
-struct Fp8GroupedMmArgs {
-  at::Tensor x;                    // [T, K], contiguous
-  Fp8Weight w;                     // E experts
+// The ragged groups of a grouped (MoE) product: group g owns rows offsets[g]:offsets[g + 1] of x and uses expert
+// expert_ids[g] (-1: zero rows); rows in no group are zero.
+struct GroupRows {
   at::Tensor offsets;              // int32 [G + 1], contiguous
   at::Tensor expert_ids;           // int32 [G], contiguous (arange(G) when not given)
   int64_t T = 0, G = 0;
+};
+
+struct Fp8GroupedMmArgs : GroupRows {
+  at::Tensor x;                    // [T, K], contiguous
+  Fp8Weight w;                     // E experts
 };
 
 struct Int8QuantizeArgs {
@@ -129,6 +134,11 @@ struct W4MmArgs {
   std::vector<int64_t> out_shape;  // x.shape[:-1] + [N] (w4_mm_t: + [K])
 };
 
+struct W4GroupedMmArgs : GroupRows {
+  at::Tensor x;                    // [T, K] contiguous (w4_grouped_mm_t: grad_out [T, N])
+  W4Weight w;                      // E experts; global_scale [E] where given
+};
+
 // K: the weight's K, from x for w4_mm (codes only hold ceil(K/2)), given for w4_dequantize and w4_mm_t.
 W4Weight check_w4_weight(const char* op, const at::Tensor& codes, const at::Tensor& scale, const std::string& format,
                          int64_t group_size, int64_t K, const std::optional<at::Tensor>& offset,
@@ -145,6 +155,14 @@ W4Weight check_w4_dequantize(const at::Tensor& codes, const at::Tensor& scale, c
 W4MmArgs check_w4_mm_t(const at::Tensor& grad_out, const at::Tensor& codes, const at::Tensor& scale,
                        const std::string& format, int64_t group_size, int64_t K,
                        const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& global_scale);
+
+// w4_grouped_mm (x [T, K]) and w4_grouped_mm_t (transposed: grad_out [T, N], K given); validate_values as for
+// check_fp8_grouped_mm.
+W4GroupedMmArgs check_w4_grouped_mm(const char* op, bool transposed, const at::Tensor& x, const at::Tensor& codes,
+                                    const at::Tensor& scale, const std::string& format, int64_t group_size, int64_t K,
+                                    const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                    const std::optional<at::Tensor>& offset,
+                                    const std::optional<at::Tensor>& global_scale, bool validate_values);
 
 // Worst case |xq . wq| = K * 2^14 (every value -128): past this K an int32 accumulator could overflow, so
 // int8_mm refuses it on every backend rather than wrapping.

@@ -24,6 +24,12 @@ void define_ops(torch::Library& m) {
         "Tensor? global_scale=None, ScalarType dtype=bfloat16) -> Tensor");
   m.def("w4_mm_t(Tensor grad_out, Tensor codes, Tensor scale, str format, int group_size, SymInt K, "
         "Tensor? offset=None, Tensor? global_scale=None) -> Tensor");
+  // Grouped (MoE): codes [E, N, ceil(K/2)], scale / offset [E, N, G], global_scale [E]; offsets / expert_ids as for
+  // fp8_grouped_mm (offsets: the groups' row bounds; offset: the weight's zero points or biases).
+  m.def("w4_grouped_mm(Tensor x, Tensor codes, Tensor scale, str format, int group_size, Tensor offsets, "
+        "Tensor? expert_ids=None, Tensor? offset=None, Tensor? global_scale=None) -> Tensor");
+  m.def("w4_grouped_mm_t(Tensor grad_out, Tensor codes, Tensor scale, str format, int group_size, SymInt K, "
+        "Tensor offsets, Tensor? expert_ids=None, Tensor? offset=None, Tensor? global_scale=None) -> Tensor");
   m.def("int8_mm(Tensor xq, Tensor x_scale, Tensor wq, Tensor w_scale, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
 }
 

@@ -20,7 +20,7 @@ import torch as _torch
 
 from . import _C  # noqa: F401  (registers the op schemas and kernels)
 from ._ops import (fp8_dequantize, fp8_grouped_mm, fp8_grouped_mm_t, fp8_mm, fp8_mm_t,  # noqa: F401
-                   int8_linear, int8_mm, int8_quantize, int8_weight_mm_t, w4_dequantize, w4_mm, w4_mm_t,
+                   int8_linear, int8_mm, int8_quantize, int8_weight_mm_t, w4_dequantize, w4_grouped_mm, w4_grouped_mm_t, w4_mm, w4_mm_t,
                    _register_fakes)
 from ._autograd import _register_autograd  # noqa: E402
 from ._peft_dispatch import install as _install_peft_dispatch  # noqa: E402

@@ -143,6 +143,29 @@ def w4_mm_t(grad_out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fo
     return torch.ops.lowbit.w4_mm_t(grad_out, codes, scale, format, int(group_size), K, offset, global_scale)
 
 
+def w4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, format: str, group_size: int,
+                  offsets: torch.Tensor, expert_ids: Optional[torch.Tensor] = None,
+                  offset: Optional[torch.Tensor] = None, global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Ragged grouped (MoE) W4A16 matmul, the contract of :func:`fp8_grouped_mm` with 4-bit experts: group g owns
+    rows ``offsets[g]:offsets[g+1]`` of ``x [T, K]`` and multiplies them by expert ``expert_ids[g]`` (int32, default
+    ``arange(G)``; -1: zero rows) of ``codes [E, N, ceil(K/2)]`` with ``scale`` / ``offset`` ``[E, N, G]`` and nvfp4's
+    ``global_scale [E]`` (the layouts of :func:`w4_mm` per expert). Rows in no group are zero. Returns ``[T, N]``.
+    Note ``offsets`` (the groups' row bounds) and ``offset`` (the weight's zero points or biases) are different
+    arguments."""
+    return torch.ops.lowbit.w4_grouped_mm(x, codes, scale, format, int(group_size), offsets, expert_ids, offset,
+                                          global_scale)
+
+
+def w4_grouped_mm_t(grad_out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, format: str, group_size: int,
+                    K: int, offsets: torch.Tensor, expert_ids: Optional[torch.Tensor] = None,
+                    offset: Optional[torch.Tensor] = None,
+                    global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The transposed product of :func:`w4_grouped_mm`: rows of group g of ``grad_out [T, N]`` times expert
+    ``expert_ids[g]``'s weight ``[N, K]`` -> ``[T, K]``; rows of -1 groups and rows in no group are zero."""
+    return torch.ops.lowbit.w4_grouped_mm_t(grad_out, codes, scale, format, int(group_size), K, offsets, expert_ids,
+                                            offset, global_scale)
+
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -319,14 +342,17 @@ def _fake_int8_mm(xq, x_scale, wq, w_scale, bias=None, out_dtype=None):
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype or torch.bfloat16)
 
 
-def _check_w4_codes(op, codes, scale, group_size, K):
+def _check_w4_codes(op, codes, scale, group_size, K, grouped=False):
+    dim = 3 if grouped else 2
     _check(codes.dtype == torch.uint8, f"{op}: codes must be uint8 (two 4-bit codes per byte), got {codes.dtype}")
-    _check(codes.dim() == 2, f"{op}: codes must be [N, ceil(K/2)], got shape {tuple(codes.shape)}")
+    _check(codes.dim() == dim, f"{op}: codes must be {'[E, N, ceil(K/2)]' if grouped else '[N, ceil(K/2)]'}, got "
+                               f"shape {tuple(codes.shape)}")
     _check(group_size >= 1, f"{op}: group_size must be >= 1, got {group_size}")
     # the scale layout the kernels read (checks.cpp), so that a traced graph fails where the eager call would
-    torch._check(scale.dim() == 2 and scale.shape[0] == codes.shape[0] and scale.shape[1] == (K + group_size - 1)
-                 // group_size, lambda: f"{op}: scale must be [N, ceil(K/group_size)] for K = {K}, group_size = "
-                 f"{group_size}, got {list(scale.shape)}")
+    torch._check(scale.dim() == dim and tuple(scale.shape[:-1]) == tuple(codes.shape[:-1])
+                 and scale.shape[-1] == (K + group_size - 1) // group_size,
+                 lambda: f"{op}: scale must be {'[E, ' if grouped else '['}N, ceil(K/group_size)] for K = {K}, "
+                 f"group_size = {group_size}, got {list(scale.shape)}")
 
 
 def _fake_w4_mm(x, codes, scale, format, group_size, offset=None, global_scale=None, bias=None):
@@ -362,6 +388,38 @@ def _fake_w4_mm_t(grad_out, codes, scale, format, group_size, K, offset=None, gl
     return grad_out.new_empty((*grad_out.shape[:-1], K))
 
 
+def _fake_w4_grouped(op, transposed, x, codes, scale, group_size, K, offsets, expert_ids, offset, global_scale):
+    """w4_grouped_mm (x [T, K] -> [T, N]) and its transposed product (grad_out [T, N] -> [T, K])."""
+    xname = "grad_out" if transposed else "x"
+    _same_device(op, xname, x, codes=codes, scale=scale, offsets=offsets, expert_ids=expert_ids, offset=offset,
+                 global_scale=global_scale)
+    _check_float(op, xname, x)
+    _check(x.dim() == 2, f"{op}: {xname} must be {'[T, N]' if transposed else '[T, K]'}, got shape {tuple(x.shape)}")
+    _check_w4_codes(op, codes, scale, group_size, K, grouped=True)
+    if transposed:
+        torch._check(x.shape[1] == codes.shape[1], lambda: f"{op}: grad_out's last dimension must equal the weight's N")
+    else:
+        torch._check(codes.shape[2] == (K + 1) // 2, lambda: f"{op}: codes rows must hold ceil(K/2) = {(K + 1) // 2} "
+                     f"bytes for K = {K}, got codes of shape {list(codes.shape)}")
+    _check(offsets.dtype == torch.int32, f"{op}: offsets must be int32, got {offsets.dtype}")
+    _check(offsets.dim() == 1, f"{op}: offsets must be [G + 1] with G >= 0, got shape {tuple(offsets.shape)}")
+    if expert_ids is not None:
+        _check(expert_ids.dtype == torch.int32, f"{op}: expert_ids must be int32, got {expert_ids.dtype}")
+    return x.new_empty((x.shape[0], K if transposed else codes.shape[1]))
+
+
+def _fake_w4_grouped_mm(x, codes, scale, format, group_size, offsets, expert_ids=None, offset=None,
+                        global_scale=None):
+    return _fake_w4_grouped("w4_grouped_mm", False, x, codes, scale, group_size, x.shape[-1], offsets, expert_ids,
+                            offset, global_scale)
+
+
+def _fake_w4_grouped_mm_t(grad_out, codes, scale, format, group_size, K, offsets, expert_ids=None, offset=None,
+                          global_scale=None):
+    return _fake_w4_grouped("w4_grouped_mm_t", True, grad_out, codes, scale, group_size, K, offsets, expert_ids,
+                            offset, global_scale)
+
+
 _FAKES = {
     "fp8_mm": _fake_fp8_mm,
     "fp8_dequantize": _fake_fp8_dequantize,
@@ -374,6 +432,8 @@ _FAKES = {
     "w4_mm": _fake_w4_mm,
     "w4_dequantize": _fake_w4_dequantize,
     "w4_mm_t": _fake_w4_mm_t,
+    "w4_grouped_mm": _fake_w4_grouped_mm,
+    "w4_grouped_mm_t": _fake_w4_grouped_mm_t,
 }
 
 

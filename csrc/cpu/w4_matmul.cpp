@@ -28,7 +28,7 @@ W4Operand w4_operand(const W4Weight& w, int64_t e, const float* bias) {
   op.K = w.K;
   op.group = w.group;
   op.G = w.G;
-  if (w.global_scale.defined()) op.global = w.global_scale.cpu().data_ptr<float>()[0];
+  if (w.global_scale.defined()) op.global = w.global_scale.cpu().data_ptr<float>()[e];
   op.bias = bias;
   return op;
 }
