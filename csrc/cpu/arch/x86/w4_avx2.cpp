@@ -38,39 +38,22 @@ LOWBIT_TARGET_AVX2 inline Table group_table(const float* values, const W4Group& 
   return t;
 }
 
-// The tables of one row's blocks of 16 codes, block by block.
-struct RowTables {
-  W4BlockGroups blocks;
-  int64_t group = -1;
-  Table t;
-};
-
-LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) const Table& block_table(RowTables& rt, const W4Operand& op,
-                                                                                  const float* byte_table, int64_t n) {
-  const int64_t g = rt.blocks.next();
-  if (g != rt.group) {
-    rt.t = group_table(op.values, w4_group(op, byte_table, n, g));
-    rt.group = g;
-  }
-  return rt.t;
-}
-
 LOWBIT_TARGET_AVX2 inline __m256 lookup(const Table& t, __m256i index, __m256i select) {
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, index), _mm256_permutevar8x32_ps(t.hi, index),
                           _mm256_castsi256_ps(select));
 }
 
-// 16 codes from 8 bytes (valid of them; the rest decode to 0): e = the 8 even codes' weights, o = the odd ones'.
-LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void decode_half(const uint8_t* code, int64_t valid,
+// 8 bytes of codes, or the row's last `valid` codes (staged through a zeroed copy: never read past the row).
+LOWBIT_TARGET_AVX2 inline __m128i load_half(const uint8_t* code, int64_t valid) {
+  if (valid >= 16) return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(code));
+  alignas(16) uint8_t tmp[16] = {};
+  std::memcpy(tmp, code, size_t((valid + 1) / 2));
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+}
+
+// 16 codes (valid of them; the rest decode to 0): e = the 8 even codes' weights, o = the odd ones'.
+LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void decode_half(__m128i bytes, int64_t valid,
                                                                           const Table& t, __m256& e, __m256& o) {
-  __m128i bytes;
-  if (valid >= 16) {
-    bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(code));
-  } else {
-    alignas(16) uint8_t tmp[16] = {};
-    std::memcpy(tmp, code, size_t((valid + 1) / 2));
-    bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-  }
   const __m256i idx = _mm256_cvtepu8_epi32(bytes);
   e = lookup(t, idx, _mm256_slli_epi32(idx, 28));
   o = lookup(t, _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(idx, 24));
@@ -81,29 +64,59 @@ LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void decode_half(const 
   }
 }
 
+// One chunk at code k of the tile's rows (valid codes of it): its first half by table a, its second by b.
+template <int MR, int NR>
+LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void chunk_step(__m256 (&acc)[MR][NR], const float* x,
+                                                                         int64_t ldx, const uint8_t* w, int64_t rb,
+                                                                         int64_t k, int64_t valid,
+                                                                         const Table (&ta)[NR], const Table (&tb)[NR]) {
+  for (int r = 0; r < NR; r++)
+    for (int h = 0; h < 2 && valid > 16 * h; h++) {
+      __m256 e, o;
+      const int64_t v = valid - 16 * h;
+      decode_half(load_half(w + r * rb + k / 2 + 8 * h, v), v, h ? tb[r] : ta[r], e, o);
+      for (int m = 0; m < MR; m++) {
+        const float* xp = x + m * ldx + k + 8 * h;
+        acc[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), o, _mm256_fmadd_ps(_mm256_loadu_ps(xp), e, acc[m][r]));
+      }
+    }
+}
+
+// As the AVX-512 tile: runs of whole chunks inside one group in a tight loop, the rest chunk by chunk (the
+// last, partial one outside the loop: its staging copy is a call).
 template <int MR, int NR>
 LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
-  const int64_t K = op.K, rb = op.row_bytes();
+  const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
   const uint8_t* w = op.codes + n0 * rb;
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
-  RowTables t[NR];
-  for (int r = 0; r < NR; r++) t[r].blocks = W4BlockGroups(op, 0);
   __m256 acc[MR][NR];
+  Table ta[NR], tb[NR];
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += kW4Chunk) {
-    const int64_t byte = k / 2;
-    if ((byte & 63) == 0)
-      for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, byte), _MM_HINT_T0);
-    for (int r = 0; r < NR; r++)
-      for (int h = 0; h < 2 && k + 16 * h < K; h++) {
-        __m256 e, o;
-        decode_half(w + r * rb + byte + 8 * h, K - k - 16 * h, block_table(t[r], op, byte_table, n0 + r), e, o);
-        for (int m = 0; m < MR; m++) {
-          const float* xp = x + m * ldx + k + 8 * h;
-          acc[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), o, _mm256_fmadd_ps(_mm256_loadu_ps(xp), e, acc[m][r]));
-        }
-      }
+  W4BlockGroups blocks(op, 0);
+  int64_t ga = -1;
+  for (int64_t k = 0; k < K;) {
+    const int64_t g0 = blocks.next(), g1 = K - k > 16 ? blocks.next() : g0;
+    if (g0 != ga)
+      for (int r = 0; r < NR; r++) ta[r] = group_table(op.values, w4_group(op, byte_table, n0 + r, g0));
+    ga = g0;
+    if (g1 != g0 || k >= full) {
+      if (g1 != g0)
+        for (int r = 0; r < NR; r++) tb[r] = group_table(op.values, w4_group(op, byte_table, n0 + r, g1));
+      chunk_step<MR, NR>(acc, x, ldx, w, rb, k, K - k, ta, g1 != g0 ? tb : ta);
+      if (g1 != g0)
+        for (int r = 0; r < NR; r++) ta[r] = tb[r];
+      ga = g1;
+      k += kW4Chunk;
+      continue;
+    }
+    const int64_t run = std::min(1 + blocks.left / 2, (full - k) / kW4Chunk);
+    blocks.left -= 2 * (run - 1);
+    for (const int64_t end = k + run * kW4Chunk; k < end; k += kW4Chunk) {
+      if ((k & 127) == 0)
+        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), _MM_HINT_T0);
+      chunk_step<MR, NR>(acc, x, ldx, w, rb, k, kW4Chunk, ta, ta);
+    }
   }
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) {
@@ -129,14 +142,18 @@ template <typename F>
 LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void for_each_half(const W4Operand& op, int64_t row,
                                                                             int64_t k0, int64_t n, F&& fn) {
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
-  RowTables t;
-  t.blocks = W4BlockGroups(op, k0 / 16);
+  W4BlockGroups blocks(op, k0 / 16);
   const uint8_t* codes = op.codes + row * op.row_bytes();
   const int64_t k1 = std::min(op.K, k0 + n);
+  int64_t ga = -1;
+  Table t;
   for (int64_t k = k0; k < k1; k += kW4Chunk)
     for (int h = 0; h < 2 && k + 16 * h < k1; h++) {
+      const int64_t g = blocks.next(), valid = k1 - k - 16 * h;
+      if (g != ga) t = group_table(op.values, w4_group(op, byte_table, row, g));
+      ga = g;
       __m256 e, o;
-      decode_half(codes + k / 2 + 8 * h, k1 - k - 16 * h, block_table(t, op, byte_table, row), e, o);
+      decode_half(load_half(codes + k / 2 + 8 * h, valid), valid, t, e, o);
       fn(k - k0, h, e, o);
     }
 }

@@ -26,87 +26,161 @@ LOWBIT_TARGET_AVX512 inline __m512 group_table(__m512 values, const W4Group& p) 
   return _mm512_add_ps(prod, _mm512_set1_ps(p.bias));
 }
 
-// The tables of one weight row along K: chunk by chunk, the table of each half's group.
-struct RowTables {
-  W4BlockGroups blocks;
-  int64_t ga = -1, gb = -1;
-  __m512 a, b;  // the first half's table, the second's (where it is another group)
-  bool two = false;
-};
+// 16 bytes of codes, or the row's last `valid` codes (a masked load: never past the row, no fault).
+LOWBIT_TARGET_AVX512 inline __m128i load_codes(const uint8_t* code, int64_t valid) {
+  if (valid >= kW4Chunk) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(code));
+  return _mm_maskz_loadu_epi8(__mmask16((1u << ((valid + 1) / 2)) - 1), code);
+}
 
-LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void advance(RowTables& t, const W4Operand& op,
-                                                                        const float* byte_table, __m512 values,
-                                                                        int64_t n, bool second_half) {
-  const int64_t g0 = t.blocks.next();
-  const int64_t g1 = second_half ? t.blocks.next() : g0;
-  if (g0 != t.ga) {
-    if (g0 == t.gb) t.a = t.b;
-    else t.a = group_table(values, w4_group(op, byte_table, n, g0));
-    t.ga = g0;
-  }
-  t.two = g1 != g0;
-  if (t.two) {
-    t.b = group_table(values, w4_group(op, byte_table, n, g1));
-    t.gb = g1;
+// Codes 2i (e) and 2i + 1 (o) of lane i of a chunk looked up in table a, or -- kTwo: lanes 8..15, the chunk's
+// second half, in table b (bit 4 of vpermt2ps's index).
+template <bool kTwo>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void lookup(__m128i bytes, __m512 a, __m512 b, __m512& e,
+                                                                       __m512& o) {
+  const __m512i idx = _mm512_cvtepu8_epi32(bytes);
+  const __m512i hi = _mm512_srli_epi32(idx, 4);
+  if constexpr (!kTwo) {
+    e = _mm512_permutexvar_ps(idx, a);  // reads the index's low 4 bits: the low nibble
+    o = _mm512_permutexvar_ps(hi, a);
+  } else {
+    const __m512i second = _mm512_set_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
+    e = _mm512_permutex2var_ps(a, _mm512_ternarylogic_epi32(idx, _mm512_set1_epi32(0xF), second, 0xEA), b);
+    o = _mm512_permutex2var_ps(a, _mm512_or_si512(hi, second), b);
   }
 }
 
-// 32 codes (valid of them; the rest decode to 0) -> the even codes' weights e and the odd ones' o.
-LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void decode_chunk(const uint8_t* code, int64_t valid,
-                                                                             const RowTables& t, __m512& e,
-                                                                             __m512& o) {
-  __m128i bytes;
-  if (valid >= kW4Chunk) {
-    bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(code));
-  } else {  // the row's last bytes, never read past it
-    alignas(16) uint8_t tmp[16] = {};
-    std::memcpy(tmp, code, size_t((valid + 1) / 2));
-    bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
-  }
-  const __m512i idx = _mm512_cvtepu8_epi32(bytes);
-  const __m512i hi = _mm512_srli_epi32(idx, 4);
-  if (!t.two) {
-    e = _mm512_permutexvar_ps(idx, t.a);
-    o = _mm512_permutexvar_ps(hi, t.a);
-  } else {  // lanes 8..15 (the second half's codes) index the second table: bit 4 of vpermt2ps's index
-    const __m512i second = _mm512_set_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i nib = _mm512_set1_epi32(0xF);
-    e = _mm512_permutex2var_ps(t.a, _mm512_or_si512(_mm512_and_si512(idx, nib), second), t.b);
-    o = _mm512_permutex2var_ps(t.a, _mm512_or_si512(hi, second), t.b);
-  }
-  if (valid < kW4Chunk) {  // lane i holds codes 2i (e) and 2i + 1 (o)
-    const __m512i lane2 = _mm512_slli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 1);
-    const __m512i v = _mm512_set1_epi32(int(valid));
-    e = _mm512_maskz_mov_ps(_mm512_cmplt_epi32_mask(lane2, v), e);
-    o = _mm512_maskz_mov_ps(_mm512_cmplt_epi32_mask(_mm512_add_epi32(lane2, _mm512_set1_epi32(1)), v), o);
+// Zero the decoded weights of codes >= valid (the last chunk of a row).
+LOWBIT_TARGET_AVX512 inline void mask_tail(int64_t valid, __m512& e, __m512& o) {
+  const __m512i lane2 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i v = _mm512_set1_epi32(int(valid));
+  e = _mm512_maskz_mov_ps(_mm512_cmplt_epi32_mask(lane2, v), e);
+  o = _mm512_maskz_mov_ps(_mm512_cmplt_epi32_mask(_mm512_add_epi32(lane2, _mm512_set1_epi32(1)), v), o);
+}
+
+// One chunk at code k of the tile's rows (valid codes of it) into the accumulators.
+template <int MR, int NR, bool kTwo>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m512 (&acc)[MR][NR], const float* x,
+                                                                           int64_t ldx, const uint8_t* w, int64_t rb,
+                                                                           int64_t k, int64_t valid,
+                                                                           const __m512 (&ta)[NR],
+                                                                           const __m512 (&tb)[NR]) {
+  for (int r = 0; r < NR; r++) {
+    __m512 e, o;
+    lookup<kTwo>(load_codes(w + r * rb + k / 2, valid), ta[r], tb[r], e, o);
+    if (valid < kW4Chunk) mask_tail(valid, e, o);
+    for (int m = 0; m < MR; m++) {
+      const float* xp = x + m * ldx + k;
+      acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), o, _mm512_fmadd_ps(_mm512_loadu_ps(xp), e, acc[m][r]));
+    }
   }
 }
 
 constexpr auto kPrefetchHint = _MM_HINT_T0;
 
+// 16 consecutive group scales (or biases) from index i, count of them (the rest 0), decoded to fp32 at once:
+// exact conversions, as w4_scale_to_float (one-byte encodings through its table).
+LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int64_t i, int64_t count,
+                                                 const float* byte_table) {
+  const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  switch (enc) {
+    case W4Scale::F32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+    case W4Scale::BF16:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i)), 16));
+    case W4Scale::F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
+    default: {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i));
+      return _mm512_maskz_mov_ps(mask, _mm512_i32gather_ps(b, byte_table, 4));
+    }
+  }
+}
+
+LOWBIT_TARGET_AVX512 inline __m512 load_zero_points16(const int8_t* p, int64_t i, int64_t count) {
+  const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p + i)));
+}
+
+// The group tables of NR rows, from their scales (and zero points or biases) decoded 16 groups at a time into
+// arrays that the tables broadcast from (a load, not a shuffle: the decode's shuffles have the port to themselves).
+template <int NR>
+struct GroupTables {
+  enum Kind { kScale, kZeroPoint, kBias };
+  const W4Operand& op;
+  const float* byte_table;
+  int64_t n0;
+  __m512 values;
+  alignas(64) float scale[NR][16], offset[NR][16];  // groups base .. base + 15
+  int64_t base = -16;
+  Kind kind;
+
+  LOWBIT_TARGET_AVX512 GroupTables(const W4Operand& o, int64_t n)
+      : op(o), byte_table(w4_byte_scale_table(o.scale_enc)), n0(n), values(_mm512_loadu_ps(o.values)),
+        kind(!o.offset ? kScale : o.offset_kind == W4Offset::Bias ? kBias
+                                  : o.offset_kind == W4Offset::ZeroPoint ? kZeroPoint : kScale) {}
+  LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void table(int64_t g, __m512 (&t)[NR]) {
+    if (g < base || g >= base + 16) {
+      base = g & ~int64_t(15);
+      const int64_t count = std::min<int64_t>(16, op.G - base);
+      for (int r = 0; r < NR; r++) {
+        const int64_t i = (n0 + r) * op.G + base;
+        _mm512_store_ps(scale[r], load_scales16(op.scale_enc, op.scale, i, count, byte_table));
+        if (kind == kBias) _mm512_store_ps(offset[r], load_scales16(op.scale_enc, op.offset, i, count, byte_table));
+        if (kind == kZeroPoint)
+          _mm512_store_ps(offset[r], load_zero_points16(static_cast<const int8_t*>(op.offset), i, count));
+      }
+    }
+    const int64_t j = g - base;
+    for (int r = 0; r < NR; r++) {
+      const __m512 s = _mm512_set1_ps(scale[r][j]);
+      if (kind == kScale) {
+        t[r] = _mm512_mul_ps(values, s);
+      } else if (kind == kZeroPoint) {
+        t[r] = _mm512_mul_ps(_mm512_sub_ps(values, _mm512_set1_ps(offset[r][j])), s);
+      } else {  // the product rounded first (see group_table)
+        __m512 prod = _mm512_mul_ps(values, s);
+        asm("" : "+v"(prod));
+        t[r] = _mm512_add_ps(prod, _mm512_set1_ps(offset[r][j]));
+      }
+    }
+  }
+};
+
+// The rows' groups change at the same k: runs of chunks inside one group take a tight loop over registers
+// (tables, accumulators); a chunk whose halves lie in two groups (group size 16, 48, ...) takes both tables.
 template <int MR, int NR>
 LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
-  const int64_t K = op.K, rb = op.row_bytes();
+  const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
   const uint8_t* w = op.codes + n0 * rb;
-  const float* byte_table = w4_byte_scale_table(op.scale_enc);
-  const __m512 values = _mm512_loadu_ps(op.values);
-  RowTables t[NR] = {};
-  for (int r = 0; r < NR; r++) t[r].blocks = W4BlockGroups(op, 0);
-  __m512 acc[MR][NR];
+  GroupTables<NR> tables(op, n0);
+  __m512 acc[MR][NR], ta[NR], tb[NR];
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += kW4Chunk) {
-    const int64_t valid = K - k, byte = k / 2;
-    if ((byte & 63) == 0)
-      for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, byte), kPrefetchHint);
-    for (int r = 0; r < NR; r++) {
-      advance(t[r], op, byte_table, values, n0 + r, valid > 16);
-      __m512 e, o;
-      decode_chunk(w + r * rb + byte, valid, t[r], e, o);
-      for (int m = 0; m < MR; m++) {
-        const float* xp = x + m * ldx + k;
-        acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), o, _mm512_fmadd_ps(_mm512_loadu_ps(xp), e, acc[m][r]));
-      }
+  for (int r = 0; r < NR; r++) ta[r] = tb[r] = _mm512_setzero_ps();
+  W4BlockGroups blocks(op, 0);
+  int64_t ga = -1;
+  for (int64_t k = 0; k < K;) {
+    const int64_t g0 = blocks.next(), g1 = K - k > 16 ? blocks.next() : g0;
+    if (g0 != ga) tables.table(g0, ta);
+    ga = g0;
+    if (g1 != g0) {
+      tables.table(g1, tb);
+      chunk_step<MR, NR, true>(acc, x, ldx, w, rb, k, K - k, ta, tb);
+      for (int r = 0; r < NR; r++) ta[r] = tb[r];
+      ga = g1;
+      k += kW4Chunk;
+      continue;
+    }
+    if (k >= full) {  // the last, partial chunk
+      chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, K - k, ta, tb);
+      break;
+    }
+    // this chunk and the whole chunks after it in the same group
+    const int64_t run = std::min(1 + blocks.left / 2, (full - k) / kW4Chunk);
+    blocks.left -= 2 * (run - 1);
+    for (const int64_t end = k + run * kW4Chunk; k < end; k += kW4Chunk) {
+      if ((k & 127) == 0)  // every 64 bytes of each row (gemv_prefetch.h)
+        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+      chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, kW4Chunk, ta, tb);
     }
   }
   for (int m = 0; m < MR; m++)
@@ -123,21 +197,31 @@ void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op,
   pick_gemv_tile<W4GemvTileFn, Tiles>(false, mr, nr)(x, ldx, op, n0, sums);
 }
 
-// Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row n (p: its first position relative to k0).
+// Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row `row` (p: its first position relative to k0).
 template <typename F>
 LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void for_each_chunk(const W4Operand& op, int64_t row,
                                                                                int64_t k0, int64_t n, F&& fn) {
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
   const __m512 values = _mm512_loadu_ps(op.values);
-  RowTables t;
-  t.blocks = W4BlockGroups(op, k0 / 16);
+  W4BlockGroups blocks(op, k0 / 16);
   const uint8_t* codes = op.codes + row * op.row_bytes();
   const int64_t k1 = std::min(op.K, k0 + n);
+  int64_t ga = -1;
+  __m512 ta = _mm512_setzero_ps(), tb = ta;
   for (int64_t k = k0; k < k1; k += kW4Chunk) {
-    const int64_t valid = k1 - k;
-    advance(t, op, byte_table, values, row, valid > 16);
+    const int64_t valid = k1 - k, g0 = blocks.next(), g1 = valid > 16 ? blocks.next() : g0;
+    if (g0 != ga) ta = group_table(values, w4_group(op, byte_table, row, g0));
+    ga = g0;
     __m512 e, o;
-    decode_chunk(codes + k / 2, valid, t, e, o);
+    if (g1 != g0) {
+      tb = group_table(values, w4_group(op, byte_table, row, g1));
+      lookup<true>(load_codes(codes + k / 2, valid), ta, tb, e, o);
+      ta = tb;
+      ga = g1;
+    } else {
+      lookup<false>(load_codes(codes + k / 2, valid), ta, tb, e, o);
+    }
+    if (valid < kW4Chunk) mask_tail(valid, e, o);
     fn(k - k0, e, o);
   }
 }
