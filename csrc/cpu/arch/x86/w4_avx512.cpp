@@ -58,8 +58,14 @@ LOWBIT_TARGET_AVX512 inline void mask_tail(int64_t valid, __m512& e, __m512& o) 
 }
 
 // One chunk at code k of the tile's rows (valid codes of it) into the accumulators.
+// Accumulators per (activation row, weight row): one activation row gives the even and the odd codes their own,
+// so that no chain of two dependent FMAs per chunk bounds the tile (more rows keep enough chains in flight).
+template <int MR>
+constexpr int kAccs = MR == 1 ? 2 : 1;
+
 template <int MR, int NR, bool kTwo>
-LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m512 (&acc)[MR][NR], const float* x,
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m512 (&acc)[MR][NR][kAccs<MR>],
+                                                                           const float* x,
                                                                            int64_t ldx, const uint8_t* w, int64_t rb,
                                                                            int64_t k, int64_t valid,
                                                                            const __m512 (&ta)[NR],
@@ -70,7 +76,10 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m51
     if (valid < kW4Chunk) mask_tail(valid, e, o);
     for (int m = 0; m < MR; m++) {
       const float* xp = x + m * ldx + k;
-      acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), o, _mm512_fmadd_ps(_mm512_loadu_ps(xp), e, acc[m][r]));
+      __m512& a = acc[m][r][0];
+      __m512& b = acc[m][r][kAccs<MR> - 1];
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(xp), e, a);
+      b = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), o, b);
     }
   }
 }
@@ -145,16 +154,62 @@ struct GroupTables {
   }
 };
 
-// The rows' groups change at the same k: runs of chunks inside one group take a tight loop over registers
-// (tables, accumulators); a chunk whose halves lie in two groups (group size 16, 48, ...) takes both tables.
+// Group sizes that are multiples of 32 (and one group per row): every chunk lies in one group, the groups' runs
+// of chunks are a fixed length -- a plain loop nest that keeps the tables and accumulators in registers.
 template <int MR, int NR>
-LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_aligned(__m512 (&acc)[MR][NR][kAccs<MR>],
+                                                                             const float* x, int64_t ldx,
+                                                                             const W4Operand& op, int64_t n0) {
+  const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
+  const uint8_t* w = op.codes + n0 * rb;
+  const int64_t per = op.G <= 1 ? full + kW4Chunk : op.group;
+  GroupTables<NR> tables(op, n0);
+  __m512 ta[NR];
+  for (int64_t k = 0, g = 0; k < full; g++) {
+    tables.table(g, ta);
+    for (const int64_t end = std::min(full, k + per); k < end; k += kW4Chunk) {
+      if ((k & 127) == 0)  // every 64 bytes of each row (gemv_prefetch.h)
+        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+      chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, kW4Chunk, ta, ta);
+    }
+  }
+  if (full < K) {
+    tables.table(op.G <= 1 ? 0 : full / op.group, ta);
+    chunk_step<MR, NR, false>(acc, x, ldx, w, rb, full, K - full, ta, ta);
+  }
+}
+
+// Group size 16: each chunk's halves are groups 2c and 2c + 1.
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_g16(__m512 (&acc)[MR][NR][kAccs<MR>],
+                                                                         const float* x, int64_t ldx,
+                                                                         const W4Operand& op, int64_t n0) {
+  const int64_t K = op.K, rb = op.row_bytes();
+  const uint8_t* w = op.codes + n0 * rb;
+  GroupTables<NR> tables(op, n0);
+  __m512 ta[NR], tb[NR];
+  for (int64_t k = 0; k < K; k += kW4Chunk) {
+    if ((k & 127) == 0)
+      for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+    tables.table(k / 16, ta);
+    if (K - k > 16) {
+      tables.table(k / 16 + 1, tb);
+      chunk_step<MR, NR, true>(acc, x, ldx, w, rb, k, K - k, ta, tb);
+    } else {
+      chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, K - k, ta, ta);
+    }
+  }
+}
+
+// Other multiples of 16 (48, 80, ...): runs of chunks inside one group, and chunks across two groups.
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_general(__m512 (&acc)[MR][NR][kAccs<MR>],
+                                                                             const float* x, int64_t ldx,
+                                                                             const W4Operand& op, int64_t n0) {
   const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
   const uint8_t* w = op.codes + n0 * rb;
   GroupTables<NR> tables(op, n0);
-  __m512 acc[MR][NR], ta[NR], tb[NR];
-  for (int m = 0; m < MR; m++)
-    for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+  __m512 ta[NR], tb[NR];
   for (int r = 0; r < NR; r++) ta[r] = tb[r] = _mm512_setzero_ps();
   W4BlockGroups blocks(op, 0);
   int64_t ga = -1;
@@ -178,23 +233,41 @@ LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const W4Opera
     const int64_t run = std::min(1 + blocks.left / 2, (full - k) / kW4Chunk);
     blocks.left -= 2 * (run - 1);
     for (const int64_t end = k + run * kW4Chunk; k < end; k += kW4Chunk) {
-      if ((k & 127) == 0)  // every 64 bytes of each row (gemv_prefetch.h)
+      if ((k & 127) == 0)
         for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
       chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, kW4Chunk, ta, tb);
     }
   }
-  for (int m = 0; m < MR; m++)
-    for (int r = 0; r < NR; r++) sums[m * NR + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
+enum class Walk { Aligned, G16, General };
+
+template <int MR, int NR, Walk kWalk>
+LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
+  __m512 acc[MR][NR][kAccs<MR>];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++)
+      for (int i = 0; i < kAccs<MR>; i++) acc[m][r][i] = _mm512_setzero_ps();
+  if constexpr (kWalk == Walk::Aligned) gemv_aligned<MR, NR>(acc, x, ldx, op, n0);
+  else if constexpr (kWalk == Walk::G16) gemv_g16<MR, NR>(acc, x, ldx, op, n0);
+  else gemv_general<MR, NR>(acc, x, ldx, op, n0);
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++)
+      sums[m * NR + r] = _mm512_reduce_add_ps(kAccs<MR> == 1 ? acc[m][r][0] : _mm512_add_ps(acc[m][r][0], acc[m][r][1]));
+}
+
+template <Walk kWalk>
 struct Tiles {
   template <int MR, int NR, bool>
-  static constexpr W4GemvTileFn get() { return &gemv_tile_t<MR, NR>; }
+  static constexpr W4GemvTileFn get() { return &gemv_tile_t<MR, NR, kWalk>; }
 };
 
 void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
   if (!w4_blocks_in_groups(op)) return kW4KernelsPortable.gemv_tile(mr, nr, x, ldx, op, n0, sums);
-  pick_gemv_tile<W4GemvTileFn, Tiles>(false, mr, nr)(x, ldx, op, n0, sums);
+  if (op.G <= 1 || op.group % 32 == 0)
+    return pick_gemv_tile<W4GemvTileFn, Tiles<Walk::Aligned>>(false, mr, nr)(x, ldx, op, n0, sums);
+  if (op.group == 16) return pick_gemv_tile<W4GemvTileFn, Tiles<Walk::G16>>(false, mr, nr)(x, ldx, op, n0, sums);
+  pick_gemv_tile<W4GemvTileFn, Tiles<Walk::General>>(false, mr, nr)(x, ldx, op, n0, sums);
 }
 
 // Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row `row` (p: its first position relative to k0).
