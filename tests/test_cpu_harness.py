@@ -97,6 +97,8 @@ X86_PLANTS = [
     ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_set_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0)",
      "_mm512_set_epi32(16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0)",
      "a chunk across two groups takes code pair 7 from the first group's table"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8))",
+     "_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(7))", "the e4m3 scale decode takes subnormal 7 for a normal"),
     ("csrc/cpu/arch/x86/w4_avx2.cpp", "lookup(t, _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(idx, 24))",
      "lookup(t, _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(idx, 28))",
      "the odd codes' table half picked by the even code's bit 3"),

@@ -405,8 +405,9 @@ W4Case make_w4(const W4Format& f, W4Scale enc, bool with_offset, int64_t N, int6
   c.scale.resize(size_t(N * G * esize) + 1);
   std::uniform_real_distribution<float> us(0.01f, 0.3f), ub(-1.f, 1.f);
   for (int64_t i = 0; i < N * G; i++) {
-    if (enc == W4Scale::E4M3) c.scale[size_t(i)] = uint8_t(0x20 + g_rng() % 0x30);
-    else if (enc == W4Scale::E8M0) c.scale[size_t(i)] = uint8_t(120 + g_rng() % 12);
+    // every finite e4m3 byte (subnormals, negatives); e8m0 from 2^-127 (the subnormal 0) to 2^3
+    if (enc == W4Scale::E4M3) c.scale[size_t(i)] = uint8_t(g_rng() % 0x7F) | uint8_t(g_rng() % 2 ? 0x80 : 0);
+    else if (enc == W4Scale::E8M0) c.scale[size_t(i)] = uint8_t(i % 7 == 0 ? 0 : 100 + g_rng() % 31);
     else put_scale(enc, us(g_rng), c.scale, i);
   }
   if (nan && N * G > 2) {  // a NaN scale in one group, an infinite one in another (float encodings)

@@ -5,6 +5,7 @@
 // (w4_kernels.h), so the decode is exact per element; where a chunk's two halves lie in two groups (group size 16)
 // vpermt2ps picks from both tables. Group sizes that are not multiples of 16 take the portable loops.
 #include <cstring>
+#include <limits>
 
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -87,9 +88,8 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m51
 constexpr auto kPrefetchHint = _MM_HINT_T0;
 
 // 16 consecutive group scales (or biases) from index i, count of them (the rest 0), decoded to fp32 at once:
-// exact conversions, as w4_scale_to_float (one-byte encodings through its table).
-LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int64_t i, int64_t count,
-                                                 const float* byte_table) {
+// exact conversions, the values of w4_scale_to_float.
+LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int64_t i, int64_t count) {
   const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
   switch (enc) {
     case W4Scale::F32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
@@ -97,11 +97,24 @@ LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int
       return _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i)), 16));
     case W4Scale::F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
-    default: {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i));
-      return _mm512_maskz_mov_ps(mask, _mm512_i32gather_ps(b, byte_table, 4));
-    }
+    default: break;
   }
+  // one-byte encodings by integer arithmetic on the bits (a gather from a byte table measured slower here)
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i));
+  const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  if (enc == W4Scale::E8M0) {  // 2^(b - 127): b in the fp32 exponent; b = 0 is the subnormal 2^-127, 0xFF NaN
+    __m512i bits = _mm512_slli_epi32(b, 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(bits), _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(0xFF)), nan);
+  }
+  // E4M3: normals rebias the exponent (7 -> 127) with the mantissa in place; subnormals are m * 2^-9
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512.f));
+  __m512 v = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), sub);
+  v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v),
+                                          _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
+  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), nan);
 }
 
 LOWBIT_TARGET_AVX512 inline __m512 load_zero_points16(const int8_t* p, int64_t i, int64_t count) {
@@ -115,7 +128,6 @@ template <int NR>
 struct GroupTables {
   enum Kind { kScale, kZeroPoint, kBias };
   const W4Operand& op;
-  const float* byte_table;
   int64_t n0;
   __m512 values;
   alignas(64) float scale[NR][16], offset[NR][16];  // groups base .. base + 15
@@ -123,7 +135,7 @@ struct GroupTables {
   Kind kind;
 
   LOWBIT_TARGET_AVX512 GroupTables(const W4Operand& o, int64_t n)
-      : op(o), byte_table(w4_byte_scale_table(o.scale_enc)), n0(n), values(_mm512_loadu_ps(o.values)),
+      : op(o), n0(n), values(_mm512_loadu_ps(o.values)),
         kind(!o.offset ? kScale : o.offset_kind == W4Offset::Bias ? kBias
                                   : o.offset_kind == W4Offset::ZeroPoint ? kZeroPoint : kScale) {}
   LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void table(int64_t g, __m512 (&t)[NR]) {
@@ -132,8 +144,8 @@ struct GroupTables {
       const int64_t count = std::min<int64_t>(16, op.G - base);
       for (int r = 0; r < NR; r++) {
         const int64_t i = (n0 + r) * op.G + base;
-        _mm512_store_ps(scale[r], load_scales16(op.scale_enc, op.scale, i, count, byte_table));
-        if (kind == kBias) _mm512_store_ps(offset[r], load_scales16(op.scale_enc, op.offset, i, count, byte_table));
+        _mm512_store_ps(scale[r], load_scales16(op.scale_enc, op.scale, i, count));
+        if (kind == kBias) _mm512_store_ps(offset[r], load_scales16(op.scale_enc, op.offset, i, count));
         if (kind == kZeroPoint)
           _mm512_store_ps(offset[r], load_zero_points16(static_cast<const int8_t*>(op.offset), i, count));
       }
