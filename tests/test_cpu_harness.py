@@ -92,6 +92,18 @@ X86_PLANTS = [
      "c##R##b = _mm256_dpbusd_avx_epi32(c##R##b, a, b0);", "the VNNI micro-tile's second strip half"),
     ("csrc/cpu/arch/x86/avx512.cpp", "(__mmask64(1) << (K - full)) - 1", "(__mmask64(1) << (K - full - 1)) - 1",
      "the int8 GEMV tile drops the last byte of a tail"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "__mmask16((1u << ((valid + 1) / 2)) - 1)", "__mmask16((1u << (valid / 2)) - 1)",
+     "the 4-bit tail load drops the last byte of an odd K"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_set_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0)",
+     "_mm512_set_epi32(16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0)",
+     "a chunk across two groups takes code pair 7 from the first group's table"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8))",
+     "_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(7))", "the e4m3 scale decode takes subnormal 7 for a normal"),
+    ("csrc/cpu/arch/x86/w4_avx2.cpp", "lookup(t, _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(idx, 24))",
+     "lookup(t, _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(idx, 28))",
+     "the odd codes' table half picked by the even code's bit 3"),
+    ("csrc/cpu/arch/portable/w4_portable.cpp", "end = std::min(k1, (g + 1) * op.group);",
+     "end = std::min(k1, (g + 1) * op.group + 1);", "the portable 4-bit decode runs a group one code too far"),
 ]
 
 
@@ -105,7 +117,8 @@ def planted_harness(cxx, objects, plants, plant, link_extra=()):
     flags = [f for f in CXX_FLAGS if f != "-Werror"]  # a plant may leave a variable unused
     obj = compile_objects(cxx, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
     exe = link(cxx, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"), link_extra)
-    return exe, os.path.splitext(os.path.basename(src))[0]
+    # a set's file is named after it; its 4-bit loops' file too, with the prefix w4_
+    return exe, os.path.splitext(os.path.basename(src))[0].removeprefix("w4_")
 
 
 @needs_host_cxx

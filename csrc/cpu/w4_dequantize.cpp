@@ -1,9 +1,6 @@
 // w4_dequantize on the CPU: the dense [N, K] weight in fp32, rounded once to dtype.
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
-
-#include <vector>
 
 #include "checks.h"
 #include "cpu/dispatch.h"
@@ -19,16 +16,7 @@ at::Tensor w4_dequantize(const at::Tensor& codes, const at::Tensor& scale, c10::
                                          global_scale, dtype);
   at::Tensor out = at::empty({w.N, w.K}, codes.options().dtype(dtype));
   const W4Operand op = w4_operand(w);
-  LOWBIT_DISPATCH_FLOAT_TYPES(dtype, "w4_dequantize", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-      std::vector<float> row(size_t(std::max<int64_t>(w.K, 1)));
-      for (int64_t n = n0; n < n1; n++) {
-        w4_decode_rows(op, n, n + 1, row.data(), w.K);
-        for (int64_t k = 0; k < w.K; k++) o[n * w.K + k] = scalar_t(row[k] * op.global);
-      }
-    });
-  });
+  LOWBIT_DISPATCH_FLOAT_TYPES(dtype, "w4_dequantize", [&] { w4_dequantize_to<scalar_t>(op, out.data_ptr<scalar_t>()); });
   return out;
 }
 

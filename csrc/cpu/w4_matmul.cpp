@@ -9,7 +9,10 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <vector>
+
+#include "cpu/arch/kernel_set.h"
+#include "cpu/parallel.h"
+#include "cpu/workspace.h"
 
 namespace lowbit::cpu {
 
@@ -33,92 +36,145 @@ W4Operand w4_operand(const W4Weight& w, int64_t e, const float* bias) {
   return op;
 }
 
-void w4_decode_rows(const W4Operand& op, int64_t n0, int64_t n1, float* dst, int64_t ldd) {
-  const int64_t rb = (op.K + 1) / 2;
-  for (int64_t n = n0; n < n1; n++) {
-    const uint8_t* c = op.codes + n * rb;
-    float* d = dst + (n - n0) * ldd;
-    for (int64_t g = 0; g < op.G; g++) {
-      const int64_t i = n * op.G + g;
-      const float s = w4_scale_to_float(op.scale_enc, op.scale, i);
-      float zp = 0.f, b = 0.f;
-      if (op.offset_kind == W4Offset::ZeroPoint) zp = float(static_cast<const int8_t*>(op.offset)[i]);
-      if (op.offset_kind == W4Offset::Bias) b = w4_scale_to_float(op.scale_enc, op.offset, i);
-      const int64_t k1 = std::min(op.K, (g + 1) * op.group);
-      for (int64_t k = g * op.group; k < k1; k++) {
-        const float v = op.values[(c[k >> 1] >> ((k & 1) * 4)) & 0xF];
-        d[k] = op.offset_kind == W4Offset::Bias ? v * s + b : (v - zp) * s;
-      }
-    }
-  }
-}
-
 namespace {
 
-// Rows of the weight decoded per step of the product: enough that the fp32 GEMM runs long, small enough to stay
-// in L2 at Llama sizes (64 x 4096 x 4 B = 1 MB).
+// The GEMM's blocking: weight rows per panel (one task) and K positions per decoded window (64 x 1024 fp32:
+// 256 KB, in L2 beside the window of activations).
 constexpr int64_t kPanelRows = 64;
+constexpr int64_t kWindow = 1024;
+
+// The global scale and the output bias, after the K reduction.
+inline float finish(const W4Operand& op, int64_t n, float sum) {
+  const float v = sum * op.global;
+  return op.bias ? v + op.bias[n] : v;
+}
+
+// x [M, K] -> [M][w4_padded(K)] fp32 in the packed order, zero padded.
+template <typename T>
+void pack(const T* x, int64_t M, int64_t K, float* dst) {
+  const int64_t Kp = w4_padded(K);
+  at::parallel_for(0, M, rows_grain(K, 1 << 14), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      float* d = dst + m * Kp;
+      for (int64_t k = 0; k < K; k++) d[w4_packed_pos(k)] = float(x[m * K + k]);
+      for (int64_t k = K; k < Kp; k++) d[w4_packed_pos(k)] = 0.f;
+    }
+  });
+}
 
 template <typename T>
-at::Tensor as_float(const T* p, int64_t rows, int64_t cols) {
-  const auto t = at::from_blob(const_cast<T*>(p), {rows, cols}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
-  return t.to(at::kFloat).contiguous();
+void gemv(const W4Kernels& kern, const float* xp, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
+  const int64_t ldx = w4_padded(op.K);
+  // one activation row: 4 weight rows per pass share its loads; more rows: 2 weight rows x up to 4 x rows
+  const int64_t rows_per_pass = M == 1 ? 4 : 2;
+  parallel_chunks(op.N, stream_chunk(op.N, kMaxTileRows, 16), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1;) {
+      const int nr = int(std::min(rows_per_pass, n1 - n));
+      for (int64_t m = 0; m < M; m += kMaxTileRows) {  // later groups of rows find the weight rows in L1
+        const int mr = int(std::min<int64_t>(kMaxTileRows, M - m));
+        float sums[kMaxTileRows * kMaxTileRows];
+        kern.gemv_tile(mr, nr, xp + m * ldx, ldx, op, n, sums);
+        for (int i = 0; i < mr; i++)
+          for (int r = 0; r < nr; r++) out[(m + i) * ldo + n + r] = T(finish(op, n + r, sums[i * nr + r]));
+      }
+      n += nr;
+    }
+  });
+}
+
+// Panels of kPanelRows weight rows, each decoded window by window into fp32 (exact) and multiplied with the
+// packed activations in torch's fp32 GEMM (single-threaded inside the task): sums [rows][M] per panel.
+template <typename T>
+void panel_gemm(const W4Kernels& kern, const float* xp, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
+  const int64_t Kp = w4_padded(op.K), panels = ceil_div(op.N, kPanelRows);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  parallel_chunks(panels, 1, [&](int64_t b, int64_t) {
+    const int64_t r0 = b * kPanelRows, nr = std::min(kPanelRows, op.N - r0);
+    float* panel = scratch<float>(Slot::Panel, size_t(kPanelRows * kWindow));
+    float* sums = scratch<float>(Slot::Accum, size_t(kPanelRows * M));
+    at::Tensor C = at::from_blob(sums, {nr, M}, f32);
+    for (int64_t k0 = 0; k0 < Kp; k0 += kWindow) {
+      const int64_t w = std::min(kWindow, Kp - k0);
+      kern.decode_rows(op, r0, nr, k0, w, panel, w);
+      const at::Tensor a = at::from_blob(panel, {nr, w}, f32);
+      const at::Tensor xt = at::from_blob(const_cast<float*>(xp) + k0, {M, w}, {Kp, 1}, f32).t();
+      if (k0 == 0) at::mm_out(C, a, xt);
+      else C.addmm_(a, xt);
+    }
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t r = 0; r < nr; r++) out[m * ldo + r0 + r] = T(finish(op, r0 + r, sums[r * M + m]));
+  });
+  release_scratch_above_cap(Slot::Panel);
+  release_scratch_above_cap(Slot::Accum);
 }
 
 }  // namespace
 
 template <typename T>
 void w4_matmul(const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
-  const int64_t N = op.N, K = op.K;
-  if (M == 0 || N == 0) return;
-  const at::Tensor xf = as_float(x, M, K);
-  const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, ceil_div(N, kPanelRows), 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> panel(size_t(kPanelRows * std::max<int64_t>(K, 1)));
-    for (int64_t p = p0; p < p1; p++) {
-      const int64_t n0 = p * kPanelRows, n1 = std::min(N, n0 + kPanelRows);
-      w4_decode_rows(op, n0, n1, panel.data(), K);
-      for (int64_t n = n0; n < n1; n++) {
-        const float* w = panel.data() + (n - n0) * K;
-        for (int64_t m = 0; m < M; m++) {
-          const float* xr = xp + m * K;
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          int64_t k = 0;
-          for (; k + 8 <= K; k += 8)
-            for (int j = 0; j < 8; j++) acc[j] += xr[k + j] * w[k + j];
-          for (int j = 0; k < K; k++, j++) acc[j] += xr[k] * w[k];
-          const float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-          const float v = s * op.global;
-          out[m * ldo + n] = T(op.bias ? v + op.bias[n] : v);
-        }
-      }
-    }
-  });
+  if (M == 0 || op.N == 0) return;
+  if (op.K == 0) {  // an empty sum: bias or zero
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t n = 0; n < op.N; n++) out[m * ldo + n] = T(op.bias ? op.bias[n] : 0.f);
+    return;
+  }
+  const W4Kernels& kern = kernel_set().w4;
+  float* xp = scratch<float>(Slot::Activations, size_t(M * w4_padded(op.K)));
+  pack(x, M, op.K, xp);
+  if (M >= kW4GemmMinRows) panel_gemm(kern, xp, M, op, out, ldo);
+  else gemv(kern, xp, M, op, out, ldo);
+  release_scratch_above_cap(Slot::Activations);
 }
 
 template <typename T>
 void w4_matmul_t(const T* g, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
   const int64_t N = op.N, K = op.K;
   if (M == 0 || K == 0) return;
-  const at::Tensor gf = as_float(g, M, N);
+  const W4Kernels& kern = kernel_set().w4;
+  const at::Tensor gf = at::from_blob(const_cast<T*>(g), {M, N}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value))
+                            .to(at::kFloat)
+                            .contiguous();
   at::Tensor acc = at::zeros({M, K}, at::kFloat);
-  at::Tensor panel = at::empty({kPanelRows, K}, at::kFloat);
-  for (int64_t n0 = 0; n0 < N; n0 += kPanelRows) {
-    const int64_t n1 = std::min(N, n0 + kPanelRows);
-    float* pp = panel.data_ptr<float>();
-    at::parallel_for(n0, n1, 1, [&](int64_t a, int64_t b) { w4_decode_rows(op, a, b, pp + (a - n0) * K, K); });
+  // panels of decoded rows (natural order) times the matching columns of g, in torch's fp32 GEMM
+  const int64_t rows = std::max<int64_t>(kPanelRows, (1 << 20) / std::max<int64_t>(K, 1));
+  at::Tensor panel = at::empty({std::min(rows, N), K}, at::kFloat);
+  float* pp = panel.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t n1 = std::min(N, n0 + rows);
+    at::parallel_for(n0, n1, rows_grain(K, 1 << 14),
+                     [&](int64_t a, int64_t b) { kern.dequantize_rows(op, a, b - a, pp + (a - n0) * K, K); });
     acc.addmm_(gf.narrow(1, n0, n1 - n0), panel.narrow(0, 0, n1 - n0));
   }
   const float* ap = acc.data_ptr<float>();
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, rows_grain(K, 1 << 14), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++)
       for (int64_t k = 0; k < K; k++) out[m * ldo + k] = T(ap[m * K + k] * op.global);
   });
 }
 
-#define LOWBIT_W4_INSTANTIATE(T)                                                          \
-  template void w4_matmul<T>(const T*, int64_t, const W4Operand&, T*, int64_t);          \
-  template void w4_matmul_t<T>(const T*, int64_t, const W4Operand&, T*, int64_t);
+template <typename T>
+void w4_dequantize_to(const W4Operand& op, T* out) {
+  const int64_t K = op.K;
+  if (op.N == 0 || K == 0) return;
+  const W4Kernels& kern = kernel_set().w4;
+  // rows decoded into a per-thread fp32 buffer, then scaled and rounded once into the output
+  constexpr int64_t kRows = 16;
+  at::parallel_for(0, ceil_div(op.N, kRows), 1, [&](int64_t b0, int64_t b1) {
+    float* buf = scratch<float>(Slot::Panel, size_t(kRows * K));
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t n0 = b * kRows, nr = std::min(kRows, op.N - n0);
+      kern.dequantize_rows(op, n0, nr, buf, K);
+      T* o = out + n0 * K;
+      for (int64_t i = 0; i < nr * K; i++) o[i] = T(buf[i] * op.global);
+    }
+  });
+  release_scratch_above_cap(Slot::Panel);
+}
+
+#define LOWBIT_W4_INSTANTIATE(T)                                                 \
+  template void w4_matmul<T>(const T*, int64_t, const W4Operand&, T*, int64_t);   \
+  template void w4_matmul_t<T>(const T*, int64_t, const W4Operand&, T*, int64_t); \
+  template void w4_dequantize_to<T>(const W4Operand&, T*);
 LOWBIT_W4_INSTANTIATE(float)
 LOWBIT_W4_INSTANTIATE(c10::BFloat16)
 LOWBIT_W4_INSTANTIATE(c10::Half)

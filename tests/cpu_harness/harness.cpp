@@ -1,6 +1,7 @@
 // The torch-free kernel harness: every kernel set this CPU supports (csrc/cpu/arch/, built from the same sources
 // as _C) against independent references and the portable set, on tails, odd K, empty sizes, NaN codes and -128.
-// Exact where the contract is: int8 int32 sums, fp8 decode and dequantize, int8_quantize, the streaming read;
+// Exact where the contract is: int8 int32 sums, fp8 decode and dequantize, int8_quantize, the streaming read, the
+// 4-bit decodes (per element, as the contract's formula);
 // float64-bounded elsewhere. tests/test_cpu_harness.py builds and runs it (natively, and cross-compiled under
 // qemu for other architectures). Prints one line per set; exits 1 when any check fails.
 //
@@ -18,8 +19,10 @@
 #include <vector>
 
 #include "cpu/arch/kernel_set.h"
+#include "cpu/arch/float16_bits.h"
 #include "cpu/fp8_simd.h"
 
+using namespace lowbit;
 using namespace lowbit::cpu;
 
 namespace {
@@ -378,6 +381,142 @@ void check_axpy(const KernelSet& s) {
     }
 }
 
+// ---- 4-bit (w4_kernels.h) ----
+
+// A random 4-bit weight of one shape, format, scale encoding and offset kind, with its buffers.
+struct W4Case {
+  std::vector<uint8_t> codes, scale, offset;
+  W4Operand op;
+};
+
+// The stored bits of scale / bias v in encoding enc (float encodings; one-byte ones take random bytes instead).
+void put_scale(W4Scale enc, float v, std::vector<uint8_t>& dst, int64_t i) {
+  if (enc == W4Scale::F32) std::memcpy(dst.data() + 4 * i, &v, 4);
+  const uint16_t h = enc == W4Scale::F16 ? float_to_half_bits(v) : float_to_bf16_bits(v);
+  if (enc == W4Scale::F16 || enc == W4Scale::BF16) std::memcpy(dst.data() + 2 * i, &h, 2);
+}
+
+W4Case make_w4(const W4Format& f, W4Scale enc, bool with_offset, int64_t N, int64_t K, int64_t group, bool nan) {
+  W4Case c;
+  const int64_t G = (K + group - 1) / group, rb = (K + 1) / 2;
+  const int64_t esize = enc == W4Scale::F32 ? 4 : (enc == W4Scale::F16 || enc == W4Scale::BF16) ? 2 : 1;
+  c.codes.resize(size_t(N * rb));
+  for (auto& b : c.codes) b = uint8_t(g_rng());
+  c.scale.resize(size_t(N * G * esize) + 1);
+  std::uniform_real_distribution<float> us(0.01f, 0.3f), ub(-1.f, 1.f);
+  for (int64_t i = 0; i < N * G; i++) {
+    // every finite e4m3 byte (subnormals, negatives); e8m0 from 2^-127 (the subnormal 0) to 2^3
+    if (enc == W4Scale::E4M3) c.scale[size_t(i)] = uint8_t(g_rng() % 0x7F) | uint8_t(g_rng() % 2 ? 0x80 : 0);
+    else if (enc == W4Scale::E8M0) c.scale[size_t(i)] = uint8_t(i % 7 == 0 ? 0 : 100 + g_rng() % 31);
+    else put_scale(enc, us(g_rng), c.scale, i);
+  }
+  if (nan && N * G > 2) {  // a NaN scale in one group, an infinite one in another (float encodings)
+    const int64_t i = (N * G) / 2;
+    if (enc == W4Scale::E4M3) c.scale[size_t(i)] = 0x7F;
+    else if (enc == W4Scale::E8M0) c.scale[size_t(i)] = 0xFF;
+    else put_scale(enc, NAN, c.scale, i), put_scale(enc, INFINITY, c.scale, 0);
+  }
+  if (with_offset && f.offset == W4Offset::ZeroPoint) {
+    c.offset.resize(size_t(N * G));
+    for (auto& z : c.offset) z = uint8_t(g_rng());
+  } else if (with_offset && f.offset == W4Offset::Bias) {
+    c.offset.resize(size_t(N * G * esize));
+    for (int64_t i = 0; i < N * G; i++) put_scale(enc, ub(g_rng), c.offset, i);
+  }
+  W4Operand& op = c.op;
+  op.codes = c.codes.data();
+  op.scale = c.scale.data();
+  op.scale_enc = enc;
+  op.offset = c.offset.empty() ? nullptr : c.offset.data();
+  op.offset_kind = f.offset;
+  op.values = f.values;
+  op.N = N, op.K = K, op.group = group, op.G = G;
+  return c;
+}
+
+// w[n, k] by the contract's formula, element by element: the product rounded to fp32 before the bias
+float w4_ref(const W4Operand& op, int64_t n, int64_t k) {
+  const int code = (op.codes[n * ((op.K + 1) / 2) + k / 2] >> ((k & 1) * 4)) & 0xF;
+  const int64_t i = n * op.G + k / op.group;
+  const float s = w4_scale_to_float(op.scale_enc, op.scale, i), v = op.values[code];
+  if (op.offset && op.offset_kind == W4Offset::ZeroPoint) return (v - float(static_cast<const int8_t*>(op.offset)[i])) * s;
+  if (op.offset && op.offset_kind == W4Offset::Bias) {
+    volatile float prod = v * s;
+    return prod + w4_scale_to_float(op.scale_enc, op.offset, i);
+  }
+  return v * s;
+}
+
+bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || bits_of(a) == bits_of(b); }
+
+void check_w4_case(const KernelSet& s, const W4Operand& op, const char* fmt) {
+  const int64_t N = op.N, K = op.K, Kp = w4_padded(K);
+  // natural-order decode: every element exact
+  Buf<float> nat(size_t(N * K + 1), -7.f);
+  s.w4.dequantize_rows(op, 0, N, nat.p, K);
+  int bad = 0;
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t k = 0; k < K; k++) bad += !same_float(nat[size_t(n * K + k)], w4_ref(op, n, k));
+  CHECK(bad == 0, "w4 dequantize_rows %s K=%lld group=%lld: %d elements differ", fmt, (long long)K,
+        (long long)op.group, bad);
+  // packed decode of every window of 32 * j codes, zero past K
+  for (int64_t win : {int64_t(32), int64_t(64), Kp}) {
+    if (win == 0) continue;
+    Buf<float> pk(size_t(N * win + 1), -7.f);
+    bad = 0;
+    for (int64_t k0 = 0; k0 < K; k0 += win) {
+      s.w4.decode_rows(op, 0, N, k0, win, pk.p, win);
+      for (int64_t n = 0; n < N; n++)
+        for (int64_t k = k0; k < k0 + win; k++) {
+          const float want = k < K ? w4_ref(op, n, k) : 0.f;
+          bad += !same_float(pk[size_t(n * win + w4_packed_pos(k - k0))], want);
+        }
+    }
+    CHECK(bad == 0, "w4 decode_rows %s K=%lld group=%lld window=%lld: %d elements differ", fmt, (long long)K,
+          (long long)op.group, (long long)win, bad);
+  }
+  // GEMV tiles against float64, every (mr, nr)
+  std::uniform_real_distribution<float> ux(-2.f, 2.f);
+  for (int mr = 1; mr <= kMaxTileRows; mr++)
+    for (int nr = 1; nr <= std::min<int64_t>(kMaxTileRows, N); nr++) {
+      Buf<float> xp(size_t(mr * Kp + 16), 0.f);
+      std::vector<double> xv(size_t(mr * K));
+      for (int m = 0; m < mr; m++)
+        for (int64_t k = 0; k < K; k++) xp[size_t(m * Kp + w4_packed_pos(k))] = float(xv[size_t(m * K + k)] = ux(g_rng));
+      const int64_t n0 = N - nr;
+      float sums[kMaxTileRows * kMaxTileRows];
+      s.w4.gemv_tile(mr, nr, xp.p, Kp, op, n0, sums);
+      for (int m = 0; m < mr; m++)
+        for (int r = 0; r < nr; r++) {
+          double ref = 0, mag = 0;
+          for (int64_t k = 0; k < K; k++) {
+            const double t = xv[size_t(m * K + k)] * double(w4_ref(op, n0 + r, k));
+            ref += t;
+            mag += std::fabs(t);
+          }
+          const float got = sums[m * nr + r];
+          const double bound = (double(K) + 8) * std::ldexp(1.0, -24) * mag * 2 + 1e-30;
+          CHECK(std::isnan(ref) ? std::isnan(got) : std::fabs(double(got) - ref) <= bound,
+                "w4 gemv %s K=%lld group=%lld mr=%d nr=%d m=%d r=%d: %.9g vs %.9g", fmt, (long long)K,
+                (long long)op.group, mr, nr, m, r, double(got), ref);
+        }
+    }
+}
+
+void check_w4(const KernelSet& s) {
+  for (const W4Format& f : kW4Formats)
+    for (int enc = 0; enc <= int(W4Scale::E8M0); enc++) {
+      if (!(f.scales & w4_scale_bit(W4Scale(enc)))) continue;
+      for (int64_t K : {1, 31, 32, 33, 100, 257})
+        for (int64_t group : {16, 32, 48, 128, 1000, 5})
+          for (bool offset : {false, true}) {
+            if (offset && f.offset == W4Offset::None) continue;
+            const W4Case c = make_w4(f, W4Scale(enc), offset, 5, K, group, (K + group) % 3 == 0);
+            check_w4_case(s, c.op, f.name);
+          }
+    }
+}
+
 void check_xor_words(const KernelSet& s) {
   for (int64_t n : {0, 1, 15, 16, 17, 100}) {
     std::vector<uint64_t> w(static_cast<size_t>(n));
@@ -403,6 +542,7 @@ void check_set(const KernelSet& s, const KernelSet& portable) {
   check_quantize(s, portable);
   check_axpy(s);
   check_xor_words(s);
+  check_w4(s);
   std::printf("%s %s: %d checks\n", g_failures == before ? "ok" : "FAILED", s.name, g_checks - checks);
 }
 

@@ -6,6 +6,10 @@ Weight GB/s counts the bytes of the low-bit weight read per call.
 
 The int8 M=1 rows (int8_quantize + int8_mm, both Llama-3-8B shapes) are measured the same way against the read of
 their own weight bytes; the M=64 bf16-x rows of fp8_mm against F.linear bf16 (AMX where the CPU has it).
+The 4-bit rows (w4_mm int4 group 128 with bf16 scales, and nvfp4, on both Llama-3-8B shapes) stream codes and
+scales together against the read of those bytes, and compare M=1 with fp8_mm on the same shape, F.linear bf16 and
+torch's own int4 GEMV (``_weight_int4pack_mm_for_cpu``, same group size), each cycling its own weight through the
+working set; M=64 against F.linear bf16.
 ``--threads 1,2,all`` runs the suite at each thread count (the table's first column).
 
 Batch-1 decode reads weights that are not in any cache (a model's layers are far larger than the last-level
@@ -63,6 +67,21 @@ class _Rotating:
         return self.copies[self.i]
 
 
+class _RotatingW4(_Rotating):
+    """Copies of a 4-bit weight's codes and scales in one buffer each (what a call reads, for the read baseline);
+    view() gives the current copy's (codes, scale)."""
+
+    def __init__(self, codes, scale, bytes_total):
+        buf = torch.cat([codes.reshape(-1), scale.reshape(-1).view(torch.uint8)])
+        super().__init__(buf, bytes_total)
+        nc = codes.numel()
+        self.views = [(c[:nc].view(codes.shape), c[nc:].view(scale.dtype).view(scale.shape)) for c in self.copies]
+
+    def view(self):
+        self.next()
+        return self.views[self.i]
+
+
 def _paired(ours, base, rounds, repeat):
     """Medians over rounds; each round takes the median of `repeat` calls of ours, then of base."""
     a, b = [], []
@@ -98,6 +117,7 @@ def run(argv) -> int:
                    help="bytes the M=1 cases stream per weight (default max(512, 2 x last-level cache) MB)")
     p.add_argument("--isa", default="best", choices=[*CPU_ISA_LEVELS, "best"],
                    help="cap the instruction set of our CPU kernels (AMX needs avx512), to see a slower CPU's paths")
+    p.add_argument("--only", choices=["w4"], default=None, help="run only these rows (the 4-bit ones)")
     args = p.parse_args(argv)
     try:
         counts = _thread_counts(args.threads)
@@ -161,12 +181,18 @@ def _run(args, meta):
     rows = []
     ops = torch.ops.lowbit
 
-    bits, scale = _fp8_weight(N, K, gen)
-    w_bf16 = (torch.randn(N, K, generator=gen) * 0.02).to(torch.bfloat16)
-    x1 = torch.randn(1, K, generator=gen).to(torch.bfloat16)
     llc = _last_level_cache_bytes()
     ws = (args.working_set_mb << 20) if args.working_set_mb else max((64 if quick else 512) << 20, 2 * llc)
     print(f"  M=1 cases stream a {ws >> 20} MB working set per weight (last-level cache: {llc >> 20} MB)", flush=True)
+    rep_big = 2 if quick else 3
+    if args.only == "w4":
+        _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen)
+        meta.update(K=K, N=N, working_set_bytes=ws, last_level_cache_bytes=llc, quick=quick)
+        return rows
+
+    bits, scale = _fp8_weight(N, K, gen)
+    w_bf16 = (torch.randn(N, K, generator=gen) * 0.02).to(torch.bfloat16)
+    x1 = torch.randn(1, K, generator=gen).to(torch.bfloat16)
     fp8_set = _Rotating(bits, ws)
     fp8_m1 = lambda: ops.fp8_mm(x1, fp8_set.next(), scale, None, None)  # noqa: E731
 
@@ -200,7 +226,6 @@ def _run(args, meta):
     w_f32 = torch.randn(N, K, generator=gen) * 0.02
     x64 = torch.randn(64, K, generator=gen).to(torch.bfloat16)
     x64f = x64.float()
-    rep_big = 2 if quick else 3
     _case(rows, "fp8_mm M=64 bf16", lambda: ops.fp8_mm(x64, bits, scale, None, None), lambda: F.linear(x64f, w_f32),
           "F.linear fp32", 1.15, rounds, rep_big, bits.numel(), ratio_kind="time")
     # prefill against bf16 itself (AMX where the CPU has it), on both Llama-3-8B shapes
@@ -235,5 +260,58 @@ def _run(args, meta):
     _case(rows, f"fp8_grouped_mm {G}x1 rows K={gK} N={gN}", lambda: ops.fp8_grouped_mm(xg, gbits, gscale, offsets,
           None, None), loop, "per-group F.linear bf16", 1.8, rounds, rep * 3, gbits.numel())
 
+    _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen)
+
     meta.update(K=K, N=N, read_gbs=read_gbs, working_set_bytes=ws, last_level_cache_bytes=llc, quick=quick)
     return rows
+
+
+def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen):
+    """w4_mm M=1 on both Llama-3-8B shapes from memory, and M=64 (see the module's docstring)."""
+    ops = torch.ops.lowbit
+    for k, n in ((K, N), (N, K)):
+        x1 = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+        scale = (torch.rand(n, k // 128, generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
+        w4 = _RotatingW4(codes, scale, ws)
+
+        def int4_m1(x1=x1, w4=w4):
+            c, s = w4.view()
+            return ops.w4_mm(x1, c, s, "int4", 128)
+        _stream_case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1, w4, rounds, rep, 0.85)
+        fp8_set = _Rotating(_fp8_weight(n, k, gen)[0], ws)
+        fscale = torch.rand(n, generator=gen) * 0.01
+        _case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1,
+              lambda x1=x1, fp8_set=fp8_set, fscale=fscale: ops.fp8_mm(x1, fp8_set.next(), fscale, None, None),
+              "fp8_mm", 1.6, rounds, rep, codes.numel())
+        del fp8_set
+        bf16_set = _Rotating((torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16), ws)
+        _case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1,
+              lambda x1=x1, bf16_set=bf16_set: F.linear(x1, bf16_set.next()), "F.linear bf16", 3.5, rounds, rep,
+              codes.numel())
+        del bf16_set
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen), 1)
+        sz = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).contiguous()  # [K/128, N, 2]
+        pk_set = _Rotating(packed, ws)
+        _case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1,
+              lambda x1=x1, pk_set=pk_set, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x1, pk_set.next(), 128,
+                                                                                              sz),
+              "_weight_int4pack_mm_for_cpu", 1.2, rounds, rep, codes.numel())
+        del pk_set, w4
+        # nvfp4 (e4m3 scale per 16, the format with the most scale bytes) from memory
+        nv = _RotatingW4(codes, torch.randint(0x20, 0x50, (n, k // 16), dtype=torch.uint8, generator=gen), ws)
+        gsc = torch.tensor([0.5])
+
+        def nvfp4_m1(x1=x1, nv=nv, gsc=gsc):
+            c, s = nv.view()
+            return ops.w4_mm(x1, c, s, "nvfp4", 16, None, gsc)
+        _stream_case(rows, f"w4_mm nvfp4 g16 M=1 K={k} N={n}", nvfp4_m1, nv, rounds, rep, 0.85)
+        del nv
+        # prefill
+        x64 = torch.randn(64, k, generator=gen).to(torch.bfloat16)
+        wb = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+        _case(rows, f"w4_mm int4 g128 M=64 K={k} N={n}",
+              lambda x64=x64, c=codes, s=scale: ops.w4_mm(x64, c, s, "int4", 128),
+              lambda x64=x64, wb=wb: F.linear(x64, wb), "F.linear bf16", 1.0, rounds, rep_big, codes.numel())
+        del wb

@@ -1,4 +1,4 @@
-// The CPU kernel sets: every inner loop of the CPU ops (fp8 and int8 products, the transposed products' row
+// The CPU kernel sets: every inner loop of the CPU ops (fp8, int8 and 4-bit products, the transposed products' row
 // loop, the read-bandwidth loop) for one instruction-set level, behind one struct of function pointers.
 //
 // The extension is compiled for the baseline of its platform (no -mavx2), so one build runs on every x86-64 and
@@ -17,6 +17,7 @@
 
 #include "cpu/arch/fp8_kernels.h"
 #include "cpu/arch/int8_kernels.h"
+#include "cpu/arch/w4_kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define LOWBIT_X86 1
@@ -52,6 +53,7 @@ struct KernelSet {
   uint64_t required;  // CpuFeature bits the CPU must report
   Fp8Kernels fp8;
   Int8Kernels int8;
+  W4Kernels w4;
   AxpyRowsFn axpy_rows;
   XorWordsFn xor_words;
   // Whether the GEMM regimes may hand their products to oneDNN's AMX brgemm (brgemm.h), where torch can pack

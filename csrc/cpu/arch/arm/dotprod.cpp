@@ -78,6 +78,7 @@ const KernelSet& kernel_set_dotprod() {
       neon.fp8,
       Int8Kernels{&gemv_tile, neon.int8.group, neon.int8.panel_rows, neon.int8.strip, neon.int8.gemm_micro,
                   neon.int8.quantize_row},
+      neon.w4,
       neon.axpy_rows,
       neon.xor_words,
       false,

@@ -49,6 +49,7 @@ const KernelSet& kernel_set_i8mm() {
       kFeatDotprod | kFeatI8mm,
       dotprod.fp8,
       Int8Kernels{dotprod.int8.gemv_tile, 4, kPanelRows, kStrip, &gemm_micro, dotprod.int8.quantize_row},
+      dotprod.w4,
       dotprod.axpy_rows,
       dotprod.xor_words,
       false,

@@ -272,6 +272,7 @@ const KernelSet& kernel_set_neon() {
       Fp8Kernels{&fp8::gemv_tile, nullptr, &fp8::decode_rows, nullptr, &fp8::dequantize_run},
       Int8Kernels{&int8::gemv_tile, portable.group, portable.panel_rows, portable.strip, portable.gemm_micro,
                   portable.quantize_row},
+      kW4KernelsPortable,  // no NEON 4-bit loops yet
       &axpy_rows,
       &xor_words,
       false,

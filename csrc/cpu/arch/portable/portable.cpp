@@ -155,6 +155,7 @@ const KernelSet& kernel_set_portable() {
       0,
       Fp8Kernels{&fp8::gemv_tile, nullptr, &fp8::decode_rows, nullptr, &dequantize_run_portable},
       Int8Kernels{&int8::gemv_tile, 2, int8::kPanelRows, int8::kStrip, &int8::gemm_micro, &quantize_row_portable},
+      kW4KernelsPortable,
       &axpy_rows,
       &xor_words,
       false,

@@ -11,6 +11,8 @@
 #include "cpu/gemv_prefetch.h"
 
 namespace lowbit::cpu {
+
+extern const W4Kernels kW4KernelsAvx2;  // w4_avx2.cpp
 namespace {
 namespace fp8 {
 
@@ -351,6 +353,7 @@ const KernelSet& kernel_set_avx2() {
       kFeatAvx2,
       Fp8Kernels{&fp8::gemv_tile, nullptr, &fp8::decode_rows, nullptr, &fp8::dequantize_run},
       Int8Kernels{&int8::gemv_tile, 2, 4, int8::kStrip, &int8::gemm_micro, &int8::quantize_row},
+      kW4KernelsAvx2,
       &axpy_rows,
       &xor_words,
       false,

@@ -17,6 +17,8 @@
 
 namespace lowbit::cpu {
 
+extern const W4Kernels kW4KernelsAvx512;  // w4_avx512.cpp
+
 const KernelSet& kernel_set_avx2();
 
 namespace {
@@ -310,6 +312,7 @@ const KernelSet& kernel_set_avx512() {
       Fp8Kernels{&fp8::gemv_tile, &fp8::gemv_tile_bf16, avx2.fp8.decode_rows, &fp8::decode_rows_bf16,
                  avx2.fp8.dequantize_run},
       Int8Kernels{&int8::gemv_tile, 4, 6, 32, &int8::gemm_micro, avx2.int8.quantize_row},
+      kW4KernelsAvx512,
       avx2.axpy_rows,
       avx2.xor_words,
       true,

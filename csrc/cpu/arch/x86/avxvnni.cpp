@@ -61,6 +61,7 @@ const KernelSet& kernel_set_avxvnni() {
       kFeatAvx2 | kFeatAvxVnni,
       avx2.fp8,
       Int8Kernels{avx2.int8.gemv_tile, 4, 6, kStrip, &gemm_micro, avx2.int8.quantize_row},
+      avx2.w4,
       avx2.axpy_rows,
       avx2.xor_words,
       false,

@@ -1,0 +1,122 @@
+// The inner loops of the 4-bit weight x float activation products (w4_mm, w4_mm_t, w4_dequantize), a table of
+// function pointers in every kernel set (kernel_set.h); w4_matmul.cpp drives them. Kernels see a format only as
+// its 16 code values, its scale encoding and its offset kind (w4_formats.h), never by name.
+//
+// Every weight is decoded exactly per element, in fp32, as the contract says: each group's 16 possible weights
+// are a table (value * scale, (value - zero point) * scale, or value * scale + bias, rounded as those fp32
+// expressions are), and a code picks its entry -- the same bits as decoding element by element. The global scale
+// and the output bias are applied by the driver after the K reduction.
+//
+// Packed order: K is cut into chunks of kW4Chunk codes (16 bytes of codes); in each chunk the 16 even codes come
+// first, then the 16 odd ones -- the order in which a byte's low and high nibbles come out of a vector decode.
+// Activations are packed once per call in this order, zero padded to whole chunks; the decoded GEMM panels use it
+// too. Decoded positions past K are zero (a padded code with an inf / NaN table entry would otherwise give NaN).
+#pragma once
+#include <cstdint>
+#include <limits>
+
+#include "w4_formats.h"
+
+namespace lowbit::cpu {
+
+// One [N, K] 4-bit weight as the kernels read it (plain pointers: the sets build without torch).
+struct W4Operand {
+  const uint8_t* codes = nullptr;  // [N, ceil(K/2)]
+  const void* scale = nullptr;     // [N, G] in scale_enc
+  W4Scale scale_enc = W4Scale::F32;
+  const void* offset = nullptr;    // [N, G]: int8 zero points or biases in scale_enc; null for none
+  W4Offset offset_kind = W4Offset::None;
+  const float* values = nullptr;   // the format's 16 code values
+  int64_t N = 0, K = 0, group = 1, G = 0;
+  float global = 1.f;              // the per-tensor multiplier (1 where the format has none)
+  const float* bias = nullptr;     // fp32 [N] (w4_mm only)
+  int64_t row_bytes() const { return (K + 1) / 2; }
+};
+
+constexpr int64_t kW4Chunk = 32;
+inline int64_t w4_padded(int64_t K) { return (K + kW4Chunk - 1) / kW4Chunk * kW4Chunk; }
+// The packed position of code k (see above).
+inline int64_t w4_packed_pos(int64_t k) { return (k & ~int64_t(31)) | ((k & 1) << 4) | ((k & 31) >> 1); }
+
+// One group's decode: w = (value - zp) * scale, or value * scale + bias where has_bias.
+struct W4Group {
+  float scale = 1.f, zp = 0.f, bias = 0.f;
+  bool has_bias = false;
+};
+
+// Scales stored in one byte (E4M3, E8M0) decoded by a 256-entry table: a load instead of w4_scale_to_float's
+// branches, once per group of 16 codes in the GEMV.
+inline const float* w4_byte_scale_table(W4Scale enc) {
+  struct Tables {
+    float e4m3[256], e8m0[256];
+    Tables() {
+      for (int b = 0; b < 256; b++) {
+        const uint8_t v = uint8_t(b);
+        e4m3[b] = w4_scale_to_float(W4Scale::E4M3, &v, 0);
+        e8m0[b] = w4_scale_to_float(W4Scale::E8M0, &v, 0);
+      }
+    }
+  };
+  static const Tables t;
+  return enc == W4Scale::E4M3 ? t.e4m3 : enc == W4Scale::E8M0 ? t.e8m0 : nullptr;
+}
+
+// Group g of row n. byte_table: w4_byte_scale_table(op.scale_enc) (null for the float encodings).
+inline W4Group w4_group(const W4Operand& op, const float* byte_table, int64_t n, int64_t g) {
+  W4Group p;
+  const int64_t i = n * op.G + g;
+  p.scale = byte_table ? byte_table[static_cast<const uint8_t*>(op.scale)[i]] : w4_scale_to_float(op.scale_enc, op.scale, i);
+  if (op.offset_kind == W4Offset::ZeroPoint && op.offset) p.zp = float(static_cast<const int8_t*>(op.offset)[i]);
+  if (op.offset_kind == W4Offset::Bias && op.offset) {
+    p.bias = w4_scale_to_float(op.scale_enc, op.offset, i);
+    p.has_bias = true;
+  }
+  return p;
+}
+
+// The scalar decode of one value (portable kernels, tails). The product is stored through a volatile so that no
+// compiler fuses value * scale + bias into one fma (the contract rounds the product first).
+inline float w4_decode_value(float v, const W4Group& p) {
+  if (!p.has_bias) return (v - p.zp) * p.scale;
+  volatile float prod = v * p.scale;
+  return prod + p.bias;
+}
+
+// Whether every block of 16 codes (chunk halves) lies in one group: group sizes that are multiples of 16, or one
+// group per row. The vector sets decode such weights block by block; other group sizes take the portable loops.
+inline bool w4_blocks_in_groups(const W4Operand& op) { return op.group % 16 == 0 || op.G <= 1; }
+
+// Walks the blocks of 16 codes of a row from block b0 on, giving each block's group (w4_blocks_in_groups).
+struct W4BlockGroups {
+  int64_t per = 1, group = 0, left = 0;
+  W4BlockGroups() = default;
+  W4BlockGroups(const W4Operand& op, int64_t b0)
+      : per(op.G <= 1 ? std::numeric_limits<int64_t>::max() : op.group / 16), group(b0 / per), left(per - b0 % per) {}
+  // the group of the next block
+  int64_t next() {
+    if (left == 0) {
+      group++;
+      left = per;
+    }
+    left--;
+    return group;
+  }
+};
+
+// One instantiation of a GEMV tile: W4Kernels::gemv_tile without the run-time (mr, nr) (pick_gemv_tile).
+using W4GemvTileFn = void (*)(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums);
+
+struct W4Kernels {
+  // sums[m * nr + r] = sum_k x[m * ldx + packed k] * w[n0 + r, k] for m < mr <= 4, r < nr <= 4 (no global scale).
+  void (*gemv_tile)(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums);
+  // Rows [n0, n0 + nrows), codes [k0, k0 + n) (k0 a multiple of kW4Chunk) decoded into dst[r * ldd + p] at packed
+  // positions p < w4_padded(n) relative to k0, zero past K.
+  void (*decode_rows)(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd);
+  // Rows [n0, n0 + nrows), all K, in natural order: dst[r * ldd + k] (w4_dequantize, w4_mm_t's panels).
+  void (*dequantize_rows)(const W4Operand& op, int64_t n0, int64_t nrows, float* dst, int64_t ldd);
+};
+
+// The portable kernels: every set's fallback for group sizes its vector loops do not take.
+extern const W4Kernels kW4KernelsPortable;
+
+}  // namespace lowbit::cpu

@@ -1,0 +1,353 @@
+// The AVX-512 4-bit kernels (w4_kernels.h). A chunk of 32 codes is 16 bytes: vpmovzxbd puts each byte in a
+// 32-bit lane, whose low nibble (the even code) indexes a 16-float table in one register by vpermps (which reads
+// only an index's low 4 bits) and whose high nibble, shifted down, the odd code: 4 instructions per 32 codes and
+// weight row, enough to keep up with the memory at batch 1. A group's table holds its 16 decoded weights
+// (w4_kernels.h), so the decode is exact per element; where a chunk's two halves lie in two groups (group size 16)
+// vpermt2ps picks from both tables. Group sizes that are not multiples of 16 take the portable loops.
+#include <cstring>
+#include <limits>
+
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "cpu/arch/kernel_set.h"
+#include "cpu/arch/x86/target.h"
+
+#include <immintrin.h>
+#include "cpu/gemv_prefetch.h"
+
+namespace lowbit::cpu {
+namespace {
+
+// The group's 16 decoded weights. value * scale + bias rounds the product first: an empty asm between the two
+// keeps the compiler from fusing them into an fma.
+LOWBIT_TARGET_AVX512 inline __m512 group_table(__m512 values, const W4Group& p) {
+  if (!p.has_bias) return _mm512_mul_ps(_mm512_sub_ps(values, _mm512_set1_ps(p.zp)), _mm512_set1_ps(p.scale));
+  __m512 prod = _mm512_mul_ps(values, _mm512_set1_ps(p.scale));
+  asm("" : "+v"(prod));
+  return _mm512_add_ps(prod, _mm512_set1_ps(p.bias));
+}
+
+// 16 bytes of codes, or the row's last `valid` codes (a masked load: never past the row, no fault).
+LOWBIT_TARGET_AVX512 inline __m128i load_codes(const uint8_t* code, int64_t valid) {
+  if (valid >= kW4Chunk) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(code));
+  return _mm_maskz_loadu_epi8(__mmask16((1u << ((valid + 1) / 2)) - 1), code);
+}
+
+// Codes 2i (e) and 2i + 1 (o) of lane i of a chunk looked up in table a, or -- kTwo: lanes 8..15, the chunk's
+// second half, in table b (bit 4 of vpermt2ps's index).
+template <bool kTwo>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void lookup(__m128i bytes, __m512 a, __m512 b, __m512& e,
+                                                                       __m512& o) {
+  const __m512i idx = _mm512_cvtepu8_epi32(bytes);
+  const __m512i hi = _mm512_srli_epi32(idx, 4);
+  if constexpr (!kTwo) {
+    e = _mm512_permutexvar_ps(idx, a);  // reads the index's low 4 bits: the low nibble
+    o = _mm512_permutexvar_ps(hi, a);
+  } else {
+    const __m512i second = _mm512_set_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0);
+    e = _mm512_permutex2var_ps(a, _mm512_ternarylogic_epi32(idx, _mm512_set1_epi32(0xF), second, 0xEA), b);
+    o = _mm512_permutex2var_ps(a, _mm512_or_si512(hi, second), b);
+  }
+}
+
+// Zero the decoded weights of codes >= valid (the last chunk of a row).
+LOWBIT_TARGET_AVX512 inline void mask_tail(int64_t valid, __m512& e, __m512& o) {
+  const __m512i lane2 = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i v = _mm512_set1_epi32(int(valid));
+  e = _mm512_maskz_mov_ps(_mm512_cmplt_epi32_mask(lane2, v), e);
+  o = _mm512_maskz_mov_ps(_mm512_cmplt_epi32_mask(_mm512_add_epi32(lane2, _mm512_set1_epi32(1)), v), o);
+}
+
+// One chunk at code k of the tile's rows (valid codes of it) into the accumulators.
+// Accumulators per (activation row, weight row): one activation row gives the even and the odd codes their own,
+// so that no chain of two dependent FMAs per chunk bounds the tile (more rows keep enough chains in flight).
+template <int MR>
+constexpr int kAccs = MR == 1 ? 2 : 1;
+
+template <int MR, int NR, bool kTwo>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m512 (&acc)[MR][NR][kAccs<MR>],
+                                                                           const float* x,
+                                                                           int64_t ldx, const uint8_t* w, int64_t rb,
+                                                                           int64_t k, int64_t valid,
+                                                                           const __m512 (&ta)[NR],
+                                                                           const __m512 (&tb)[NR]) {
+  for (int r = 0; r < NR; r++) {
+    __m512 e, o;
+    lookup<kTwo>(load_codes(w + r * rb + k / 2, valid), ta[r], tb[r], e, o);
+    if (valid < kW4Chunk) mask_tail(valid, e, o);
+    for (int m = 0; m < MR; m++) {
+      const float* xp = x + m * ldx + k;
+      __m512& a = acc[m][r][0];
+      __m512& b = acc[m][r][kAccs<MR> - 1];
+      a = _mm512_fmadd_ps(_mm512_loadu_ps(xp), e, a);
+      b = _mm512_fmadd_ps(_mm512_loadu_ps(xp + 16), o, b);
+    }
+  }
+}
+
+constexpr auto kPrefetchHint = _MM_HINT_T0;
+
+// 16 consecutive group scales (or biases) from index i, count of them (the rest 0), decoded to fp32 at once:
+// exact conversions, the values of w4_scale_to_float.
+LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int64_t i, int64_t count) {
+  const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  switch (enc) {
+    case W4Scale::F32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+    case W4Scale::BF16:
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i)), 16));
+    case W4Scale::F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
+    default: break;
+  }
+  // one-byte encodings by integer arithmetic on the bits (a gather from a byte table measured slower here)
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i));
+  const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  if (enc == W4Scale::E8M0) {  // 2^(b - 127): b in the fp32 exponent; b = 0 is the subnormal 2^-127, 0xFF NaN
+    __m512i bits = _mm512_slli_epi32(b, 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(bits), _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(0xFF)), nan);
+  }
+  // E4M3: normals rebias the exponent (7 -> 127) with the mantissa in place; subnormals are m * 2^-9
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512.f));
+  __m512 v = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), sub);
+  v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v),
+                                          _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
+  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), nan);
+}
+
+LOWBIT_TARGET_AVX512 inline __m512 load_zero_points16(const int8_t* p, int64_t i, int64_t count) {
+  const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p + i)));
+}
+
+// The group tables of NR rows, from their scales (and zero points or biases) decoded 16 groups at a time into
+// arrays that the tables broadcast from (a load, not a shuffle: the decode's shuffles have the port to themselves).
+template <int NR>
+struct GroupTables {
+  enum Kind { kScale, kZeroPoint, kBias };
+  const W4Operand& op;
+  int64_t n0;
+  __m512 values;
+  alignas(64) float scale[NR][16], offset[NR][16];  // groups base .. base + 15
+  int64_t base = -16;
+  Kind kind;
+
+  LOWBIT_TARGET_AVX512 GroupTables(const W4Operand& o, int64_t n)
+      : op(o), n0(n), values(_mm512_loadu_ps(o.values)),
+        kind(!o.offset ? kScale : o.offset_kind == W4Offset::Bias ? kBias
+                                  : o.offset_kind == W4Offset::ZeroPoint ? kZeroPoint : kScale) {}
+  LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void table(int64_t g, __m512 (&t)[NR]) {
+    if (g < base || g >= base + 16) {
+      base = g & ~int64_t(15);
+      const int64_t count = std::min<int64_t>(16, op.G - base);
+      for (int r = 0; r < NR; r++) {
+        const int64_t i = (n0 + r) * op.G + base;
+        _mm512_store_ps(scale[r], load_scales16(op.scale_enc, op.scale, i, count));
+        if (kind == kBias) _mm512_store_ps(offset[r], load_scales16(op.scale_enc, op.offset, i, count));
+        if (kind == kZeroPoint)
+          _mm512_store_ps(offset[r], load_zero_points16(static_cast<const int8_t*>(op.offset), i, count));
+      }
+    }
+    const int64_t j = g - base;
+    for (int r = 0; r < NR; r++) {
+      const __m512 s = _mm512_set1_ps(scale[r][j]);
+      if (kind == kScale) {
+        t[r] = _mm512_mul_ps(values, s);
+      } else if (kind == kZeroPoint) {
+        t[r] = _mm512_mul_ps(_mm512_sub_ps(values, _mm512_set1_ps(offset[r][j])), s);
+      } else {  // the product rounded first (see group_table)
+        __m512 prod = _mm512_mul_ps(values, s);
+        asm("" : "+v"(prod));
+        t[r] = _mm512_add_ps(prod, _mm512_set1_ps(offset[r][j]));
+      }
+    }
+  }
+};
+
+// Group sizes that are multiples of 32 (and one group per row): every chunk lies in one group, the groups' runs
+// of chunks are a fixed length -- a plain loop nest that keeps the tables and accumulators in registers.
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_aligned(__m512 (&acc)[MR][NR][kAccs<MR>],
+                                                                             const float* x, int64_t ldx,
+                                                                             const W4Operand& op, int64_t n0) {
+  const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
+  const uint8_t* w = op.codes + n0 * rb;
+  const int64_t per = op.G <= 1 ? full + kW4Chunk : op.group;
+  GroupTables<NR> tables(op, n0);
+  __m512 ta[NR];
+  for (int64_t k = 0, g = 0; k < full; g++) {
+    tables.table(g, ta);
+    for (const int64_t end = std::min(full, k + per); k < end; k += kW4Chunk) {
+      if ((k & 127) == 0)  // every 64 bytes of each row (gemv_prefetch.h)
+        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+      chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, kW4Chunk, ta, ta);
+    }
+  }
+  if (full < K) {
+    tables.table(op.G <= 1 ? 0 : full / op.group, ta);
+    chunk_step<MR, NR, false>(acc, x, ldx, w, rb, full, K - full, ta, ta);
+  }
+}
+
+// Group size 16: each chunk's halves are groups 2c and 2c + 1.
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_g16(__m512 (&acc)[MR][NR][kAccs<MR>],
+                                                                         const float* x, int64_t ldx,
+                                                                         const W4Operand& op, int64_t n0) {
+  const int64_t K = op.K, rb = op.row_bytes();
+  const uint8_t* w = op.codes + n0 * rb;
+  GroupTables<NR> tables(op, n0);
+  __m512 ta[NR], tb[NR];
+  for (int64_t k = 0; k < K; k += kW4Chunk) {
+    if ((k & 127) == 0)
+      for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+    tables.table(k / 16, ta);
+    if (K - k > 16) {
+      tables.table(k / 16 + 1, tb);
+      chunk_step<MR, NR, true>(acc, x, ldx, w, rb, k, K - k, ta, tb);
+    } else {
+      chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, K - k, ta, ta);
+    }
+  }
+}
+
+// Other multiples of 16 (48, 80, ...): runs of chunks inside one group, and chunks across two groups.
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_general(__m512 (&acc)[MR][NR][kAccs<MR>],
+                                                                             const float* x, int64_t ldx,
+                                                                             const W4Operand& op, int64_t n0) {
+  const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
+  const uint8_t* w = op.codes + n0 * rb;
+  GroupTables<NR> tables(op, n0);
+  __m512 ta[NR], tb[NR];
+  for (int r = 0; r < NR; r++) ta[r] = tb[r] = _mm512_setzero_ps();
+  W4BlockGroups blocks(op, 0);
+  int64_t ga = -1;
+  for (int64_t k = 0; k < K;) {
+    const int64_t g0 = blocks.next(), g1 = K - k > 16 ? blocks.next() : g0;
+    if (g0 != ga) tables.table(g0, ta);
+    ga = g0;
+    if (g1 != g0) {
+      tables.table(g1, tb);
+      chunk_step<MR, NR, true>(acc, x, ldx, w, rb, k, K - k, ta, tb);
+      for (int r = 0; r < NR; r++) ta[r] = tb[r];
+      ga = g1;
+      k += kW4Chunk;
+      continue;
+    }
+    if (k >= full) {  // the last, partial chunk
+      chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, K - k, ta, tb);
+      break;
+    }
+    // this chunk and the whole chunks after it in the same group
+    const int64_t run = std::min(1 + blocks.left / 2, (full - k) / kW4Chunk);
+    blocks.left -= 2 * (run - 1);
+    for (const int64_t end = k + run * kW4Chunk; k < end; k += kW4Chunk) {
+      if ((k & 127) == 0)
+        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+      chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, kW4Chunk, ta, tb);
+    }
+  }
+}
+
+enum class Walk { Aligned, G16, General };
+
+template <int MR, int NR, Walk kWalk>
+LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
+  __m512 acc[MR][NR][kAccs<MR>];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++)
+      for (int i = 0; i < kAccs<MR>; i++) acc[m][r][i] = _mm512_setzero_ps();
+  if constexpr (kWalk == Walk::Aligned) gemv_aligned<MR, NR>(acc, x, ldx, op, n0);
+  else if constexpr (kWalk == Walk::G16) gemv_g16<MR, NR>(acc, x, ldx, op, n0);
+  else gemv_general<MR, NR>(acc, x, ldx, op, n0);
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++)
+      sums[m * NR + r] = _mm512_reduce_add_ps(kAccs<MR> == 1 ? acc[m][r][0] : _mm512_add_ps(acc[m][r][0], acc[m][r][1]));
+}
+
+template <Walk kWalk>
+struct Tiles {
+  template <int MR, int NR, bool>
+  static constexpr W4GemvTileFn get() { return &gemv_tile_t<MR, NR, kWalk>; }
+};
+
+void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
+  if (!w4_blocks_in_groups(op)) return kW4KernelsPortable.gemv_tile(mr, nr, x, ldx, op, n0, sums);
+  if (op.G <= 1 || op.group % 32 == 0)
+    return pick_gemv_tile<W4GemvTileFn, Tiles<Walk::Aligned>>(false, mr, nr)(x, ldx, op, n0, sums);
+  if (op.group == 16) return pick_gemv_tile<W4GemvTileFn, Tiles<Walk::G16>>(false, mr, nr)(x, ldx, op, n0, sums);
+  pick_gemv_tile<W4GemvTileFn, Tiles<Walk::General>>(false, mr, nr)(x, ldx, op, n0, sums);
+}
+
+// Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row `row` (p: its first position relative to k0).
+template <typename F>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void for_each_chunk(const W4Operand& op, int64_t row,
+                                                                               int64_t k0, int64_t n, F&& fn) {
+  const float* byte_table = w4_byte_scale_table(op.scale_enc);
+  const __m512 values = _mm512_loadu_ps(op.values);
+  W4BlockGroups blocks(op, k0 / 16);
+  const uint8_t* codes = op.codes + row * op.row_bytes();
+  const int64_t k1 = std::min(op.K, k0 + n);
+  int64_t ga = -1;
+  __m512 ta = _mm512_setzero_ps(), tb = ta;
+  for (int64_t k = k0; k < k1; k += kW4Chunk) {
+    const int64_t valid = k1 - k, g0 = blocks.next(), g1 = valid > 16 ? blocks.next() : g0;
+    if (g0 != ga) ta = group_table(values, w4_group(op, byte_table, row, g0));
+    ga = g0;
+    __m512 e, o;
+    if (g1 != g0) {
+      tb = group_table(values, w4_group(op, byte_table, row, g1));
+      lookup<true>(load_codes(codes + k / 2, valid), ta, tb, e, o);
+      ta = tb;
+      ga = g1;
+    } else {
+      lookup<false>(load_codes(codes + k / 2, valid), ta, tb, e, o);
+    }
+    if (valid < kW4Chunk) mask_tail(valid, e, o);
+    fn(k - k0, e, o);
+  }
+}
+
+LOWBIT_TARGET_AVX512 void decode_rows(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n,
+                                      float* dst, int64_t ldd) {
+  if (!w4_blocks_in_groups(op)) return kW4KernelsPortable.decode_rows(op, n0, nrows, k0, n, dst, ldd);
+  const int64_t written = w4_padded(std::max<int64_t>(0, std::min(op.K - k0, n)));
+  for (int64_t r = 0; r < nrows; r++) {
+    float* d = dst + r * ldd;
+    for_each_chunk(op, n0 + r, k0, n, [&](int64_t p, __m512 e, __m512 o) LOWBIT_TARGET_AVX512 {
+      _mm512_storeu_ps(d + p, e);
+      _mm512_storeu_ps(d + p + 16, o);
+    });
+    std::memset(d + written, 0, size_t(w4_padded(n) - written) * 4);
+  }
+}
+
+LOWBIT_TARGET_AVX512 void dequantize_rows(const W4Operand& op, int64_t n0, int64_t nrows, float* dst, int64_t ldd) {
+  if (!w4_blocks_in_groups(op)) return kW4KernelsPortable.dequantize_rows(op, n0, nrows, dst, ldd);
+  // natural order: codes 2i, 2i + 1 from lane i of e and o
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  for (int64_t r = 0; r < nrows; r++) {
+    float* d = dst + r * ldd;
+    for_each_chunk(op, n0 + r, 0, op.K, [&](int64_t p, __m512 e, __m512 o) LOWBIT_TARGET_AVX512 {
+      const __m512 a = _mm512_permutex2var_ps(e, lo, o), b = _mm512_permutex2var_ps(e, hi, o);
+      const int64_t left = op.K - p;
+      if (left >= kW4Chunk) {
+        _mm512_storeu_ps(d + p, a);
+        _mm512_storeu_ps(d + p + 16, b);
+      } else {
+        _mm512_mask_storeu_ps(d + p, __mmask16(left >= 16 ? 0xFFFF : (1u << left) - 1), a);
+        if (left > 16) _mm512_mask_storeu_ps(d + p + 16, __mmask16((1u << (left - 16)) - 1), b);
+      }
+    });
+  }
+}
+
+}  // namespace
+
+extern const W4Kernels kW4KernelsAvx512{&gemv_tile, &decode_rows, &dequantize_rows};
+
+}  // namespace lowbit::cpu

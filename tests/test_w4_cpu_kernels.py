@@ -1,0 +1,155 @@
+"""The 4-bit ops' CPU paths, each forced: every kernel set this machine has (torch_lowbit.testing.forced_cpu_isa)
+x every w4_mm regime (GEMV tiles of 1 row, row groups, the panel GEMM and its K windows) x every format (value
+table, scale encoding, zero points, biases, global scale) x group sizes (the vector loops' multiples of 16, one
+group per row, and the portable fallback's others) x tails (odd K, partial last groups), against the float64
+reference (tests/reference.py). Scratch is poisoned (conftest): a kernel reading what it did not write fails."""
+import math
+
+import pytest
+import torch
+
+from reference import assert_matmul_close, ref_w4_mm, w4_weight_f64
+from torch_lowbit.testing import cpu_isa, forced_cpu_isa, supported_cpu_isas
+
+ISAS = supported_cpu_isas()
+ops = torch.ops.lowbit
+FORMATS = ["nvfp4", "mxfp4", "int4", "uint4"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    with forced_cpu_isa(request.param):
+        assert cpu_isa() == request.param
+        yield request.param
+
+
+def random_w4(fmt, N, K, group, g, offset=False, global_scale=False, scale_dtype=torch.float16):
+    """(codes, scale, offset, global_scale) of a random [N, K] weight: scales spread over a few octaves, zero
+    points over the int8 range, biases around the weights' size."""
+    G = -(-K // group)
+    codes = torch.randint(0, 256, (N, (K + 1) // 2), dtype=torch.uint8, generator=g)
+    if fmt == "nvfp4":
+        # e4m3 bits 0x20..0x50 (2^-5 .. 2^1), positive
+        scale = torch.randint(0x20, 0x50, (N, G), dtype=torch.uint8, generator=g)
+    elif fmt == "mxfp4":
+        scale = torch.randint(120, 132, (N, G), dtype=torch.uint8, generator=g)
+    else:
+        scale = (torch.rand(N, G, generator=g) * 0.1 + 0.01).to(scale_dtype)
+    off = None
+    if offset and fmt == "int4":
+        off = torch.randint(-128, 128, (N, G), dtype=torch.int8, generator=g)
+    elif offset and fmt == "uint4":
+        off = torch.randn(N, G, generator=g).to(scale_dtype)
+    gs = torch.tensor([0.75]) if global_scale and fmt == "nvfp4" else None
+    return codes, scale, off, gs
+
+
+def check_mm(x, fmt, group, w, bias=None, acc_rtol=1e-5):
+    codes, scale, off, gs = w
+    out = ops.w4_mm(x, codes, scale, fmt, group, off, gs, bias)
+    ref, absref = ref_w4_mm(x, fmt, codes, scale, group, off, gs, bias)
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    assert_matmul_close(out, ref, absref, acc_rtol=acc_rtol)
+    return out
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 7, 8, 64])  # GEMV 1 row / 2 rows / row groups; panel GEMM
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_w4_mm_regimes(isa, fmt, M):
+    g = torch.Generator().manual_seed(M + len(fmt))
+    N, K = 37, 2112 + 32 * 31 + 3  # K: past two GEMM windows, an odd tail of a partial group
+    group = {"nvfp4": 16, "mxfp4": 32, "int4": 128, "uint4": 64}[fmt]
+    w = random_w4(fmt, N, K, group, g, offset=True, global_scale=True)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    check_mm(x, fmt, group, w, bias=torch.randn(N, generator=g))
+
+
+@pytest.mark.parametrize("M", [1, 3, 9])
+@pytest.mark.parametrize("group", [16, 48, 128, 4096, 24, 5])  # multiples of 16, per channel, others
+@pytest.mark.parametrize("K", [255, 1000])
+def test_w4_mm_group_sizes_and_tails(isa, M, group, K):
+    g = torch.Generator().manual_seed(M * 7 + group + K)
+    for fmt, offset, sdt in [("int4", True, torch.bfloat16), ("uint4", True, torch.float32), ("nvfp4", False, None)]:
+        w = random_w4(fmt, 21, K, group, g, offset=offset, global_scale=True, scale_dtype=sdt)
+        x = torch.randn(M, K, generator=g)
+        check_mm(x, fmt, group, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 12])
+def test_w4_mm_activation_dtypes(isa, dtype, M):
+    g = torch.Generator().manual_seed(M)
+    w = random_w4("int4", 45, 320, 32, g, offset=False, scale_dtype=torch.float32)
+    check_mm(torch.randn(M, 320, generator=g).to(dtype), "int4", 32, w)
+
+
+@pytest.mark.parametrize("M", [1, 4, 10])
+def test_w4_mm_nonfinite_activations_and_scales(isa, M):
+    # NaN / inf in x reach every output of their row; a NaN or inf scale only its column (as in float64)
+    g = torch.Generator().manual_seed(5)
+    N, K = 19, 200
+    for fmt in FORMATS:
+        codes, scale, off, gs = random_w4(fmt, N, K, 32, g, offset=True)
+        if fmt == "nvfp4":
+            scale[3, 2] = 0x7F  # e4m3 NaN
+        elif fmt == "mxfp4":
+            scale[3, 2] = 0xFF  # e8m0 NaN
+        else:
+            scale[3, 2] = math.nan
+            scale[7, 0] = math.inf
+        x = torch.randn(M, K, generator=g)
+        x[0, 11] = math.inf
+        if M > 1:
+            x[M - 1, 150] = math.nan
+        out = check_mm(x, fmt, 32, (codes, scale, off, gs))  # NaN pattern checked against the reference
+        assert torch.isnan(out[:, 3]).all() and not torch.isnan(out[:, 4]).all()
+
+
+@pytest.mark.parametrize("M", [1, 9])
+def test_w4_mm_scale_inf_with_zero_codes_in_the_padding(isa, M):
+    # odd K: the unused high nibble of the last byte must not reach the sum (its table entry 0 * inf is NaN)
+    g = torch.Generator().manual_seed(11)
+    K = 33
+    codes, scale, off, gs = random_w4("int4", 6, K, 64, g, scale_dtype=torch.float32)
+    codes[:, -1] = 0x8F  # the last k: code 15; the padding nibble: code 8, value 0
+    scale[2, 0] = math.inf
+    check_mm(torch.rand(M, K, generator=g) + 0.5, "int4", 64, (codes, scale, off, gs))
+
+
+@pytest.mark.parametrize("shape", [(0, 64, 32), (3, 0, 32), (3, 5, 0), (9, 5, 0)])
+def test_w4_mm_empty(isa, shape):
+    M, N, K = shape
+    g = torch.Generator().manual_seed(1)
+    codes, scale, _, _ = random_w4("int4", N, K, 32, g)
+    bias = torch.randn(N, generator=g)
+    out = ops.w4_mm(torch.randn(M, K), codes, scale, "int4", 32, None, None, bias)
+    assert out.shape == (M, N)
+    assert torch.equal(out, bias.expand(M, N)) if K == 0 else out.numel() == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("group,K", [(16, 77), (32, 200), (64, 4095), (24, 100), (128, 128)])
+def test_w4_dequantize_bits(isa, fmt, group, K):
+    # every decoded element rounded once from the exact (fp32) product: equal to the float64 weight rounded
+    g = torch.Generator().manual_seed(group + K)
+    codes, scale, off, gs = random_w4(fmt, 13, K, group, g, offset=True, global_scale=True, scale_dtype=torch.float32)
+    want = w4_weight_f64(fmt, codes, scale, group, K, off, gs)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = ops.w4_dequantize(codes, scale, fmt, group, K, off, gs, dtype)
+        if fmt == "uint4" and off is not None:  # value * scale rounds to fp32 before the bias: within 1 ulp twice
+            torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2 ** -22, atol=1e-6)
+        else:
+            assert torch.equal(got, want.to(dtype)), (fmt, dtype)
+
+
+@pytest.mark.parametrize("M", [1, 6, 70])
+def test_w4_mm_t(isa, M):
+    g = torch.Generator().manual_seed(M)
+    N, K = 150, 301
+    for fmt, group in [("nvfp4", 16), ("int4", 32), ("uint4", 48)]:
+        codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=True, global_scale=True)
+        go = torch.randn(M, N, generator=g).to(torch.bfloat16)
+        w = w4_weight_f64(fmt, codes, scale, group, K, off, gs)
+        ref, absref = go.double() @ w, go.double().abs() @ w.abs()
+        out = ops.w4_mm_t(go, codes, scale, fmt, group, K, off, gs)
+        assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
