@@ -1,0 +1,108 @@
+"""W4Experts: the SwiGLU experts of a mixture-of-experts block with stacked 4-bit weights (the formats of
+``torch_lowbit.w4_mm``), run by ``w4_grouped_mm``. The interface and routing of :class:`Fp8Experts`
+(``forward(hidden, topk_ids, topk_weights)``, gate rows then up rows in ``gate_up``)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._ops import w4_grouped_mm
+from .._storage import FP8, as_stored_fp8
+from ._format_buffers import FormatBuffers
+from .experts import combine, route, swiglu
+from .w4_linear import W4_GLOBAL_SCALE, W4_OFFSETS, W4_SCALE_DTYPES
+
+_PROJECTIONS = ("gate_up", "down")
+
+
+class W4Experts(FormatBuffers):
+    """E SwiGLU experts with 4-bit weights: ``gate_up`` ``[E, 2I, H]`` (gate rows, then up rows) and ``down``
+    ``[E, H, I]``, each stored as W4Linear stores one weight, stacked over experts:
+    ``{p}_packed`` uint8 ``[E, rows, ceil(cols/2)]``, ``{p}_scale`` ``[E, rows, ceil(cols/group_size)]`` in the
+    format's scale dtype, ``{p}_offset`` (optional: zero points / biases, the scale's shape) and ``{p}_scale_2``
+    (optional fp32 ``[E]``: nvfp4's per-expert multiplier), for p in gate_up, down. ``format`` and
+    ``group_size`` are shared by both projections.
+
+    ``forward`` routes as Fp8Experts does (no host synchronization; negative ids skip a slot), and runs
+    ``w4_grouped_mm`` for each projection with SwiGLU between them in fp32.
+    """
+    _format_buffers = tuple(f"{p}_{s}" for p in _PROJECTIONS for s in ("packed", "scale", "offset", "scale_2"))
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, format: str = "int4",
+                 group_size: int = 128, scale_dtype: Optional[torch.dtype] = None, offset: bool = False,
+                 global_scale: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if format not in W4_SCALE_DTYPES:
+            raise ValueError(f"W4Experts: format must be one of {list(W4_SCALE_DTYPES)}, got {format!r}")
+        scale_dtype = scale_dtype or W4_SCALE_DTYPES[format][0]
+        if scale_dtype not in W4_SCALE_DTYPES[format]:
+            raise ValueError(f"W4Experts: format {format!r} stores scales as one of "
+                             f"{[str(d) for d in W4_SCALE_DTYPES[format]]}, got {scale_dtype}")
+        if offset and format not in W4_OFFSETS:
+            raise ValueError(f"W4Experts: format {format!r} takes no offset")
+        if global_scale and format not in W4_GLOBAL_SCALE:
+            raise ValueError(f"W4Experts: format {format!r} takes no global scale")
+        if int(group_size) < 1:
+            raise ValueError(f"W4Experts: group_size must be >= 1, got {group_size}")
+        E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
+        self.format, self.group_size, self.dtype = format, int(group_size), dtype
+        self._fp8_buffers = tuple(f"{p}_scale" for p in _PROJECTIONS) if scale_dtype == FP8 else ()
+        for p, (rows, cols) in zip(_PROJECTIONS, ((2 * I, H), (H, I))):
+            G = -(-cols // self.group_size)
+            self.register_buffer(f"{p}_packed", torch.zeros(E, rows, (cols + 1) // 2, dtype=torch.uint8, device=device))
+            scale = torch.zeros(E, rows, G, dtype=torch.uint8 if scale_dtype == FP8 else scale_dtype, device=device)
+            self.register_buffer(f"{p}_scale", as_stored_fp8(scale) if scale_dtype == FP8 else scale)
+            off_dtype = torch.int8 if format == "int4" else scale_dtype
+            self.register_buffer(f"{p}_offset",
+                                 torch.zeros(E, rows, G, dtype=off_dtype, device=device) if offset else None)
+            self.register_buffer(f"{p}_scale_2",
+                                 torch.ones(E, dtype=torch.float32, device=device) if global_scale else None)
+
+    def _project(self, p: str, x: torch.Tensor, r) -> torch.Tensor:
+        return w4_grouped_mm(x, getattr(self, f"{p}_packed"), getattr(self, f"{p}_scale"), self.format,
+                             self.group_size, r.offsets, r.expert_ids, getattr(self, f"{p}_offset"),
+                             getattr(self, f"{p}_scale_2"))
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        x, r = route(self, hidden, topk_ids, topk_weights)
+        gu = self._project("gate_up", x[r.tokens], r)
+        y = self._project("down", swiglu(gu, self.intermediate_size, x.dtype), r)
+        return combine(y, topk_weights, r, hidden)
+
+    @classmethod
+    def from_quantized(cls, gate_up: dict, down: dict, *, format: str, group_size: int, hidden_size: int,
+                       intermediate_size: int, dtype: torch.dtype = torch.bfloat16) -> "W4Experts":
+        """Wrap stacked 4-bit tensors without copying them: ``gate_up`` / ``down`` are dicts with ``packed``,
+        ``scale`` and optionally ``offset`` and ``scale_2`` (the layouts of the class docstring). Checked by one
+        call of the op per projection on no rows, so a bad layout fails here with the op's message."""
+        E = gate_up["packed"].shape[0]
+        m = cls(E, hidden_size, intermediate_size, format=format, group_size=group_size,
+                scale_dtype=gate_up["scale"].dtype, offset=gate_up.get("offset") is not None,
+                global_scale=gate_up.get("scale_2") is not None, device="meta", dtype=dtype)
+        for p, t in zip(_PROJECTIONS, (gate_up, down)):
+            if (t.get("offset") is None) != (gate_up.get("offset") is None) or \
+                    (t.get("scale_2") is None) != (gate_up.get("scale_2") is None):
+                raise ValueError("W4Experts.from_quantized: gate_up and down must both have, or both lack, offset "
+                                 "and scale_2")
+            scale = t["scale"].contiguous()
+            setattr(m, f"{p}_packed", t["packed"].contiguous())
+            setattr(m, f"{p}_scale", as_stored_fp8(scale) if scale.dtype == FP8 else scale)
+            setattr(m, f"{p}_offset", None if t.get("offset") is None else t["offset"].contiguous())
+            setattr(m, f"{p}_scale_2", None if t.get("scale_2") is None else
+                    t["scale_2"].to(torch.float32).reshape(E).contiguous())
+        device = gate_up["packed"].device
+        if device.type != "meta":
+            none = torch.zeros(1, dtype=torch.int32, device=device)
+            for p, cols in zip(_PROJECTIONS, (hidden_size, intermediate_size)):
+                m._project(p, torch.empty(0, cols, dtype=dtype, device=device),
+                           type("R", (), {"offsets": none, "expert_ids": none[:0]})())
+        return m
+
+    def extra_repr(self) -> str:
+        s = (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+             f"intermediate_size={self.intermediate_size}, format={self.format}, group_size={self.group_size}")
+        if self.gate_up_offset is not None:
+            s += f", offset={W4_OFFSETS[self.format]}"
+        return s
