@@ -209,3 +209,37 @@ def test_e8m0_scales_decode_as_powers_of_two():
     assert scales.tolist() == [[127 + math.floor(math.log2(6.0)) - 2]]
     assert codes[0, :4].tolist() == [7, 9, 3, 5] and w4_weight_f64("mxfp4", to_blocks(codes).reshape(1, 16), scales,
                                                                    32, 32)[0, :4].tolist() == [6.0, -0.5, 1.5, 3.0]
+
+
+# ------------------------------------------------------------------------------------------------ quantize_
+def test_quantize_mxfp4_makes_gptoss_experts_matching_transformers_on_the_dequantized_weights():
+    import copy
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_config()).eval()
+    for name, p in model.named_parameters():  # weights large enough to reach the SwiGLU clamp
+        if ".experts." in name:
+            p.data.normal_(0, 0.35 if name.endswith("proj") else 0.5)
+    reference = copy.deepcopy(model)
+    _, report = torch_lowbit.quantize_(model, torch_lowbit.Mxfp4WeightOnly(),
+                                       lambda m, fqn: not isinstance(m, nn.Linear), return_report=True)
+    assert sorted(report.converted) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for i, layer in enumerate(model.model.layers):
+        q, dense = layer.mlp.experts, reference.model.layers[i].mlp.experts
+        assert isinstance(q, GptOssW4Experts) and q.format == "mxfp4" and (q.alpha, q.limit) == (1.702, 7.0)
+        E = q.num_experts
+        gu = torch.stack([w4_weight_f64("mxfp4", q.gate_up_packed[e], q.gate_up_scale[e], 32, 64) for e in range(E)])
+        dn = torch.stack([w4_weight_f64("mxfp4", q.down_packed[e], q.down_scale[e], 32, 64) for e in range(E)])
+        # the stored weights are the dense ones in their layout (transposed back, gate / up still interleaved),
+        # rounded to MXFP4: a few percent off (a permuted layout would be ~140% off)
+        for deq, w in ((gu, dense.gate_up_proj.detach().transpose(1, 2)), (dn, dense.down_proj.detach().transpose(1, 2))):
+            assert (deq - w.double()).norm() <= 0.15 * w.double().norm()
+        with torch.no_grad():  # the reference: transformers' own GptOssExperts on the dequantized weights
+            dense.gate_up_proj.copy_(gu.transpose(1, 2).float())
+            dense.down_proj.copy_(dn.transpose(1, 2).float())
+    ids = _prompt()
+    with torch.no_grad():
+        want, got = reference(ids).logits, model(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()

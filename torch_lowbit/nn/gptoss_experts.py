@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..quantize import Mxfp4WeightOnly, register_quantize_experts_handler
 from .w4_experts import W4Experts, register_expert_activation
 
 GPTOSS_ACTIVATION = "gptoss_swiglu"
@@ -100,5 +101,35 @@ def is_gptoss_experts(m: nn.Module) -> bool:
     """transformers' dense GptOssExperts (by its tensors: transposed ``gate_up_proj [E, H, 2I]``,
     ``down_proj [E, I, H]``, the two biases, and swiglu alpha / limit)."""
     names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-    return all(isinstance(getattr(m, n, None), torch.Tensor) for n in names) and hasattr(m, "alpha") \
-        and hasattr(m, "limit") and getattr(m, "gate_up_proj").dim() == 3
+    if not all(isinstance(getattr(m, n, None), torch.Tensor) for n in names) or not hasattr(m, "alpha") \
+            or not hasattr(m, "limit"):
+        return False
+    gu, dn = m.gate_up_proj, m.down_proj
+    return gu.dim() == 3 and dn.dim() == 3 and gu.shape[2] % 2 == 0 and \
+        tuple(dn.shape) == (gu.shape[0], gu.shape[2] // 2, gu.shape[1]) and \
+        tuple(m.gate_up_proj_bias.shape) == (gu.shape[0], gu.shape[2]) and \
+        tuple(m.down_proj_bias.shape) == (gu.shape[0], gu.shape[1])
+
+
+def _quantize_stacked_mxfp4(w: torch.Tensor) -> dict:
+    """quantize_w4 mxfp4 of each expert of ``w [E, rows, cols]``, stacked (W4Experts.from_quantized's dict)."""
+    from ..quantize_w4 import quantize_w4
+
+    parts = [quantize_w4(w[e].contiguous(), "mxfp4", MXFP4_GROUP) for e in range(w.shape[0])]
+    return {"packed": torch.stack([p.weight_packed for p in parts]),
+            "scale": torch.stack([p.weight_scale for p in parts])}
+
+
+@register_quantize_experts_handler(Mxfp4WeightOnly, claims=is_gptoss_experts)
+def _quantize_gptoss_experts(experts: nn.Module, config: Mxfp4WeightOnly) -> GptOssW4Experts:
+    """transformers' dense GptOssExperts (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``: transposed) as
+    GptOssW4Experts in gpt-oss's own layout: the rows of gate_up stay interleaved, the biases stay as they are."""
+    gate_up = _quantize_stacked_mxfp4(experts.gate_up_proj.detach().transpose(1, 2))
+    down = _quantize_stacked_mxfp4(experts.down_proj.detach().transpose(1, 2))
+    gate_up["bias"], down["bias"] = experts.gate_up_proj_bias.detach(), experts.down_proj_bias.detach()
+    E, H, I2 = experts.gate_up_proj.shape
+    m = GptOssW4Experts.from_quantized(gate_up, down, format="mxfp4", group_size=MXFP4_GROUP, hidden_size=H,
+                                       intermediate_size=I2 // 2, dtype=experts.gate_up_proj.dtype,
+                                       activation=GPTOSS_ACTIVATION)
+    m.alpha, m.limit = float(experts.alpha), float(experts.limit)
+    return m
