@@ -243,3 +243,15 @@ def test_quantize_mxfp4_makes_gptoss_experts_matching_transformers_on_the_dequan
     with torch.no_grad():
         want, got = reference(ids).logits, model(ids).logits
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_load_quantized_keeps_the_models_bias_dtype_and_dtype_overrides_it(checkpoint):
+    with torch_lowbit.parameters_on_meta():
+        model = GptOssForCausalLM(tiny_config()).to(torch.float16)
+    load_quantized(model, checkpoint[0])
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_bias.dtype == torch.float16 and experts.gate_up_scale.dtype == torch.uint8
+    assert torch.equal(experts.down_bias, checkpoint[1]["model.layers.0.mlp.experts.down_proj_bias"].to(torch.float16))
+    model = _meta_model()
+    load_quantized(model, checkpoint[0], dtype=torch.bfloat16)
+    assert model.model.layers[1].mlp.experts.down_bias.dtype == torch.bfloat16

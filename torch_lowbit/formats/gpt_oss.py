@@ -55,7 +55,9 @@ class GptOssMxfp4(CheckpointFormat):
                                       f"{E} experts of hidden size {H}, intermediate size {I} (both multiples of 32)")
         dev = torch.device(device) if device is not None else torch.device("cpu")
         t = {k: src.get(f"{name}.{k}") for k in _TENSORS}
-        bias_dtype = dtype or torch.bfloat16
+        own = getattr(module, "gate_up_proj_bias", None)  # default: the model's own dtype for the biases
+        bias_dtype = dtype or (own.dtype if isinstance(own, torch.Tensor) and own.is_floating_point()
+                               else torch.bfloat16)
         try:
             layer = GptOssW4Experts.from_mxfp4(
                 t["gate_up_proj_blocks"].to(dev), t["gate_up_proj_scales"].to(dev),

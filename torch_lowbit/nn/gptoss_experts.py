@@ -94,7 +94,7 @@ class GptOssW4Experts(W4Experts):
         return m
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, alpha={self.alpha}, limit={self.limit}, biases"
+        return f"{super().extra_repr()}, alpha={self.alpha}, limit={self.limit}"
 
 
 def is_gptoss_experts(m: nn.Module) -> bool:

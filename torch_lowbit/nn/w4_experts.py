@@ -155,4 +155,8 @@ class W4Experts(FormatBuffers):
              f"intermediate_size={self.intermediate_size}, format={self.format}, group_size={self.group_size}")
         if self.gate_up_offset is not None:
             s += f", offset={W4_OFFSETS[self.format]}"
+        if self.activation != "swiglu":
+            s += f", activation={self.activation}"
+        if self.gate_up_bias is not None:
+            s += ", biases"
         return s
