@@ -166,9 +166,13 @@ def test_mlx_moe_checkpoint_computes_mlx_dequantized_model(moe_mlx_written, arch
 
 def test_save_quantized_refuses_mlx_affine_experts_with_the_reason(moe_mlx_written, tmp_path):
     ours, _ = _ours(moe_mlx_written["qwen3_moe"][0])
+    with pytest.raises(ValueError, match=r"format 'uint4' .* has no compressed-tensors form"):
+        torch_lowbit.save_quantized(ours, tmp_path / "saved")
+    assert not os.path.exists(tmp_path / "saved")
+    block = ours.model.layers[0].mlp  # its experts alone: the refusal names the expert's projection
     with pytest.raises(ValueError, match=r"experts\.0\.gate_proj is a W4Experts of format 'uint4' .* has no "
                                          r"compressed-tensors form"):
-        torch_lowbit.save_quantized(ours, tmp_path / "saved")
+        torch_lowbit.save_quantized(block, tmp_path / "saved")
     assert not os.path.exists(tmp_path / "saved")
 
 
