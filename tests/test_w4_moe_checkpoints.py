@@ -164,6 +164,22 @@ def test_mlx_moe_checkpoint_computes_mlx_dequantized_model(moe_mlx_written, arch
     W4.assert_same_model(ours, reference)
 
 
+def test_mlx_experts_of_another_bit_width_are_refused_by_name(moe_mlx_written, tmp_path):
+    """8 bits is read for routers (dequantized at load) but never for experts or linear layers."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(moe_mlx_written["qwen3_moe"][0], path)
+    with open(path / "config.json") as f:
+        cfg = json.load(f)
+    for key in ("quantization", "quantization_config"):
+        if key in cfg:
+            cfg[key]["model.layers.1.mlp.switch_mlp.down_proj"] = {"group_size": 64, "bits": 8}
+    with open(path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match=r"switch_mlp\.down_proj\.bits is 8: torch_lowbit reads 4-bit MLX "
+                                              r"weights only"):
+        _ours(path)
+
+
 def test_save_quantized_refuses_mlx_affine_experts_with_the_reason(moe_mlx_written, tmp_path):
     ours, _ = _ours(moe_mlx_written["qwen3_moe"][0])
     with pytest.raises(ValueError, match=r"format 'uint4' .* has no compressed-tensors form"):

@@ -105,8 +105,9 @@ class Mlx(CheckpointFormat):
         per_word = 32 // bits
         words = src.get(wkey)
         if tuple(words.shape[:-1]) != lead + (N,) or words.dim() != len(shape):
-            raise CheckpointError(f"{wkey} has shape {list(words.shape)}, expected {list(lead) + [N, -(-K // per_word)]}"
-                                  f" for a {bits}-bit {list(shape)} weight")
+            want = list(lead) + [N, -(-K // per_word)]
+            raise CheckpointError(f"{wkey} has shape {list(words.shape)}, expected {want} for a {bits}-bit "
+                                  f"{list(shape)} weight")
         flat = words.reshape(-1, words.shape[-1])
         if bits == 4:
             packed = nibble_bytes(flat, K, wkey).reshape(lead + (N, (K + 1) // 2))
