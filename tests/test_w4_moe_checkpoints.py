@@ -79,7 +79,7 @@ def test_llmcompressor_moe_checkpoint_computes_the_writers_dequantized_model(moe
     W4.assert_same_model(ours, W4.dense_model(W4.ct_float64_reference(path, tmp_path / "ref")))
 
 
-@pytest.mark.parametrize("arch,scheme", LLMC_CASES)
+@pytest.mark.parametrize("arch,scheme", [("qwen3_moe", "NVFP4A16"), ("mixtral", "W4A16")])  # each format, each arch
 def test_save_quantized_of_a_llmcompressor_moe_checkpoint_reads_back(moe_llmc_written, tmp_path, arch, scheme):
     """The writer's bytes come back one Linear per expert and projection, under the names the architecture's
     checkpoints use (Mixtral: block_sparse_moe.experts.{e}.w1 / w3 / w2, which transformers reads; llmcompressor
