@@ -77,6 +77,10 @@ def test_llmcompressor_moe_checkpoint_computes_the_writers_dequantized_model(moe
     assert all(report.converted[n].startswith(f"W4Experts(E={W4.EXPERTS}, {W4_FORMAT[scheme]}") for n in experts)
     assert report.high_precision == {"lm_head": "in the ignore list"} and not report.unused_keys
     W4.assert_same_model(ours, W4.dense_model(W4.ct_float64_reference(path, tmp_path / "ref")))
+    if (arch, scheme) == ("qwen3_moe", "W4A16"):
+        # where the writer's stack reads its own MoE checkpoint: transformers cannot read llmcompressor's Mixtral
+        # experts names, and compressed-tensors 0.20 decompresses stacked nvfp4 experts wrong
+        W4.assert_same_model(ours, transformers_reload(path))
 
 
 @pytest.mark.parametrize("arch,scheme", [("qwen3_moe", "NVFP4A16"), ("mixtral", "W4A16")])  # each format, each arch
