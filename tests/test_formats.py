@@ -683,10 +683,11 @@ def test_modelopt_nvfp4_with_a_wrong_scale_shape_is_refused_by_name():
         load_quantized(_TwoLinears(K=64), sd, config={"quantization": {"quant_algo": "NVFP4"}})
 
 
-@pytest.mark.parametrize("asym", [False, True])
-def test_4bit_moe_experts_stack_into_w4experts_computing_their_float64_weights(asym):
+@pytest.mark.parametrize("asym,channel_gate_up", [(False, False), (True, False), (True, True)])
+def test_4bit_moe_experts_stack_into_w4experts_computing_their_float64_weights(asym, channel_gate_up):
     """Per-expert pack-quantized gate / up / down (groups of 32: partial last groups at H = 48, I = 80) become one
-    W4Experts, gate rows then up rows, whose forward matches the float64 SwiGLU of the weights they mean."""
+    W4Experts, gate rows then up rows, whose forward matches the float64 SwiGLU of the weights they mean; gate / up
+    per channel beside grouped down projections take the layer's group size, their scale repeated."""
     from torch_lowbit.nn.w4_experts import W4Experts
 
     model = TinyLM(moe=(4, 2))
@@ -700,10 +701,15 @@ def test_4bit_moe_experts_stack_into_w4experts_computing_their_float64_weights(a
         for i, (proj, N, K, dst, rows) in enumerate((("gate_proj", I, H, "gate_up_proj", slice(0, I)),
                                                       ("up_proj", I, H, "gate_up_proj", slice(I, I2)),
                                                       ("down_proj", H, I, "down_proj", slice(0, H)))):
-            t, w64 = _ct_int4(N, K, 32, asym, seed=10 * e + i)
+            t, w64 = _ct_int4(N, K, K if channel_gate_up and proj != "down_proj" else 32, asym, seed=10 * e + i)
             sd.update({f"{name}.{e}.{proj}.{k}": v for k, v in t.items()})
             want[dst][e, rows] = w64
-    report = load_quantized(model, sd, config=_ct_w4_config("pack-quantized", _int4_args(32, asym)))
+    config = _ct_w4_config("pack-quantized", _int4_args(32, asym))
+    if channel_gate_up:
+        groups = config["quantization_config"]["config_groups"]
+        groups["group_0"]["targets"] = ["re:.*down_proj$"]
+        groups["group_1"] = {"targets": ["Linear"], "weights": _int4_args(None, asym)}
+    report = load_quantized(model, sd, config=config)
     layer = model.get_submodule(name)
     assert isinstance(layer, W4Experts) and report.converted[name].startswith("W4Experts(E=4, int4, group 32")
     assert (layer.gate_up_offset is not None) == asym

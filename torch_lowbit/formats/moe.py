@@ -323,7 +323,7 @@ class _W4Stack:
         self.t: Dict[str, Optional[torch.Tensor]] = {}
         self.scale_2: List[Optional[torch.Tensor]] = [None] * E
 
-    def put(self, key: str, part, experts: slice, rows: slice, G: int):
+    def put(self, prefix: str, key: str, part, experts: slice, rows: slice, G: int):
         """Copy `part` ([n, rows, ...] or [rows, ...] for one expert) into tensor `key`, allocated on first use."""
         if part is None:
             return
@@ -332,8 +332,11 @@ class _W4Stack:
             width = (self.cols + 1) // 2 if key == "packed" else G
             self.t[key] = torch.empty(self.E, self.rows, width, dtype=part.dtype)
         dst = self.t[key][experts, rows]
-        if part.shape[-1] != dst.shape[-1]:  # one scale per row written where the layer has groups: the same weights
-            part = part.expand(-1, -1, dst.shape[-1])
+        if part.shape[-1] != dst.shape[-1]:
+            if part.shape[-1] != 1:
+                raise CheckpointError(f"{prefix}: {part.shape[-1]} groups per row where the experts read before it "
+                                      f"have {dst.shape[-1]}: a W4Experts projection has one layout for all experts")
+            part = part.expand(-1, -1, dst.shape[-1])  # one scale per row, repeated over the groups: the same weights
         dst.copy_(part)
 
 
@@ -373,11 +376,11 @@ def _load_w4(src: Source, fmt: QuantFormat, name: str, module: nn.Module, device
                                       f"groups of {group}: a W4Experts layer has one group size")
             group = w.group_size
         stack = stacks["down" if p == "down" else "gate_up"]
-        stack.put("packed", w.packed, experts, rows, G)
-        stack.put("scale", w.scale, experts, rows, G)
-        stack.put("offset", w.offset, experts, rows, G)
+        stack.put(prefix, "packed", w.packed, experts, rows, G)
+        stack.put(prefix, "scale", w.scale, experts, rows, G)
+        stack.put(prefix, "offset", w.offset, experts, rows, G)
         if w.global_scale is not None:
-            _put_scale_2(stack, prefix, w.global_scale, experts, p)
+            _put_scale_2(stack, prefix, w.global_scale, experts)
         used += w.keys
     if group is None:  # every projection per channel
         group = max(H, I, 1)
@@ -403,7 +406,7 @@ def _load_w4(src: Source, fmt: QuantFormat, name: str, module: nn.Module, device
     return layer, used, f"W4Experts(E={E}, {first.format}, {groups}{extra})", True
 
 
-def _put_scale_2(stack: _W4Stack, prefix: str, g: torch.Tensor, experts: slice, p: str):
+def _put_scale_2(stack: _W4Stack, prefix: str, g: torch.Tensor, experts: slice):
     """nvfp4's global multiplier per expert: gate and up must share one (W4Experts holds one per expert and
     projection; llmcompressor fuses gate and up's global scales for this reason)."""
     g = g.to(torch.float32).reshape(-1)
