@@ -1,6 +1,8 @@
 """Real writers of 4-bit checkpoints, for the tests: llmcompressor 0.14 (``oneshot`` with W4A16, W4A16_ASYM,
 NVFP4A16, MXFP4A16, and GPTQ on a tiny calibration set) and ``mlx_lm.convert -q`` (MLX affine 4-bit at two group sizes,
-mxfp4, nvfp4), on tiny Llama and Qwen3 models saved by transformers.
+mxfp4, nvfp4), on tiny Llama and Qwen3 models saved by transformers, and on tiny Qwen3-MoE and Mixtral models (MOE_ARCHS:
+llmcompressor linearizes transformers 5's fused experts itself and writes one Linear per expert and projection;
+mlx_lm writes them stacked, ``switch_mlp.{gate,up,down}_proj`` [E, N, ...], with Qwen3-MoE's routers at 8 bits).
 
 llmcompressor pins transformers <= 5.17 and compressed-tensors 0.19, so neither it nor mlx goes into the test
 environment: each is installed with ``pip install --no-deps --target`` (its pure-Python dependencies listed here;
