@@ -683,13 +683,55 @@ def test_modelopt_nvfp4_with_a_wrong_scale_shape_is_refused_by_name():
         load_quantized(_TwoLinears(K=64), sd, config={"quantization": {"quant_algo": "NVFP4"}})
 
 
-def test_4bit_moe_experts_are_refused_by_name():
+@pytest.mark.parametrize("asym,channel_gate_up", [(False, False), (True, False), (True, True)])
+def test_4bit_moe_experts_stack_into_w4experts_computing_their_float64_weights(asym, channel_gate_up):
+    """Per-expert pack-quantized gate / up / down (groups of 32: partial last groups at H = 48, I = 80) become one
+    W4Experts, gate rows then up rows, whose forward matches the float64 SwiGLU of the weights they mean; gate / up
+    per channel beside grouped down projections take the layer's group size, their scale repeated."""
+    from torch_lowbit.nn.w4_experts import W4Experts
+
+    model = TinyLM(moe=(4, 2))
+    name = next(n for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    dense = model.get_submodule(name)
+    E, I2, H = dense.gate_up_proj.shape
+    I = I2 // 2
+    sd, want = {}, {"gate_up_proj": torch.zeros(E, I2, H, dtype=torch.float64),
+                    "down_proj": torch.zeros(E, H, I, dtype=torch.float64)}
+    for e in range(E):
+        for i, (proj, N, K, dst, rows) in enumerate((("gate_proj", I, H, "gate_up_proj", slice(0, I)),
+                                                      ("up_proj", I, H, "gate_up_proj", slice(I, I2)),
+                                                      ("down_proj", H, I, "down_proj", slice(0, H)))):
+            t, w64 = _ct_int4(N, K, K if channel_gate_up and proj != "down_proj" else 32, asym, seed=10 * e + i)
+            sd.update({f"{name}.{e}.{proj}.{k}": v for k, v in t.items()})
+            want[dst][e, rows] = w64
+    config = _ct_w4_config("pack-quantized", _int4_args(32, asym))
+    if channel_gate_up:
+        groups = config["quantization_config"]["config_groups"]
+        groups["group_0"]["targets"] = ["re:.*down_proj$"]
+        groups["group_1"] = {"targets": ["Linear"], "weights": _int4_args(None, asym)}
+    report = load_quantized(model, sd, config=config)
+    layer = model.get_submodule(name)
+    assert isinstance(layer, W4Experts) and report.converted[name].startswith("W4Experts(E=4, int4, group 32")
+    assert (layer.gate_up_offset is not None) == asym
+    ref = type(dense)(E, H, I).double()
+    with torch.no_grad():
+        ref.gate_up_proj.copy_(want["gate_up_proj"])
+        ref.down_proj.copy_(want["down_proj"])
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([[0, 3], [1, 2], [3, 3], [2, 0], [1, 1]])
+    w = torch.rand(5, 2, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got, exp = layer(x, ids, w), ref(x.double(), ids, w.double())
+    assert torch.allclose(got.double(), exp, rtol=1e-5, atol=1e-5 * float(exp.abs().max()))
+
+
+def test_4bit_moe_expert_missing_is_refused_by_name():
     model = TinyLM(moe=(4, 2))
     experts = next(n for n, m in model.named_modules() if n.endswith("mlp.experts"))
     t, _ = _ct_int4(80, 48, 16, False)
     sd = {f"{experts}.0.gate_proj.{k}": v for k, v in t.items()}
-    with pytest.raises(CheckpointError, match=rf"{re.escape(experts)}\.0\.gate_proj\.weight_packed: 4-bit MoE experts "
-                                              rf"\(compressed-tensors\) are not supported yet"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(experts)}\.0\.up_proj holds no 4-bit weight while "
+                                              rf"{re.escape(experts)}\.0\.gate_proj does"):
         load_quantized(model, sd, config=_ct_w4_config("pack-quantized", _int4_args(16, False)))
 
 

@@ -1,6 +1,8 @@
 """Real writers of 4-bit checkpoints, for the tests: llmcompressor 0.14 (``oneshot`` with W4A16, W4A16_ASYM,
 NVFP4A16, MXFP4A16, and GPTQ on a tiny calibration set) and ``mlx_lm.convert -q`` (MLX affine 4-bit at two group sizes,
-mxfp4, nvfp4), on tiny Llama and Qwen3 models saved by transformers.
+mxfp4, nvfp4), on tiny Llama and Qwen3 models saved by transformers, and on tiny Qwen3-MoE and Mixtral models (MOE_ARCHS:
+llmcompressor linearizes transformers 5's fused experts itself and writes one Linear per expert and projection;
+mlx_lm writes them stacked, ``switch_mlp.{gate,up,down}_proj`` [E, N, ...], with Qwen3-MoE's routers at 8 bits).
 
 llmcompressor pins transformers <= 5.17 and compressed-tensors 0.19, so neither it nor mlx goes into the test
 environment: each is installed with ``pip install --no-deps --target`` (its pure-Python dependencies listed here;
@@ -40,6 +42,8 @@ PACKAGES = {
 
 V, H, I, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 160, 128, 256, 4, 2, 32, 2  # K = 128 / 256: MLX needs K % group == 0
 ARCHS = ("llama", "qwen3")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+MOE_I, EXPERTS, TOP_K = 128, 4, 2
 PROMPT = torch.tensor([[5, 9, 77, 31, 2, 60, 14, 99]])
 
 
@@ -86,6 +90,12 @@ def tiny_config(arch):
     common = dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                   max_position_embeddings=64, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(moe_intermediate_size=MOE_I, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                           norm_topk_prob=True, **common)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**{**common, "intermediate_size": MOE_I}, num_local_experts=EXPERTS,
+                                          num_experts_per_tok=TOP_K)
     return (transformers.LlamaConfig if arch == "llama" else transformers.Qwen3Config)(**common)
 
 
@@ -100,6 +110,12 @@ def write_dense(arch, path, seed=0):
             if p.dim() >= 2:
                 p.normal_(0, p.shape[-1] ** -0.5)
     model.save_pretrained(path)
+    if arch in MOE_ARCHS:  # the names published MoE configs (and mlx_lm) use beside transformers 5's
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        cfg.update(rope_theta=cfg["rope_parameters"]["rope_theta"], num_experts=EXPERTS)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t1",
@@ -173,11 +189,22 @@ def ct_float64_reference(path, out):
             else:
                 s = scale.float().double() / sd[base + "_global_scale"].double()
         dense[base] = (q * s.repeat_interleave(-(-K // s.shape[1]), 1)[:, :K]).float()
+    if config.get("model_type") == "mixtral":
+        # llmcompressor writes Mixtral's experts under its linearized names (experts.{e}.gate_proj), which
+        # transformers' dense Mixtral loader does not read: the dense reference takes the published w1 / w3 / w2
+        leaves = {".gate_proj.": ".w1.", ".up_proj.": ".w3.", ".down_proj.": ".w2."}
+        dense = {_renamed(k, leaves) if ".experts." in k else k: v for k, v in dense.items()}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f)
     save_file(dense, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def _renamed(key, leaves):
+    for old, new in leaves.items():
+        key = key.replace(old, new)
+    return key
 
 
 # --------------------------------------------------------------------------------------------------------- mlx
@@ -215,6 +242,12 @@ _MLX_SCRIPT = """
                                   group_size=args["group_size"], bits=args["bits"], mode=args.get("mode", "affine"),
                                   dtype=mx.float32)
             dense_sd[k] = np.array(w.astype(mx.float32))
+        for k in [k for k in dense_sd if k.endswith(".switch_mlp.gate_proj.weight")]:
+            # mlx_lm's stacked experts, as the fused experts of transformers 5 (gate rows, then up rows)
+            block = k[: -len(".switch_mlp.gate_proj.weight")]
+            gate, up, down = (dense_sd.pop(f"{block}.switch_mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
+            dense_sd[f"{block}.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+            dense_sd[f"{block}.experts.down_proj"] = down
         os.makedirs(ref, exist_ok=True)
         json.dump(cfg, open(os.path.join(ref, "config.json"), "w"))
         save_file(dense_sd, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})

@@ -269,7 +269,8 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
     real (``parameters_on_meta``: no dense weight is ever allocated), loads the checkpoint with
     :func:`torch_lowbit.load_quantized` (transformers' own key renaming for the architecture; quantized layers
-    become Fp8Linear / Int8Linear / W4Linear / Fp8Experts), and moves it to `device` (default: mps if available, else cpu).
+    become Fp8Linear / Int8Linear / W4Linear / Fp8Experts / W4Experts), and moves it to `device` (default: mps if
+    available, else cpu).
     Returns the model in eval mode, on which ``model.generate(...)`` runs; with ``return_report=True``,
     ``(model, LoadReport)``.
 
@@ -480,6 +481,7 @@ def _checkpoint(model: nn.Module, caller: str):
     from .formats.hf_names import checkpoint_key_renaming
     from .formats.moe import is_experts_module
     from .nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear
+    from .nn.w4_experts import W4Experts
     from .nn.w4_linear import W4Linear
 
     quantized: Dict[str, torch.Tensor] = {}
@@ -504,6 +506,10 @@ def _checkpoint(model: nn.Module, caller: str):
             quantized.update(t)
             schemes[name] = key
             done.append(name)
+        elif isinstance(mod, W4Experts):  # one 4-bit Linear per expert and projection, with the W4Linear layers
+            from .formats import ct_w4
+            w4_layers.update(ct_w4.expert_weights(name, mod))
+            done.append(name)
         elif isinstance(mod, (Fp8Experts, Int8Experts)):
             t, s = _experts_tensors(name, mod)
             quantized.update(t)
@@ -527,7 +533,8 @@ def _checkpoint(model: nn.Module, caller: str):
                       stacklevel=3)
     if not schemes:
         raise ValueError(f"{caller}: the model holds no torch_lowbit layer (Fp8Linear, Int8Linear, W4Linear, "
-                         f"Fp8Experts, Int8Experts); quantize it first with torch_lowbit.quantize_(model, ...)")
+                         f"Fp8Experts, Int8Experts, W4Experts); quantize it first with "
+                         f"torch_lowbit.quantize_(model, ...)")
     dense = _dense_state_dict(model, done)
     rename = checkpoint_key_renaming(model)
     if rename is not None:
@@ -551,8 +558,8 @@ int4 as ``pack-quantized`` (symmetric, or with zero points), nvfp4 as ``nvfp4-pa
 ``mxfp4-pack-quantized``; MLX's uint4 with float biases has no compressed-tensors form and is refused), safetensors
 shards of
     at most `max_shard_size` (bytes, or a string like ``"2GB"``), and ``model.safetensors.index.json`` when there
-    are several. MoE experts (Fp8Experts, Int8Experts) are written one Linear per projection and expert; dense fused
-    experts in the model's fused layout. A transformers model's tensors get the names its architecture's
+    are several. MoE experts (Fp8Experts, Int8Experts, W4Experts) are written one Linear per projection and expert;
+    dense fused experts in the model's fused layout. A transformers model's tensors get the names its architecture's
     checkpoints use (transformers' conversion mapping, inverted, as ``save_pretrained`` does). compressed-tensors,
     transformers and :func:`torch_lowbit.load_quantized` read it back.
 

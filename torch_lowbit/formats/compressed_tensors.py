@@ -88,6 +88,9 @@ class CompressedTensors(CheckpointFormat):
                                      "weight_g_idx"),
                          details={"format": fmt, "groups": kinds})
 
+    def w4_present(self, src, fmt, prefix):
+        return f"{prefix}.weight_packed" in src
+
     def w4_weight(self, src, fmt, prefix, shape):
         pkey = f"{prefix}.weight_packed"
         if pkey not in src:

@@ -189,9 +189,43 @@ def global_divisor(g: torch.Tensor) -> torch.Tensor:
     return d
 
 
+@dataclass(frozen=True)
+class ExpertWeight:
+    """One expert's projection of a W4Experts, as the attributes of a W4Linear that :func:`model_tensors` reads
+    (views of the stacked tensors: nothing copied until written)."""
+    format: str
+    group_size: int
+    in_features: int
+    out_features: int
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_offset: Optional[torch.Tensor]
+    weight_scale_2: Optional[torch.Tensor]
+    bias: None = None
+    kind: str = "W4Experts"
+
+
+def expert_weights(name: str, layer) -> Dict[str, ExpertWeight]:
+    """A W4Experts' weights one Linear per expert and projection, under the per-expert names checkpoints use
+    (``{name}.{e}.gate_proj`` = gate rows of gate_up, ``up_proj`` the rest, ``down_proj``), as
+    compressed-tensors writes MoE experts."""
+    E, H, I = layer.num_experts, layer.hidden_size, layer.intermediate_size
+    out = {}
+    for e in range(E):
+        for proj, p, rows, K in (("gate_proj", "gate_up", slice(0, I), H), ("up_proj", "gate_up", slice(I, 2 * I), H),
+                                 ("down_proj", "down", slice(0, H), I)):
+            offset, scale_2 = getattr(layer, f"{p}_offset"), getattr(layer, f"{p}_scale_2")
+            out[f"{name}.{e}.{proj}"] = ExpertWeight(
+                layer.format, layer.group_size, K, rows.stop - rows.start, getattr(layer, f"{p}_packed")[e, rows],
+                getattr(layer, f"{p}_scale")[e, rows], None if offset is None else offset[e, rows],
+                None if scale_2 is None else scale_2[e].reshape(1))
+    return out
+
+
 def _check_writable(name: str, layer):
     if layer.format == "uint4":
-        raise ValueError(f"save_quantized: {name} is a W4Linear of format 'uint4' (MLX affine: w = q * scale + bias, "
+        raise ValueError(f"save_quantized: {name} is a {getattr(layer, 'kind', 'W4Linear')} of format 'uint4' (MLX "
+                         f"affine: w = q * scale + bias, "
                          f"float biases), which has no compressed-tensors form -- its int4 zero points are integers "
                          f"subtracted before the scale, and rewriting float biases as them would change the weights. "
                          f"Keep the MLX checkpoint, or quantize to 'int4' (Int4WeightOnly) for a compressed-tensors "

@@ -238,7 +238,8 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     dotted component runs, fnmatch wildcards, ``re:`` regexes) does not name becomes an ``Fp8Linear`` /
     ``Int8Linear``; one whose checkpoint weight is 4-bit (compressed-tensors pack-quantized / nvfp4 / mxfp4,
     ModelOpt NVFP4, MLX) becomes a ``W4Linear`` holding the stored codes and scales (W4A16);
-    MoE experts modules become ``Fp8Experts`` (see ``torch_lowbit.formats.moe``; 4-bit experts are refused).
+    MoE experts modules become ``Fp8Experts`` / ``Int8Experts`` / ``W4Experts`` (4-bit experts, per expert or MLX's
+    stacked ``switch_mlp``; see ``torch_lowbit.formats.moe``).
     Everything else (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``; MLX's
     quantized embeddings are dequantized once, into the dense embedding. device: where the loaded
     tensors go (default: where each model tensor is, cpu for meta). dtype: dtype of the high-precision
@@ -397,7 +398,7 @@ def _add_notes(fmt: QuantFormat, report: LoadReport, activations: str):
         else:
             why = ("Fp8Experts quantizes no activations" if kind == "Fp8Experts"
                    else "torch_lowbit does not run this activation scheme")
-            weights_only = "W4A16" if kind == "W4Linear" else "W8A16"
+            weights_only = "W4A16" if kind in ("W4Linear", "W4Experts") else "W8A16"
             report.notes.append(f"the checkpoint was written for {words} activations; {n} run {weights_only} "
                                 f"(weights only) whatever activations= says: {why}")
     if any(v.startswith("Int8Linear") for v in report.converted.values()) and not any(

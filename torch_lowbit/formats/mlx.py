@@ -12,6 +12,7 @@ into the model's dense embedding -- its memory is the dense size. Other bit widt
 (``mxfp8``) are refused by name."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ class MlxArgs:
     format: str
     group_size: int
     mode: str
+    bits: int = 4
+    where: str = ""
 
 
 def _args(cfg: dict, where: str) -> MlxArgs:
@@ -39,14 +42,18 @@ def _args(cfg: dict, where: str) -> MlxArgs:
     if mode not in MODES:
         raise CheckpointError(f"{where}.mode {mode!r} is not supported: torch_lowbit reads MLX's 4-bit modes "
                               f"{list(MODES)}")
-    if bits != 4:
+    if bits == 8 and mode == "affine":
+        # mlx_lm keeps MoE routers at 8 bits: dequantized once at load like embeddings (dense_tensor); a Linear
+        # of 8 bits is refused where it is read
+        bits = 8
+    elif bits != 4:
         raise CheckpointError(f"{where}.bits is {bits!r}: torch_lowbit reads 4-bit MLX weights only (not 2, 3, 5, 6 "
                               f"or 8-bit)")
     fmt, fixed, _ = MODES[mode]
     if group is None or group < 1 or (fixed is not None and group != fixed):
         want = f"{fixed}" if fixed is not None else "a positive int"
         raise CheckpointError(f"{where}.group_size must be {want} for mode {mode!r}, got {group!r}")
-    return MlxArgs(fmt, group, mode)
+    return MlxArgs(fmt, group, mode, bits, where)
 
 
 class Mlx(CheckpointFormat):
@@ -79,25 +86,44 @@ class Mlx(CheckpointFormat):
                          details={"group_size": default.group_size, "bits": 4, "mode": default.mode,
                                   "overrides": len(overrides)})
 
-    def _read(self, src, fmt, prefix, N, K) -> W4Weight:
+    def _read(self, src, fmt, prefix, shape, bits=4):
+        """Module `prefix`'s weight: a W4Weight, for `shape` [N, K] or MLX's stacked experts [E, N, K] (the
+        tensors then [E, N, ...]); with bits=8 (affine only) (codes uint8 [..., N, K], scales, biases)."""
         wkey, skey, bkey = f"{prefix}.weight", f"{prefix}.scales", f"{prefix}.biases"
         args = fmt.weight_args(prefix)
         if args is None:
             raise CheckpointError(f"{wkey} is packed ({src.dtype(wkey)}) but the config keeps {prefix} unquantized")
+        if args.bits != bits:
+            raise CheckpointError(f"{args.where}.bits is {args.bits}: torch_lowbit reads 4-bit MLX weights only (not "
+                                  f"2, 3, 5, 6 or 8-bit) in linear layers and experts; 8-bit routers and embeddings "
+                                  f"are dequantized at load")
         if src.dtype(wkey) != torch.uint32:
-            raise CheckpointError(f"{wkey} must be uint32 (eight 4-bit codes per word), got {src.dtype(wkey)}")
+            raise CheckpointError(f"{wkey} must be uint32 ({32 // bits} {bits}-bit codes per word), got "
+                                  f"{src.dtype(wkey)}")
+        *lead, N, K = shape
+        lead = tuple(lead)
+        per_word = 32 // bits
         words = src.get(wkey)
-        if words.dim() != 2 or words.shape[0] != N:
-            raise CheckpointError(f"{wkey} has shape {list(words.shape)}, expected [{N}, {K // 8}] for a 4-bit "
-                                  f"[{N}, {K}] weight")
-        packed = nibble_bytes(words, K, wkey)
+        if tuple(words.shape[:-1]) != lead + (N,) or words.dim() != len(shape):
+            want = list(lead) + [N, -(-K // per_word)]
+            raise CheckpointError(f"{wkey} has shape {list(words.shape)}, expected {want} for a {bits}-bit "
+                                  f"{list(shape)} weight")
+        flat = words.reshape(-1, words.shape[-1])
+        if bits == 4:
+            packed = nibble_bytes(flat, K, wkey).reshape(lead + (N, (K + 1) // 2))
+        else:
+            if words.shape[-1] * 4 != K:
+                raise CheckpointError(f"{wkey} has {words.shape[-1]} words per row, expected {K} / 4")
+            packed = flat.contiguous().view(torch.uint8).reshape(lead + (N, K))
+            if sys.byteorder == "big":
+                packed = packed.view(*lead, N, K // 4, 4).flip(-1).reshape(lead + (N, K))
         G = -(-K // args.group_size)
         scale = src.get(skey)
         _, _, scale_dtypes = MODES[args.mode]
-        if scale.dtype not in scale_dtypes or tuple(scale.shape) != (N, G):
-            raise CheckpointError(f"{skey} must be {' / '.join(str(d) for d in scale_dtypes)} of shape [{N}, {G}] "
-                                  f"(mode {args.mode!r}, groups of {args.group_size} along K = {K}), got "
-                                  f"{scale.dtype} of shape {list(scale.shape)}")
+        if scale.dtype not in scale_dtypes or tuple(scale.shape) != lead + (N, G):
+            raise CheckpointError(f"{skey} must be {' / '.join(str(d) for d in scale_dtypes)} of shape "
+                                  f"{list(lead) + [N, G]} (mode {args.mode!r}, groups of {args.group_size} along K = "
+                                  f"{K}), got {scale.dtype} of shape {list(scale.shape)}")
         if f"{prefix}.global_scale" in src:
             raise CheckpointError(f"{prefix}.global_scale: MLX weights with a global scale are not supported")
         keys, offset = [wkey, skey], None
@@ -105,23 +131,41 @@ class Mlx(CheckpointFormat):
             if bkey not in src:
                 raise CheckpointError(f"{bkey} is missing: MLX affine weights are q * scale + bias")
             offset = src.get(bkey)
-            if offset.dtype != scale.dtype or tuple(offset.shape) != (N, G):
-                raise CheckpointError(f"{bkey} must be {scale.dtype} of shape [{N}, {G}] like {skey}, got "
+            if offset.dtype != scale.dtype or offset.shape != scale.shape:
+                raise CheckpointError(f"{bkey} must be {scale.dtype} of shape {list(scale.shape)} like {skey}, got "
                                       f"{offset.dtype} of shape {list(offset.shape)}")
             keys.append(bkey)
+        if bits == 8:
+            return packed, scale, offset, keys
         return W4Weight(args.format, args.group_size, K, packed, scale.contiguous(), offset, None, keys)
 
+    def w4_present(self, src, fmt, prefix):
+        return f"{prefix}.{self.scale_key}" in src and f"{prefix}.weight" in src
+
     def w4_weight(self, src, fmt, prefix, shape):
-        if f"{prefix}.{self.scale_key}" not in src or f"{prefix}.weight" not in src:
+        if not self.w4_present(src, fmt, prefix):
             return None
-        return self._read(src, fmt, prefix, *shape)
+        return self._read(src, fmt, prefix, shape)
+
+    def stacked_experts(self, name):
+        # mlx_lm's SwitchGLU: {block}.switch_mlp.{gate,up,down}_proj beside the router, for transformers'
+        # {block}.experts
+        parent, _, leaf = name.rpartition(".")
+        return (f"{parent}.switch_mlp",) if leaf == "experts" else ()
 
     def dense_tensor(self, src, fmt, key, shape):
         if not key.endswith(".weight") or f"{key[:-7]}.{self.scale_key}" not in src or len(shape) != 2:
             return None
         from .. import _ops
 
-        w = self._read(src, fmt, key[:-7], *shape)
+        prefix = key[:-7]
+        args = fmt.weight_args(prefix)
+        if args is not None and args.bits == 8:  # q * scale + bias per group, in fp32 as mlx computes it
+            codes, scale, bias, keys = self._read(src, fmt, prefix, shape, bits=8)
+            g = args.group_size
+            full = (lambda t: t.float().repeat_interleave(g, dim=-1)[:, :shape[1]])
+            return codes.float() * full(scale) + full(bias), keys
+        w = self._read(src, fmt, prefix, shape)
         dense = _ops.w4_dequantize(w.packed, w.scale, w.format, w.group_size, w.in_features, w.offset, None,
                                    torch.float32)
         return dense, w.keys

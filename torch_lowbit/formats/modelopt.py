@@ -58,6 +58,10 @@ class ModelOpt(CheckpointFormat):
                          activations=((("Linear",), _ACTIVATIONS.get(algo.upper(), f"ModelOpt {algo}")),),
                          details={"quant_algo": algo, "kv_cache_quant_algo": merged.get("kv_cache_quant_algo")})
 
+    def w4_present(self, src, fmt, prefix):
+        wkey = f"{prefix}.weight"
+        return fmt.weight_args(prefix) == "nvfp4" and wkey in src and src.dtype(wkey) == torch.uint8
+
     def w4_weight(self, src, fmt, prefix, shape):
         wkey, skey, gkey = f"{prefix}.weight", f"{prefix}.weight_scale", f"{prefix}.weight_scale_2"
         if fmt.weight_args(prefix) != "nvfp4" or wkey not in src or src.dtype(wkey) != torch.uint8:

@@ -1,14 +1,16 @@
 """MoE experts: how the loader finds them in a model and fills them from per-expert checkpoint tensors.
 
 An *experts module* is a module of the model that is either a torch_lowbit experts layer (``Fp8Experts``,
-``Int8Experts``), or any module
+``Int8Experts``, ``W4Experts``), or any module
 with 3-D tensors ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` -- the fused experts of transformers >= 5
 (``Qwen3MoeExperts``, ...), whose ``forward(hidden, top_k_index, top_k_weights)`` Fp8Experts shares, so the MoE
 block's router and forward stay as they are. Checkpoints store experts one by one, as published:
 ``{name}.{e}.gate_proj.weight``, ``{name}.{e}.up_proj.weight``, ``{name}.{e}.down_proj.weight`` (+ scales).
 FP8 experts replace the module by an Fp8Experts (gate rows, then up rows), INT8 ones (compressed-tensors' int-quantized
-W8A8, per-channel scales) by an Int8Experts; unquantized experts are stacked into the module's own ``gate_up_proj`` /
-``down_proj``.
+W8A8, per-channel scales) by an Int8Experts, 4-bit ones (any layout a format's ``w4_weight`` reads: compressed-tensors
+pack-quantized / nvfp4 / mxfp4, ModelOpt NVFP4) by a W4Experts; MLX stores experts already stacked
+(``switch_mlp.{gate,up,down}_proj`` ``[E, N, K/8]`` words: the format names the prefix, ``stacked_experts``).
+Unquantized experts are stacked into the module's own ``gate_up_proj`` / ``down_proj``.
 
 Experts held as an ``nn.ModuleList`` of MLPs (transformers < 5) are not experts modules: each expert's
 gate/up/down ``nn.Linear`` becomes an Fp8Linear by the ordinary linear rule (correct, one matmul per expert).
@@ -24,6 +26,7 @@ from torch import nn
 from ..granularity import Granularity, PerBlock, PerChannel, PerTensor
 from ..nn.experts import Fp8Experts
 from ..nn.int8_experts import Int8Experts
+from ..nn.w4_experts import W4Experts
 from .registry import FP8_LAYER_SCHEMES, QuantFormat
 from .source import CheckpointError, Source
 from .tensors import QuantizedWeight, read_quantized
@@ -31,15 +34,18 @@ from .tensors import QuantizedWeight, read_quantized
 PROJS = ("gate", "up", "down")
 
 
+QUANTIZED_EXPERTS = (Fp8Experts, Int8Experts, W4Experts)
+
+
 def is_experts_module(m: nn.Module) -> bool:
-    if isinstance(m, (Fp8Experts, Int8Experts)):
+    if isinstance(m, QUANTIZED_EXPERTS):
         return True
     gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3
 
 
 def experts_dims(m: nn.Module) -> Tuple[int, int, int]:
-    if isinstance(m, (Fp8Experts, Int8Experts)):
+    if isinstance(m, QUANTIZED_EXPERTS):
         return m.num_experts, m.hidden_size, m.intermediate_size
     E, I2, H = m.gate_up_proj.shape
     return E, H, I2 // 2
@@ -169,13 +175,16 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
     """(module to put at `name`, checkpoint keys used, description, quantized?) or None when the checkpoint has
     no per-expert tensors for it (then its own keys, if any, load like any other parameter)."""
     E, H, I = experts_dims(module)
+    w4 = _load_w4(src, fmt, name, module, device, dtype)
+    if w4 is not None:
+        return w4
     wkeys = {(e, p): f"{name}.{e}.{p}_proj.weight" for e in range(E) for p in PROJS}
     present = [k for k in wkeys.values() if k in src]
     packed = [k + "_packed" for k in wkeys.values() if k + "_packed" in src] + [
         k for k in present if src.dtype(k) == torch.uint32]
     if packed:
-        raise CheckpointError(f"{packed[0]}: 4-bit MoE experts ({fmt.name}) are not supported yet: torch_lowbit loads "
-                              f"4-bit weights into linear layers (W4Linear), and {name} is a fused experts module")
+        raise CheckpointError(f"{packed[0]}: 4-bit MoE experts are not supported in {fmt.name} checkpoints (its "
+                              f"format reads no 4-bit weight there)")
     if not present:
         return None
     missing = [k for k in wkeys.values() if k not in src]
@@ -263,7 +272,7 @@ def _record_activation_scheme(layer: Fp8Experts, name: str, scheme, input_scales
 
 
 def _load_dense(src: Source, name: str, module: nn.Module, wkeys: Dict, device, dtype):
-    if isinstance(module, (Fp8Experts, Int8Experts)):
+    if isinstance(module, QUANTIZED_EXPERTS):
         raise CheckpointError(f"the checkpoint stores the experts of {name} unquantized ({wkeys[(0, 'gate')]} is "
                               f"{src.dtype(wkeys[(0, 'gate')])}), but the model holds an {type(module).__name__} there")
     E, H, I = experts_dims(module)
@@ -283,3 +292,129 @@ def _load_dense(src: Source, name: str, module: nn.Module, wkeys: Dict, device, 
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         setattr(module, attr, new)
     return module, list(wkeys.values()), f"stored as {src.dtype(wkeys[(0, 'gate')])}", False
+
+
+# ------------------------------------------------------------------------------------------------- 4-bit experts
+def _w4_pieces(src: Source, fmt: QuantFormat, name: str, E: int, H: int, I: int):
+    """Where the 4-bit experts of `name` are: [(module prefix, weight shape, experts, projection, rows)] in read
+    order -- per expert and projection (``{name}.{e}.gate_proj`` [I, H], ...), or, where the format stores them
+    stacked (MLX), one piece per projection of shape [E, N, K] -- or None when the checkpoint holds no 4-bit
+    weight for them."""
+    form = fmt.format
+    if form is None:
+        return None
+    rows = {"gate": slice(0, I), "up": slice(I, 2 * I), "down": slice(0, H)}
+    shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    for base in form.stacked_experts(name):
+        if form.w4_present(src, fmt, f"{base}.gate_proj"):
+            return [(f"{base}.{p}_proj", (E,) + shapes[p], slice(0, E), p, rows[p]) for p in PROJS]
+    if not form.w4_present(src, fmt, f"{name}.0.gate_proj"):
+        return None
+    return [(f"{name}.{e}.{p}_proj", shapes[p], slice(e, e + 1), p, rows[p]) for e in range(E) for p in PROJS]
+
+
+class _W4Stack:
+    """The stacked tensors of one projection (gate_up or down) of a W4Experts, filled piece by piece: each
+    piece's codes, scales and offsets are copied in as read, so at most one checkpoint tensor is held besides
+    what the layer keeps (never a dense copy of an expert)."""
+
+    def __init__(self, E: int, rows: int, cols: int):
+        self.E, self.rows, self.cols = E, rows, cols
+        self.t: Dict[str, Optional[torch.Tensor]] = {}
+        self.scale_2: List[Optional[torch.Tensor]] = [None] * E
+
+    def put(self, prefix: str, key: str, part, experts: slice, rows: slice, G: int):
+        """Copy `part` ([n, rows, ...] or [rows, ...] for one expert) into tensor `key`, allocated on first use."""
+        if part is None:
+            return
+        part = part.reshape(experts.stop - experts.start, rows.stop - rows.start, -1)
+        if key not in self.t:
+            width = (self.cols + 1) // 2 if key == "packed" else G
+            self.t[key] = torch.empty(self.E, self.rows, width, dtype=part.dtype)
+        dst = self.t[key][experts, rows]
+        if part.shape[-1] != dst.shape[-1]:
+            if part.shape[-1] != 1:
+                raise CheckpointError(f"{prefix}: {part.shape[-1]} groups per row where the experts read before it "
+                                      f"have {dst.shape[-1]}: a W4Experts projection has one layout for all experts")
+            part = part.expand(-1, -1, dst.shape[-1])  # one scale per row, repeated over the groups: the same weights
+        dst.copy_(part)
+
+
+def _load_w4(src: Source, fmt: QuantFormat, name: str, module: nn.Module, device, dtype):
+    """The experts of `name` as a W4Experts when the checkpoint stores them 4-bit, else None."""
+    E, H, I = experts_dims(module)
+    pieces = _w4_pieces(src, fmt, name, E, H, I)
+    if pieces is None:
+        return None
+    if isinstance(module, (Fp8Experts, Int8Experts)):
+        raise CheckpointError(f"the checkpoint stores the experts of {name} as 4-bit weights, but the model holds an "
+                              f"{type(module).__name__} there")
+    if not isinstance(module, W4Experts):
+        _check_activation(name, module)
+    ignored = [prefix for prefix, *_ in pieces if fmt.is_ignored(prefix) or fmt.is_ignored(name)]
+    if ignored:
+        raise CheckpointError(f"{ignored[0]} holds a 4-bit weight but is in the checkpoint's ignore list")
+    stacks = {"gate_up": _W4Stack(E, 2 * I, H), "down": _W4Stack(E, H, I)}
+    first, used, group = None, [], None
+    for prefix, shape, experts, p, rows in pieces:
+        w = fmt.format.w4_weight(src, fmt, prefix, shape)
+        if w is None:
+            raise CheckpointError(f"experts module {name}: {prefix} holds no 4-bit weight while {pieces[0][0]} does "
+                                  f"(a missing or unquantized expert): torch_lowbit needs all experts of a layer in "
+                                  f"one format")
+        if first is None:
+            first = w
+        if (w.format, w.scale.dtype, w.offset is None, w.global_scale is None) != (
+                first.format, first.scale.dtype, first.offset is None, first.global_scale is None):
+            raise CheckpointError(f"{prefix} is a {w.describe()} weight ({w.scale.dtype} scales) while "
+                                  f"{pieces[0][0]} is {first.describe()} ({first.scale.dtype} scales): torch_lowbit "
+                                  f"needs all experts of a layer in one 4-bit format")
+        G = w.scale.shape[-1]
+        if G > 1:  # a projection with one group per row takes any group size at least its width
+            if group is not None and w.group_size != group:
+                raise CheckpointError(f"{prefix} has groups of {w.group_size} while other experts of {name} have "
+                                      f"groups of {group}: a W4Experts layer has one group size")
+            group = w.group_size
+        stack = stacks["down" if p == "down" else "gate_up"]
+        stack.put(prefix, "packed", w.packed, experts, rows, G)
+        stack.put(prefix, "scale", w.scale, experts, rows, G)
+        stack.put(prefix, "offset", w.offset, experts, rows, G)
+        if w.global_scale is not None:
+            _put_scale_2(stack, prefix, w.global_scale, experts)
+        used += w.keys
+    if group is None:  # every projection per channel
+        group = max(H, I, 1)
+    for st, cols in ((stacks["gate_up"], H), (stacks["down"], I)):
+        G = -(-cols // group)
+        for key in ("scale", "offset"):  # per-channel projections beside grouped ones: their scale repeated
+            if key in st.t and st.t[key].shape[-1] != G:
+                st.t[key] = st.t[key].expand(-1, -1, G).contiguous()
+    parts = []
+    for st in (stacks["gate_up"], stacks["down"]):
+        d = {"packed": st.t["packed"], "scale": st.t["scale"], "offset": st.t.get("offset")}
+        if first.global_scale is not None:
+            d["scale_2"] = torch.stack(st.scale_2)
+        parts.append(d)
+    try:
+        layer = W4Experts.from_quantized(*parts, format=first.format, group_size=group, hidden_size=H,
+                                         intermediate_size=I, dtype=dtype or torch.bfloat16)
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{name}: the checkpoint's 4-bit experts do not make a W4Experts: {e}") from None
+    layer = layer.to(device) if device is not None else layer
+    groups = "channel" if group >= max(H, I) else f"group {group}"
+    extra = {"int4": ", zero points", "uint4": ", biases"}.get(first.format, "") if first.offset is not None else ""
+    return layer, used, f"W4Experts(E={E}, {first.format}, {groups}{extra})", True
+
+
+def _put_scale_2(stack: _W4Stack, prefix: str, g: torch.Tensor, experts: slice):
+    """nvfp4's global multiplier per expert: gate and up must share one (W4Experts holds one per expert and
+    projection; llmcompressor fuses gate and up's global scales for this reason)."""
+    g = g.to(torch.float32).reshape(-1)
+    for i, e in enumerate(range(experts.start, experts.stop)):
+        v = g[i if g.numel() > 1 else 0].reshape(())
+        have = stack.scale_2[e]
+        if have is not None and not torch.equal(have, v):
+            raise CheckpointError(f"{prefix}'s global scale {float(v)!r} differs from the gate projection's "
+                                  f"{float(have)!r} of the same expert: a W4Experts layer holds one global scale per "
+                                  f"expert for gate and up (fused), so these experts cannot be stacked")
+        stack.scale_2[e] = v

@@ -265,6 +265,15 @@ class CheckpointFormat:
         if the checkpoint holds it as a 4-bit weight of this format, else None."""
         return None
 
+    def w4_present(self, src: Source, fmt: QuantFormat, prefix: str) -> bool:
+        """Does the checkpoint hold a 4-bit weight of this format for module `prefix` (by its keys, nothing read)?"""
+        return False
+
+    def stacked_experts(self, name: str) -> Tuple[str, ...]:
+        """Module prefixes under which this format stores the experts of the model's experts module `name` stacked,
+        one tensor per projection (``{prefix}.gate_proj`` ... of shape [E, N, K]; MLX's ``switch_mlp``)."""
+        return ()
+
     def dense_tensor(self, src: Source, fmt: QuantFormat, key: str, shape: Tuple[int, ...]):
         """(tensor, keys read) for a model tensor `key` the checkpoint stores packed outside any layer torch_lowbit
         converts (MLX's quantized embeddings), dequantized once; None where it is stored as it is."""
