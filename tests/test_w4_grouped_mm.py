@@ -74,7 +74,7 @@ def test_mixed_groups(isa, fmt):
     x = torch.randn(T, K, generator=g).to(torch.bfloat16)
     out = check_grouped(x, fmt, GROUP[fmt], w, offsets, ids)
     assert torch.equal(out[offsets[-1]:], torch.zeros_like(out[offsets[-1]:]))  # rows in no group
-    assert torch.equal(out[16:18], torch.zeros_like(out[16:18]))  # expert -1's rows
+    assert torch.equal(out[13:15], torch.zeros_like(out[13:15]))  # expert -1's rows
     # without expert_ids group g uses expert g
     check_grouped(x, fmt, GROUP[fmt], w, offsets[:E + 1], None)
 

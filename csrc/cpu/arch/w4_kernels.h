@@ -5,7 +5,10 @@
 // Every weight is decoded exactly per element, in fp32, as the contract says: each group's 16 possible weights
 // are a table (value * scale, (value - zero point) * scale, or value * scale + bias, rounded as those fp32
 // expressions are), and a code picks its entry -- the same bits as decoding element by element. The global scale
-// and the output bias are applied by the driver after the K reduction.
+// and the output bias are applied by the driver after the K reduction. The one exception, the bf16-activation
+// GEMV (gemv_tile_bf16, for formats without offsets), scales each group's fp32 sum of x * value once, as fp8's
+// block scales are: the same value up to fp32 rounding, and an inf scale gives its column inf where the float64
+// sum of infinite terms of both signs is NaN.
 //
 // Packed order: K is cut into chunks of kW4Chunk codes (16 bytes of codes); in each chunk the 16 even codes come
 // first, then the 16 odd ones -- the order in which a byte's low and high nibbles come out of a vector decode.

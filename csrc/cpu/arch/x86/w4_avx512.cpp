@@ -318,13 +318,9 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
                                                float* sums) {
   const int64_t K = op.K, rb = op.row_bytes(), Kp = w4_bf16_padded(K);
   const uint8_t* w = op.codes + n0 * rb;
-  alignas(64) uint16_t words[32];
-  for (int i = 0; i < 32; i++) {
-    uint32_t u;
-    std::memcpy(&u, &op.values[i & 15], 4);
-    words[i] = uint16_t(u >> 16);
-  }
-  const __m512i table = _mm512_load_si512(words);
+  // the values' high halves (exact bf16: gemv_bf16_takes), twice
+  const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(op.values)), 16));
+  const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
   __m512 tot[MR][NR], part[MR][NR][2];
   for (int m = 0; m < MR; m++)
