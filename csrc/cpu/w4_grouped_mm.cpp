@@ -76,7 +76,8 @@ at::Tensor w4_grouped_mm(const at::Tensor& x, const at::Tensor& codes, const at:
       return;
     }
     LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "w4_grouped_mm", [&] {
-      w4_matmul<scalar_t>(a.x.data_ptr<scalar_t>() + r0 * K, rows, w4_operand(a.w, e), out.data_ptr<scalar_t>() + r0 * N, N);
+      w4_matmul<scalar_t>(a.x.data_ptr<scalar_t>() + r0 * K, rows, w4_operand(a.w, e),
+                          out.data_ptr<scalar_t>() + r0 * N, N);
     });
   });
   if (!small.empty())

@@ -9,7 +9,9 @@ their own weight bytes; the M=64 bf16-x rows of fp8_mm against F.linear bf16 (AM
 The 4-bit rows (w4_mm int4 group 128 with bf16 scales, and nvfp4, on both Llama-3-8B shapes) stream codes and
 scales together against the read of those bytes, and compare M=1 with fp8_mm on the same shape, F.linear bf16 and
 torch's own int4 GEMV (``_weight_int4pack_mm_for_cpu``, same group size), each cycling its own weight through the
-working set; M=64 against F.linear bf16.
+working set; M=64 against F.linear bf16. The 4-bit grouped rows decode one token through 8 of 128 experts at
+Qwen3-30B-A3B's expert shapes (w4_grouped_mm int4 g128) against a read of the chosen experts' bytes and
+fp8_grouped_mm; ``--only w4-decode`` runs just the 4-bit batch-1 rows (dense M=1 and grouped decode).
 ``--threads 1,2,all`` runs the suite at each thread count (the table's first column).
 
 Batch-1 decode reads weights that are not in any cache (a model's layers are far larger than the last-level

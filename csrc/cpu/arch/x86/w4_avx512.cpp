@@ -375,9 +375,8 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
   // kSmall: the decoded scales of groups base .. base + 15 per row, and the lanes' groups relative to a step's first
   alignas(64) float sc[NR][16];
   int64_t base = -16;
-  const __m512i lane_group = kSmall ? _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                        int(__builtin_ctzll(op.group / 8)))
-                                    : _mm512_setzero_si512();
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i lane_group = kSmall ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
   // codes per scaling of the sums: a step, a group, or the row
   const int64_t per = kSmall ? kW4Bf16Step : op.G <= 1 ? Kp : op.group;
   for (int64_t k = 0, g = 0; k < Kp; g++) {
