@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cpu/arch/kernel_set.h"
 #include "cpu/parallel.h"
@@ -62,26 +63,6 @@ void pack(const T* x, int64_t M, int64_t K, float* dst) {
   });
 }
 
-template <typename T>
-void gemv(const W4Kernels& kern, const float* xp, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
-  const int64_t ldx = w4_padded(op.K);
-  // one activation row: 4 weight rows per pass share its loads; more rows: 2 weight rows x up to 4 x rows
-  const int64_t rows_per_pass = M == 1 ? 4 : 2;
-  parallel_chunks(op.N, stream_chunk(op.N, kMaxTileRows, 16), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1;) {
-      const int nr = int(std::min(rows_per_pass, n1 - n));
-      for (int64_t m = 0; m < M; m += kMaxTileRows) {  // later groups of rows find the weight rows in L1
-        const int mr = int(std::min<int64_t>(kMaxTileRows, M - m));
-        float sums[kMaxTileRows * kMaxTileRows];
-        kern.gemv_tile(mr, nr, xp + m * ldx, ldx, op, n, sums);
-        for (int i = 0; i < mr; i++)
-          for (int r = 0; r < nr; r++) out[(m + i) * ldo + n + r] = T(finish(op, n + r, sums[i * nr + r]));
-      }
-      n += nr;
-    }
-  });
-}
-
 // Panels of kPanelRows weight rows, each decoded window by window into fp32 (exact) and multiplied with the
 // packed activations in torch's fp32 GEMM (single-threaded inside the task): sums [rows][M] per panel.
 template <typename T>
@@ -111,6 +92,46 @@ void panel_gemm(const W4Kernels& kern, const float* xp, int64_t M, const W4Opera
 }  // namespace
 
 template <typename T>
+W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op) {
+  W4GemvActivations a;
+  a.K = op.K;
+  a.bf16 = std::is_same_v<T, c10::BFloat16> && kern.gemv_tile_bf16 && kern.gemv_bf16_takes(op);
+  return a;
+}
+
+template <typename T>
+void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* dst) {
+  if (!acts.bf16) return pack(x, M, acts.K, static_cast<float*>(dst));
+  const int64_t K = acts.K, Kp = acts.row_elems();
+  for (int64_t m = 0; m < M; m++) {  // the bits of bf16 x, moved: a few KB per row
+    uint16_t* d = static_cast<uint16_t*>(dst) + m * Kp;
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(x) + m * K;
+    for (int64_t k = 0; k < K; k++) d[w4_bf16_pos(k)] = s[k];
+    for (int64_t k = K; k < Kp; k++) d[w4_bf16_pos(k)] = 0;
+  }
+}
+
+template <typename T>
+void w4_gemv_rows(const W4Kernels& kern, const W4GemvActivations& acts, const void* xp, int64_t M, const W4Operand& op,
+                  int64_t n0, int64_t n1, T* out, int64_t ldo) {
+  const int64_t ldx = acts.row_elems();
+  // one activation row: 4 weight rows per pass share its loads; more rows: 2 weight rows x up to 4 x rows
+  const int64_t rows_per_pass = M == 1 ? 4 : 2;
+  for (int64_t n = n0; n < n1;) {
+    const int nr = int(std::min(rows_per_pass, n1 - n));
+    for (int64_t m = 0; m < M; m += kMaxTileRows) {  // later groups of rows find the weight rows in L1
+      const int mr = int(std::min<int64_t>(kMaxTileRows, M - m));
+      float sums[kMaxTileRows * kMaxTileRows];
+      if (acts.bf16) kern.gemv_tile_bf16(mr, nr, static_cast<const uint16_t*>(xp) + m * ldx, ldx, op, n, sums);
+      else kern.gemv_tile(mr, nr, static_cast<const float*>(xp) + m * ldx, ldx, op, n, sums);
+      for (int i = 0; i < mr; i++)
+        for (int r = 0; r < nr; r++) out[(m + i) * ldo + n + r] = T(finish(op, n + r, sums[i * nr + r]));
+    }
+    n += nr;
+  }
+}
+
+template <typename T>
 void w4_matmul(const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
   if (M == 0 || op.N == 0) return;
   if (op.K == 0) {  // an empty sum: bias or zero
@@ -119,10 +140,17 @@ void w4_matmul(const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) 
     return;
   }
   const W4Kernels& kern = kernel_set().w4;
-  float* xp = scratch<float>(Slot::Activations, size_t(M * w4_padded(op.K)));
-  pack(x, M, op.K, xp);
-  if (M >= kW4GemmMinRows) panel_gemm(kern, xp, M, op, out, ldo);
-  else gemv(kern, xp, M, op, out, ldo);
+  if (M >= kW4GemmMinRows) {
+    float* xp = scratch<float>(Slot::Activations, size_t(M * w4_padded(op.K)));
+    pack(x, M, op.K, xp);
+    panel_gemm(kern, xp, M, op, out, ldo);
+  } else {
+    const W4GemvActivations acts = w4_gemv_activations<T>(kern, op);
+    uint8_t* xp = scratch<uint8_t>(Slot::Activations, size_t(M * acts.row_bytes()));
+    w4_pack_rows(acts, x, M, xp);
+    parallel_chunks(op.N, stream_chunk(op.N, kMaxTileRows, 16),
+                    [&](int64_t n0, int64_t n1) { w4_gemv_rows(kern, acts, xp, M, op, n0, n1, out, ldo); });
+  }
   release_scratch_above_cap(Slot::Activations);
 }
 
@@ -172,6 +200,10 @@ void w4_dequantize_to(const W4Operand& op, T* out) {
 }
 
 #define LOWBIT_W4_INSTANTIATE(T)                                                 \
+  template W4GemvActivations w4_gemv_activations<T>(const W4Kernels&, const W4Operand&); \
+  template void w4_pack_rows<T>(const W4GemvActivations&, const T*, int64_t, void*); \
+  template void w4_gemv_rows<T>(const W4Kernels&, const W4GemvActivations&, const void*, int64_t, const W4Operand&, \
+                                int64_t, int64_t, T*, int64_t); \
   template void w4_matmul<T>(const T*, int64_t, const W4Operand&, T*, int64_t);   \
   template void w4_matmul_t<T>(const T*, int64_t, const W4Operand&, T*, int64_t); \
   template void w4_dequantize_to<T>(const W4Operand&, T*);

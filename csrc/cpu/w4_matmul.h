@@ -23,6 +23,26 @@ W4Operand w4_operand(const W4Weight& w, int64_t e = 0, const float* bias = nullp
 // again for every 4 rows).
 constexpr int64_t kW4GemmMinRows = 8;
 
+// How the GEMV tiles see the activations: fp32 in w4_kernels.h's packed order, or -- bf16 x, where the kernel set
+// has a bf16 tile that takes the weight -- the bf16 values themselves in its bf16 order.
+struct W4GemvActivations {
+  bool bf16 = false;
+  int64_t K = 0;
+  int64_t row_elems() const { return bf16 ? w4_bf16_padded(K) : w4_padded(K); }
+  int64_t row_bytes() const { return row_elems() * (bf16 ? 2 : 4); }
+};
+template <typename T>
+W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op);
+
+// Pieces for callers that schedule many small products themselves (w4_grouped_mm's decode case): w4_pack_rows
+// writes x [M, K] as M packed rows of acts.row_bytes(); w4_gemv_rows then computes output columns [n0, n1) of
+// those rows (M < kW4GemmMinRows) on the calling thread, global scale and bias applied.
+template <typename T>
+void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* dst);
+template <typename T>
+void w4_gemv_rows(const W4Kernels& kern, const W4GemvActivations& acts, const void* xp, int64_t M, const W4Operand& op,
+                  int64_t n0, int64_t n1, T* out, int64_t ldo);
+
 // out[m * ldo + n] = global * sum_k x[m, k] * w[n, k] (+ bias[n]), rounded once to T.
 template <typename T>
 void w4_matmul(const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo);

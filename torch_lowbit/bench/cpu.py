@@ -9,7 +9,9 @@ their own weight bytes; the M=64 bf16-x rows of fp8_mm against F.linear bf16 (AM
 The 4-bit rows (w4_mm int4 group 128 with bf16 scales, and nvfp4, on both Llama-3-8B shapes) stream codes and
 scales together against the read of those bytes, and compare M=1 with fp8_mm on the same shape, F.linear bf16 and
 torch's own int4 GEMV (``_weight_int4pack_mm_for_cpu``, same group size), each cycling its own weight through the
-working set; M=64 against F.linear bf16.
+working set; M=64 against F.linear bf16. The 4-bit grouped rows decode one token through 8 of 128 experts at
+Qwen3-30B-A3B's expert shapes (w4_grouped_mm int4 g128) against a read of the chosen experts' bytes and
+fp8_grouped_mm; ``--only w4-decode`` runs just the 4-bit batch-1 rows (dense M=1 and grouped decode).
 ``--threads 1,2,all`` runs the suite at each thread count (the table's first column).
 
 Batch-1 decode reads weights that are not in any cache (a model's layers are far larger than the last-level
@@ -117,7 +119,8 @@ def run(argv) -> int:
                    help="bytes the M=1 cases stream per weight (default max(512, 2 x last-level cache) MB)")
     p.add_argument("--isa", default="best", choices=[*CPU_ISA_LEVELS, "best"],
                    help="cap the instruction set of our CPU kernels (AMX needs avx512), to see a slower CPU's paths")
-    p.add_argument("--only", choices=["w4"], default=None, help="run only these rows (the 4-bit ones)")
+    p.add_argument("--only", choices=["w4", "w4-decode"], default=None,
+                   help="run only these rows: the 4-bit ones, or their batch-1 rows (dense M=1 and grouped decode)")
     args = p.parse_args(argv)
     try:
         counts = _thread_counts(args.threads)
@@ -185,8 +188,9 @@ def _run(args, meta):
     ws = (args.working_set_mb << 20) if args.working_set_mb else max((64 if quick else 512) << 20, 2 * llc)
     print(f"  M=1 cases stream a {ws >> 20} MB working set per weight (last-level cache: {llc >> 20} MB)", flush=True)
     rep_big = 2 if quick else 3
-    if args.only == "w4":
-        _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen)
+    if args.only in ("w4", "w4-decode"):
+        _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=args.only == "w4-decode")
+        _w4_grouped_cases(rows, quick, ws, rounds, rep, gen)
         meta.update(K=K, N=N, working_set_bytes=ws, last_level_cache_bytes=llc, quick=quick)
         return rows
 
@@ -261,13 +265,15 @@ def _run(args, meta):
           None, None), loop, "per-group F.linear bf16", 1.8, rounds, rep * 3, gbits.numel())
 
     _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen)
+    _w4_grouped_cases(rows, quick, ws, rounds, rep, gen)
 
     meta.update(K=K, N=N, read_gbs=read_gbs, working_set_bytes=ws, last_level_cache_bytes=llc, quick=quick)
     return rows
 
 
-def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen):
-    """w4_mm M=1 on both Llama-3-8B shapes from memory, and M=64 (see the module's docstring)."""
+def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False):
+    """w4_mm M=1 on both Llama-3-8B shapes from memory, and M=64 (see the module's docstring); decode_only: the
+    M=1 rows against the read, fp8_mm and torch's int4 GEMV only."""
     ops = torch.ops.lowbit
     for k, n in ((K, N), (N, K)):
         x1 = torch.randn(1, k, generator=gen).to(torch.bfloat16)
@@ -285,11 +291,12 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen):
               lambda x1=x1, fp8_set=fp8_set, fscale=fscale: ops.fp8_mm(x1, fp8_set.next(), fscale, None, None),
               "fp8_mm", 1.6, rounds, rep, codes.numel())
         del fp8_set
-        bf16_set = _Rotating((torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16), ws)
-        _case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1,
-              lambda x1=x1, bf16_set=bf16_set: F.linear(x1, bf16_set.next()), "F.linear bf16", 3.5, rounds, rep,
-              codes.numel())
-        del bf16_set
+        if not decode_only:
+            bf16_set = _Rotating((torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16), ws)
+            _case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1,
+                  lambda x1=x1, bf16_set=bf16_set: F.linear(x1, bf16_set.next()), "F.linear bf16", 3.5, rounds, rep,
+                  codes.numel())
+            del bf16_set
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen), 1)
         sz = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).contiguous()  # [K/128, N, 2]
@@ -308,6 +315,8 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen):
             return ops.w4_mm(x1, c, s, "nvfp4", 16, None, gsc)
         _stream_case(rows, f"w4_mm nvfp4 g16 M=1 K={k} N={n}", nvfp4_m1, nv, rounds, rep, 0.85)
         del nv
+        if decode_only:
+            continue
         # prefill
         x64 = torch.randn(64, k, generator=gen).to(torch.bfloat16)
         wb = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
@@ -315,3 +324,56 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen):
               lambda x64=x64, c=codes, s=scale: ops.w4_mm(x64, c, s, "int4", 128),
               lambda x64=x64, wb=wb: F.linear(x64, wb), "F.linear bf16", 1.0, rounds, rep_big, codes.numel())
         del wb
+
+
+class _ExpertDecode:
+    """T = 1 routed to `top` of a stacked weight's E experts, each call from memory: it cycles through copies of
+    the stack and, per copy, through disjoint sets of experts, so that the calls together touch copies x E experts
+    (a working set beyond the last-level cache) while each reads only its own experts' bytes."""
+
+    def __init__(self, tensors, top, bytes_total, gen):
+        self.E = tensors[0].shape[0]
+        per_copy = sum(t.numel() * t.element_size() for t in tensors)
+        n = max(1, -(-int(bytes_total) // per_copy))
+        self.copies = [tensors] + [[t.clone() for t in tensors] for _ in range(n - 1)]
+        perm = torch.randperm(self.E, generator=gen).to(torch.int32)
+        self.sets = [perm[i:i + top] for i in range(0, self.E - top + 1, top)]
+        self.i = 0
+        self.offsets = torch.arange(top + 1, dtype=torch.int32)
+
+    def next(self):
+        """(tensors of a copy, expert ids)"""
+        self.i += 1
+        return self.copies[self.i % len(self.copies)], self.sets[(self.i // len(self.copies)) % len(self.sets)]
+
+
+def _w4_grouped_cases(rows, quick, ws, rounds, rep, gen):
+    """w4_grouped_mm decode at Qwen3-30B-A3B's expert shapes (E = 128, hidden 2048, moe_intermediate 768): one
+    token through 8 experts, int4 g128 bf16 scales, weights from memory; against a plain read of as many bytes as
+    the chosen experts hold (from a working set as large) and fp8_grouped_mm (per-channel scales) on the same
+    shapes and routing."""
+    ops = torch.ops.lowbit
+    E, top = (16, 4) if quick else (128, 8)
+    hidden, inter = (512, 256) if quick else (2048, 768)
+    for name, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
+        codes = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, generator=gen)
+        scale = (torch.rand(E, n, k // 128, generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
+        x = torch.randn(1, k, generator=gen).to(torch.bfloat16).expand(top, k).contiguous()
+        w4 = _ExpertDecode([codes, scale], top, ws, gen)
+
+        def w4_call(w4=w4, x=x):
+            (c, s), ids = w4.next()
+            return ops.w4_grouped_mm(x, c, s, "int4", 128, w4.offsets, ids, None, None)
+        chosen = top * (codes[0].numel() + scale[0].numel() * scale.element_size())
+        read_set = _Rotating(torch.ones(chosen, dtype=torch.uint8), ws)
+        label = f"w4_grouped_mm int4 g128 {name} T=1 top{top}/{E} K={k} N={n}"
+        _stream_case(rows, label, w4_call, read_set, rounds, rep, 0.85)
+        del read_set
+        fp8 = _ExpertDecode([_fp8_weight(E * n, k, gen)[0].view(E, n, k)], top, ws, gen)
+        fscale = torch.rand(E, n, generator=gen) * 0.01
+
+        def fp8_call(fp8=fp8, x=x, fscale=fscale):
+            (w,), ids = fp8.next()
+            return ops.fp8_grouped_mm(x, w, fscale, fp8.offsets, ids, None)
+        _case(rows, label, w4_call, fp8_call, "fp8_grouped_mm", 1.6, rounds, rep, chosen)
+        del fp8, w4

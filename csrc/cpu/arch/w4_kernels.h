@@ -5,7 +5,10 @@
 // Every weight is decoded exactly per element, in fp32, as the contract says: each group's 16 possible weights
 // are a table (value * scale, (value - zero point) * scale, or value * scale + bias, rounded as those fp32
 // expressions are), and a code picks its entry -- the same bits as decoding element by element. The global scale
-// and the output bias are applied by the driver after the K reduction.
+// and the output bias are applied by the driver after the K reduction. The one exception, the bf16-activation
+// GEMV (gemv_tile_bf16, for formats without offsets), scales each group's fp32 sum of x * value once, as fp8's
+// block scales are: the same value up to fp32 rounding, and an inf scale gives its column inf where the float64
+// sum of infinite terms of both signs is NaN.
 //
 // Packed order: K is cut into chunks of kW4Chunk codes (16 bytes of codes); in each chunk the 16 even codes come
 // first, then the 16 odd ones -- the order in which a byte's low and high nibbles come out of a vector decode.
@@ -37,6 +40,13 @@ constexpr int64_t kW4Chunk = 32;
 inline int64_t w4_padded(int64_t K) { return (K + kW4Chunk - 1) / kW4Chunk * kW4Chunk; }
 // The packed position of code k (see above).
 inline int64_t w4_packed_pos(int64_t k) { return (k & ~int64_t(31)) | ((k & 1) << 4) | ((k & 31) >> 1); }
+
+// bf16 activations (bf16 x, where the set has a bf16 tile for the weight): K in steps of 128 codes, 64 bytes of
+// codes; step position 32 j + i holds code 4 i + j, the j-th nibble of the step's 16-bit word i, so that one
+// shift and one 16-bit permute per j decode a whole step without widening the bytes.
+constexpr int64_t kW4Bf16Step = 128;
+inline int64_t w4_bf16_padded(int64_t K) { return (K + kW4Bf16Step - 1) / kW4Bf16Step * kW4Bf16Step; }
+inline int64_t w4_bf16_pos(int64_t k) { return (k & ~int64_t(127)) | ((k & 3) << 5) | ((k & 127) >> 2); }
 
 // One group's decode: w = (value - zp) * scale, or value * scale + bias where has_bias.
 struct W4Group {
@@ -114,6 +124,12 @@ struct W4Kernels {
   void (*decode_rows)(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd);
   // Rows [n0, n0 + nrows), all K, in natural order: dst[r * ldd + k] (w4_dequantize, w4_mm_t's panels).
   void (*dequantize_rows)(const W4Operand& op, int64_t n0, int64_t nrows, float* dst, int64_t ldd);
+  // gemv_tile's sums from bf16 activations packed by w4_bf16_pos (zero padded to w4_bf16_padded(K)), for weights
+  // where gemv_bf16_takes(op); null where the set has no bf16 tile. Not exact per element as gemv_tile: each
+  // group's sum of x * value is scaled once (sum_g scale_g * sum_{k in g} x_k * value_k, fp32 accumulation).
+  bool (*gemv_bf16_takes)(const W4Operand& op) = nullptr;
+  void (*gemv_tile_bf16)(int mr, int nr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
+                         float* sums) = nullptr;
 };
 
 // The portable kernels: every set's fallback for group sizes its vector loops do not take.

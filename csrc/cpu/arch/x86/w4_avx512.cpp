@@ -282,6 +282,143 @@ void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op,
   pick_gemv_tile<W4GemvTileFn, Tiles<Walk::General>>(false, mr, nr)(x, ldx, op, n0, sums);
 }
 
+// bf16 activations (w4_kernels.h's bf16 order): a step of 128 codes is 64 bytes, 32 16-bit words of 4 codes each;
+// vpermw reads an index's low 5 bits, so a 32-entry table (the 16 values as bf16, twice) decodes nibble j of
+// every word after a shift by 4 j: 4 permutes and 3 shifts per 128 codes and row, half the work of the fp32
+// tile's, which bounds it on many threads. vdpbf16ps multiplies pairs exactly (bf16 x bf16 fits fp32) and
+// accumulates in fp32 (like every AVX-512 BF16 instruction it reads denormal inputs -- below 1e-38 -- as zero).
+// Formats with a zero point or a bias, or values inexact in bf16, stay on the fp32 tiles.
+LOWBIT_TARGET_AVX512 bool gemv_bf16_takes(const W4Operand& op) {
+  if (op.offset && op.offset_kind != W4Offset::None) return false;
+  if (!(op.G <= 1 || op.group % kW4Bf16Step == 0 || op.group == 16 || op.group == 32 || op.group == 64)) return false;
+  for (int i = 0; i < 16; i++) {
+    uint32_t u;
+    std::memcpy(&u, &op.values[i], 4);
+    if (u & 0xFFFF) return false;  // not a bf16 value
+  }
+  return true;
+}
+
+// 64 bytes of codes at w: a whole step, or (kFull false) the step's `valid` codes inside K, the rest read as code 0
+// (times a zero activation)
+template <bool kFull>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void decode_step_bf16(const uint8_t* w, int64_t valid,
+                                                                                      __m512i table, __m512i (&d)[4]) {
+  __m512i b;
+  if constexpr (kFull) {
+    b = _mm512_loadu_si512(w);
+  } else {
+    const int64_t bytes = (valid + 1) / 2;
+    b = bytes >= 64 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << bytes) - 1), w);
+  }
+  d[0] = _mm512_permutexvar_epi16(b, table);
+  d[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+  d[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), table);
+  d[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 12), table);
+}
+
+// One step at code k of the tile's rows into their sums (two chains per pair of rows: vdpbf16ps's latency).
+template <int MR, int NR, bool kFull>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void step_bf16(__m512 (&part)[MR][NR][2],
+                                                                               const uint16_t* x, int64_t ldx,
+                                                                               const uint8_t* w, int64_t rb, int64_t k,
+                                                                               int64_t valid, __m512i table) {
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; r++)  // one line of each row per step (gemv_prefetch.h)
+    _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; r++) {
+    __m512i d[4];
+    decode_step_bf16<kFull>(w + r * rb + k / 2, valid, table, d);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) {
+      const uint16_t* xp = x + m * ldx + k;
+      part[m][r][0] = _mm512_dpbf16_ps(part[m][r][0], (__m512bh)d[0], (__m512bh)_mm512_loadu_si512(xp));
+      part[m][r][1] = _mm512_dpbf16_ps(part[m][r][1], (__m512bh)d[1], (__m512bh)_mm512_loadu_si512(xp + 32));
+      part[m][r][0] = _mm512_dpbf16_ps(part[m][r][0], (__m512bh)d[2], (__m512bh)_mm512_loadu_si512(xp + 64));
+      part[m][r][1] = _mm512_dpbf16_ps(part[m][r][1], (__m512bh)d[3], (__m512bh)_mm512_loadu_si512(xp + 96));
+    }
+  }
+}
+
+// tot += (part[0] + part[1]) * s[r] lane by lane; the parts restart from zero
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void scale_parts(__m512 (&tot)[MR][NR],
+                                                                                 __m512 (&part)[MR][NR][2],
+                                                                                 const __m512 (&s)[NR]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) {
+      tot[m][r] = _mm512_fmadd_ps(_mm512_add_ps(part[m][r][0], part[m][r][1]), s[r], tot[m][r]);
+      part[m][r][0] = part[m][r][1] = _mm512_setzero_ps();
+    }
+}
+
+// kSmall: group size 16, 32 or 64, several groups per step: lane l of a step's fp32 sums covers codes 8 l .. 8 l + 7,
+// so each step's sums are scaled lane by lane. Otherwise groups are whole steps (or the row): the sums of a group's
+// steps are scaled once.
+template <int MR, int NR, bool kSmall>
+LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
+                                               float* sums) {
+  const int64_t K = op.K, rb = op.row_bytes(), Kp = w4_bf16_padded(K), full = K / kW4Bf16Step * kW4Bf16Step;
+  const uint8_t* w = op.codes + n0 * rb;
+  // the values' high halves (exact bf16: gemv_bf16_takes), twice
+  const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(op.values)), 16));
+  const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+  const float* byte_table = w4_byte_scale_table(op.scale_enc);
+  __m512 tot[MR][NR], part[MR][NR][2], s[NR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) tot[m][r] = part[m][r][0] = part[m][r][1] = _mm512_setzero_ps();
+  // kSmall: the decoded scales of groups base .. base + 15 per row, and the lanes' groups relative to a step's first
+  alignas(64) float sc[NR][16];
+  int64_t base = -16;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i lane_group = kSmall ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
+  // codes per scaling of the sums: a step, a group, or the row
+  const int64_t per = kSmall ? kW4Bf16Step : op.G <= 1 ? Kp : op.group;
+  for (int64_t k = 0, g = 0; k < Kp; g++) {
+    for (const int64_t end = std::min(Kp, k + per); k < end; k += kW4Bf16Step) {
+      if (k < full) step_bf16<MR, NR, true>(part, x, ldx, w, rb, k, kW4Bf16Step, table);
+      else step_bf16<MR, NR, false>(part, x, ldx, w, rb, k, K - k, table);
+    }
+    if constexpr (kSmall) {
+      const int64_t g0 = (k - kW4Bf16Step) / op.group;  // the step's first group
+      if (g0 >= base + 16) {
+        base = g0 & ~int64_t(15);
+        const int64_t count = std::min<int64_t>(16, op.G - base);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+          _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
+      }
+      const __m512i idx = _mm512_add_epi32(lane_group, _mm512_set1_epi32(int(g0 - base)));
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; r++) s[r] = _mm512_permutexvar_ps(idx, _mm512_load_ps(sc[r]));
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; r++) s[r] = _mm512_set1_ps(w4_group(op, byte_table, n0 + r, g).scale);
+    }
+    scale_parts<MR, NR>(tot, part, s);
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; m++)
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = _mm512_reduce_add_ps(tot[m][r]);
+}
+
+using W4GemvBf16Fn = void (*)(const uint16_t*, int64_t, const W4Operand&, int64_t, float*);
+
+struct Bf16Tiles {
+  template <int MR, int NR, bool kSmall>
+  static constexpr W4GemvBf16Fn get() { return &gemv_tile_bf16_t<MR, NR, kSmall>; }
+};
+
+void gemv_tile_bf16(int mr, int nr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
+  pick_gemv_tile<W4GemvBf16Fn, Bf16Tiles>(op.G > 1 && op.group < kW4Bf16Step, mr, nr)(x, ldx, op, n0, sums);
+}
+
 // Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row `row` (p: its first position relative to k0).
 template <typename F>
 LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void for_each_chunk(const W4Operand& op, int64_t row,
@@ -348,6 +485,6 @@ LOWBIT_TARGET_AVX512 void dequantize_rows(const W4Operand& op, int64_t n0, int64
 
 }  // namespace
 
-extern const W4Kernels kW4KernelsAvx512{&gemv_tile, &decode_rows, &dequantize_rows};
+extern const W4Kernels kW4KernelsAvx512{&gemv_tile, &decode_rows, &dequantize_rows, &gemv_bf16_takes, &gemv_tile_bf16};
 
 }  // namespace lowbit::cpu
