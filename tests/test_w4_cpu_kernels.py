@@ -150,8 +150,8 @@ def test_w4_mm_t(isa, M):
         codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=True, global_scale=True)
         go = torch.randn(M, N, generator=g).to(torch.bfloat16)
         w = w4_weight_f64(fmt, codes, scale, group, K, off, gs)
-        if amx_route() and M >= 8 and gs is None:  # the bf16 panels (test_w4_mm_t_gemm_routes)
-            w = w4_weight_f32(fmt, codes, scale, group, K, off).bfloat16().double()
+        if amx_route() and M >= 8:  # the bf16 panels (test_w4_mm_t_gemm_routes)
+            w = bf16_dequantized(fmt, codes, scale, group, K, off, gs)
         ref, absref = go.double() @ w, go.double().abs() @ w.abs()
         out = ops.w4_mm_t(go, codes, scale, fmt, group, K, off, gs)
         assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
@@ -174,6 +174,13 @@ def w4_weight_f32(fmt, codes, scale, group, K, off):
     if off is not None and fmt == "int4":
         return ((q - off.double()[..., g]) * s).float()
     return (q * s).float()
+
+
+def bf16_dequantized(fmt, codes, scale, group, K, off, gs):
+    """The weight w4_dequantize(dtype=bfloat16) gives, as float64: the fp32 weight times the global scale in
+    fp32, rounded to bf16."""
+    w = w4_weight_f32(fmt, codes, scale, group, K, off)
+    return (w if gs is None else w * gs.float()).bfloat16().double()
 
 
 def close(out, ref, absref, acc_rtol):
@@ -216,14 +223,14 @@ def test_w4_mm_gemm_bf16_terms(isa, fmt, scale_dtype, offset, dtype):
                                                      ("nvfp4", 16, False, False), ("nvfp4", 16, False, True),
                                                      ("mxfp4", 32, False, False)])
 def test_w4_mm_t_gemm_routes(isa, M, fmt, group, offset, gscale):
-    # bf16 grad_out on AMX: grad_out times the weight rounded once to bf16 (exact for nvfp4 / mxfp4); a global
-    # scale other than 1, and every other set, the exact weight
+    # bf16 grad_out on AMX: grad_out times the bf16-dequantized weight (global * w in fp32, rounded once to bf16;
+    # exact for nvfp4 / mxfp4 without a global scale); every other set the exact weight
     g = torch.Generator().manual_seed(M + group)
     N, K = 300, 1000 + 37
     codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=offset, global_scale=gscale)
     go = torch.randn(M, N, generator=g).to(torch.bfloat16)
     w = w4_weight_f64(fmt, codes, scale, group, K, off, gs)
-    if amx_route() and gs is None:
-        w = w4_weight_f32(fmt, codes, scale, group, K, off).bfloat16().double()
+    if amx_route():
+        w = bf16_dequantized(fmt, codes, scale, group, K, off, gs)
     out = ops.w4_mm_t(go, codes, scale, fmt, group, K, off, gs)
     assert_matmul_close(out, go.double() @ w, go.double().abs() @ w.abs(), acc_rtol=1e-5)

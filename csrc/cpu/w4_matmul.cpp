@@ -126,10 +126,9 @@ void panel_gemm(const W4Kernels& kern, const float* xp, int64_t M, const W4Opera
 // one. Float x keeps the fp32 path for them (2^-15 would show in an fp32 output). Per-group scales applied to
 // partial sums were the alternative: exact, but brgemm calls of group_size (32-128) codes, and uint4's biases
 // need per-group sums of x.
-// w4_mm_t: for bf16 grad_out the product is grad_out times the weight decoded and rounded once to bf16 (the first
-// term alone) in torch's bf16 GEMM, as the bf16 layer on w4_dequantize(dtype=bfloat16)'s weight computes (fp8_mm_t
-// does the same); exact for the formats above. Where a global scale is not 1 the fp32 path runs (it would round
-// the product twice).
+// w4_mm_t: for bf16 grad_out the product is grad_out times the bf16-dequantized weight (global * w in fp32, rounded
+// once to bf16: w4_dequantize(dtype=bfloat16)'s bits) in torch's bf16 GEMM, as the bf16 layer on that weight
+// computes (fp8_mm_t does the same); exact for the formats above where the global scale is a power of two.
 
 // Significant bits of a finite value (0 for zero; many for inf / NaN).
 int significant_bits(float v) {
@@ -172,9 +171,12 @@ constexpr std::array<uint8_t, kBf16Chunk> kNaturalOrder = make_natural_order();
 // A 4-bit weight as the bf16 panel GEMM reads it (fp8_matmul.h): the set's bf16 decode, natural order; the
 // global scale and the bias after the K reduction.
 struct W4PanelWeight final : PanelWeight {
-  const W4Operand& op;
+  W4Operand op;  // global = 1 for the decode: the global scale multiplies the sums
   const W4Kernels& kern;
+  float global;
   W4PanelWeight(const W4Operand& o, const W4Kernels& k, int term_count) : op(o), kern(k) {
+    op.global = 1.f;
+    global = o.global;
     N = op.N;
     K = op.K;
     terms = term_count;
@@ -187,7 +189,7 @@ struct W4PanelWeight final : PanelWeight {
   }
   void columns(int64_t n0, int64_t nr, float* mul, float* add) const override {
     for (int64_t i = 0; i < nr; i++) {
-      mul[i] = op.global;
+      mul[i] = global;
       add[i] = op.bias ? op.bias[n0 + i] : 0.f;
     }
   }
@@ -213,7 +215,7 @@ bool amx_gemm_t(const W4Kernels& kern, const T* g, int64_t M, const W4Operand& o
   if constexpr (!std::is_same_v<T, c10::BFloat16>) {
     return false;
   } else {
-    if (M < kW4GemmMinRows || op.global != 1.f || !w4_amx(kern)) return false;
+    if (M < kW4GemmMinRows || !w4_amx(kern)) return false;
     const int64_t N = op.N, K = op.K;
     const int64_t bytes = std::max(int64_t(8) << 20, (int64_t(2) << 20) * int64_t(at::get_num_threads()));
     const int64_t kc = std::min(std::max<int64_t>(bytes / (N * 2) / kBf16Chunk * kBf16Chunk, 256),

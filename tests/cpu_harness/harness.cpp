@@ -461,21 +461,25 @@ double bf16_nearest(double v) {
   return r;
 }
 
-// decode_rows_bf16: every term against the harness's own rounding of the exact decode, one and two terms, every
-// window of 64 * j codes, zero past K up to whole 64-code chunks.
-void check_w4_bf16_panels(const KernelSet& s, const W4Operand& op, const char* fmt) {
+// decode_rows_bf16: every term against the harness's own rounding of the exact decode (times a global scale of 1
+// or not), one and two terms, every window of 64 * j codes, zero past K up to whole 64-code chunks.
+void check_w4_bf16_panels(const KernelSet& s, const W4Operand& plain, const char* fmt) {
   if (!s.w4.decode_rows_bf16) return;
-  const int64_t N = op.N, K = op.K;
+  const int64_t N = plain.N, K = plain.K;
+  for (float global : {1.f, 1.1f})
   for (int terms : {1, 2})
     for (int64_t win : {int64_t(64), int64_t(128), (K + 63) / 64 * 64}) {
       const int64_t ld = win + 8, ts = N * ld + 4;
       Buf<uint16_t> d(size_t(terms * ts), 0xBEEF);
       int bad = 0;
       for (int64_t k0 = 0; k0 < K; k0 += win) {
+        W4Operand op = plain;
+        op.global = global;
         s.w4.decode_rows_bf16(op, 0, N, k0, win, terms, d.p, ld, ts);
         for (int64_t n = 0; n < N; n++)
           for (int64_t k = k0; k < k0 + win; k++) {
-            const double w = k < K ? double(w4_ref(op, n, k)) : 0.0;
+            const float wg = k < K ? w4_ref(op, n, k) * global : 0.f;  // the fp32 product
+            const double w = wg;
             const float hi = w4_bf16_float(d[size_t(n * ld + k - k0)]);
             if (std::isnan(w) || std::isinf(w)) {
               bad += !(std::isnan(w) ? std::isnan(hi) : double(hi) == w);
@@ -487,8 +491,8 @@ void check_w4_bf16_panels(const KernelSet& s, const W4Operand& op, const char* f
             if (terms == 2) bad += double(w4_bf16_float(d[size_t(ts + n * ld + k - k0)])) != bf16_nearest(w - h);
           }
       }
-      CHECK(bad == 0, "w4 decode_rows_bf16 %s K=%lld group=%lld window=%lld terms=%d: %d words differ", fmt,
-            (long long)K, (long long)op.group, (long long)win, terms, bad);
+      CHECK(bad == 0, "w4 decode_rows_bf16 %s K=%lld group=%lld window=%lld terms=%d global=%g: %d words differ",
+            fmt, (long long)K, (long long)plain.group, (long long)win, terms, double(global), bad);
     }
 }
 

@@ -141,8 +141,8 @@ struct W4Kernels {
   void (*decode_rows)(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd);
   // Rows [n0, n0 + nrows), all K, in natural order: dst[r * ldd + k] (w4_dequantize, w4_mm_t's panels).
   void (*dequantize_rows)(const W4Operand& op, int64_t n0, int64_t nrows, float* dst, int64_t ldd);
-  // Rows [n0, n0 + nrows), codes [k0, k0 + n) (k0 a multiple of kW4Chunk) as `terms` (1 or 2) bf16 words each
-  // (see w4_bf16_round): term t of code k at dst[t * term_stride + r * ldd + k - k0], natural order, zero past K
+  // Rows [n0, n0 + nrows), codes [k0, k0 + n) (k0 a multiple of kW4Chunk), each weight times op.global (an fp32
+  // product: the weight w4_dequantize gives), as `terms` (1 or 2) bf16 words (see w4_bf16_round): term t of code k at dst[t * term_stride + r * ldd + k - k0], natural order, zero past K
   // and up to n rounded up to kW4Bf16Chunk. Null in sets without amx_gemm (nothing calls it there).
   void (*decode_rows_bf16)(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, int terms,
                            uint16_t* dst, int64_t ldd, int64_t term_stride);

@@ -379,11 +379,12 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
   // natural order, as in dequantize_rows
   const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  const __m512 global = _mm512_set1_ps(op.global);
   for (int64_t r = 0; r < nrows; r++) {
     uint16_t* d = dst + r * ldd;
     for_each_chunk(op, n0 + r, k0, n, [&](int64_t p, __m512 e, __m512 o) LOWBIT_TARGET_AVX512 {
-      store_bf16_terms(_mm512_permutex2var_ps(e, lo, o), terms, d + p, term_stride);
-      store_bf16_terms(_mm512_permutex2var_ps(e, hi, o), terms, d + p + 16, term_stride);
+      store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, lo, o), global), terms, d + p, term_stride);
+      store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, hi, o), global), terms, d + p + 16, term_stride);
     });
     for (int t = 0; t < terms; t++) std::memset(d + t * term_stride + written, 0, size_t(padded - written) * 2);
   }
