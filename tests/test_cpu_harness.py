@@ -102,6 +102,11 @@ X86_PLANTS = [
     ("csrc/cpu/arch/x86/w4_avx2.cpp", "lookup(t, _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(idx, 24))",
      "lookup(t, _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(idx, 28))",
      "the odd codes' table half picked by the even code's bit 3"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_set1_epi32(0x7FFF)), odd), 16)",
+     "_mm512_set1_epi32(0x8000)), odd), 16)", "the bf16 panel decode rounds ties away from even"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)))",
+     "_mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 17)))",
+     "the bf16 panel decode's second term subtracts the wrong first term"),
     ("csrc/cpu/arch/portable/w4_portable.cpp", "end = std::min(k1, (g + 1) * op.group);",
      "end = std::min(k1, (g + 1) * op.group + 1);", "the portable 4-bit decode runs a group one code too far"),
 ]

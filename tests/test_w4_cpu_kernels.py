@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from reference import assert_matmul_close, ref_w4_mm, w4_weight_f64
-from torch_lowbit.testing import cpu_isa, forced_cpu_isa, supported_cpu_isas
+from reference import W4_VALUES_F64, assert_matmul_close, ref_w4_mm, w4_codes_f64, w4_scale_f64, w4_weight_f64
+from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa, supported_cpu_isas
 
 ISAS = supported_cpu_isas()
 ops = torch.ops.lowbit
@@ -187,6 +187,87 @@ def test_w4_mm_t(isa, M):
         codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=True, global_scale=True)
         go = torch.randn(M, N, generator=g).to(torch.bfloat16)
         w = w4_weight_f64(fmt, codes, scale, group, K, off, gs)
+        if amx_route() and M >= 8:  # the bf16 panels (test_w4_mm_t_gemm_routes)
+            w = bf16_dequantized(fmt, codes, scale, group, K, off, gs)
         ref, absref = go.double() @ w, go.double().abs() @ w.abs()
         out = ops.w4_mm_t(go, codes, scale, fmt, group, K, off, gs)
         assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
+
+
+# ---- the GEMM regime and w4_mm_t on AMX (bf16 panels: csrc/cpu/w4_matmul.cpp) ----
+def amx_route():
+    """Whether w4_mm's GEMM regime and w4_mm_t's run on bf16 panels now (cpu_amx_gemm: AMX, cap avx512)."""
+    return cpu_amx_gemm()
+
+
+def w4_weight_f32(fmt, codes, scale, group, K, off):
+    """The contract's fp32 weight, rounded as the kernels decode it: the product in fp32, then the bias in fp32
+    (float64 products here are exact: 4-bit values times scales of at most 24 bits)."""
+    q = W4_VALUES_F64[fmt][w4_codes_f64(codes, K)]
+    g = torch.arange(K) // group
+    s = w4_scale_f64(fmt, scale)[..., g]
+    if off is not None and fmt == "uint4":
+        return (q * s).float() + off.float()[..., g]
+    if off is not None and fmt == "int4":
+        return ((q - off.double()[..., g]) * s).float()
+    return (q * s).float()
+
+
+def bf16_dequantized(fmt, codes, scale, group, K, off, gs):
+    """The weight w4_dequantize(dtype=bfloat16) gives, as float64: the fp32 weight times the global scale in
+    fp32, rounded to bf16."""
+    w = w4_weight_f32(fmt, codes, scale, group, K, off)
+    return (w if gs is None else w * gs.float()).bfloat16().double()
+
+
+def close(out, ref, absref, acc_rtol):
+    try:
+        assert_matmul_close(out, ref, absref, acc_rtol=acc_rtol)
+        return True
+    except AssertionError:
+        return False
+
+
+# Two bf16 terms per weight lose at most about 2^-15 of a product (w4_matmul.cpp); a weight rounded to one bf16
+# term loses up to 2^-9, which this bound rejects at K = 2000 (checked below on the float64 reference itself).
+TWO_TERM_RTOL = 2.0 ** -14
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt,scale_dtype,offset", [("int4", torch.float32, True), ("int4", torch.float16, False),
+                                                    ("uint4", torch.bfloat16, True), ("nvfp4", None, False),
+                                                    ("mxfp4", None, False)])
+def test_w4_mm_gemm_bf16_terms(isa, fmt, scale_dtype, offset, dtype):
+    # every set; on AMX (the avx512 cap) the bf16 panels: one exact term (nvfp4, mxfp4) or hi + lo (int4, uint4),
+    # float x with a two-term weight on the fp32 path
+    g = torch.Generator().manual_seed(len(fmt) + (offset << 3))
+    N, K, M = 40, 2000 + 17, 64
+    codes, scale, off, gs = random_w4(fmt, N, K, 32, g, offset=offset, global_scale=True, scale_dtype=scale_dtype)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g)
+    out = ops.w4_mm(x, codes, scale, fmt, 32, off, gs, bias)
+    ref, absref = ref_w4_mm(x, fmt, codes, scale, 32, off, gs, bias)
+    assert_matmul_close(out, ref, absref, acc_rtol=TWO_TERM_RTOL if dtype != torch.float32 else 1e-5)
+    if fmt in ("int4", "uint4") and dtype == torch.float16:
+        # the bound would catch a weight rounded once to bf16 (the float64 product on such a weight, rounded)
+        w1 = w4_weight_f32(fmt, codes, scale, 32, K, off).bfloat16().double()
+        one_term = (x.double() @ w1.T + bias.double()).to(dtype)
+        assert not close(one_term, ref, absref, TWO_TERM_RTOL)
+
+
+@pytest.mark.parametrize("M", [8, 70])
+@pytest.mark.parametrize("fmt,group,offset,gscale", [("int4", 32, True, False), ("uint4", 48, True, False),
+                                                     ("nvfp4", 16, False, False), ("nvfp4", 16, False, True),
+                                                     ("mxfp4", 32, False, False)])
+def test_w4_mm_t_gemm_routes(isa, M, fmt, group, offset, gscale):
+    # bf16 grad_out on AMX: grad_out times the bf16-dequantized weight (global * w in fp32, rounded once to bf16;
+    # exact for nvfp4 / mxfp4 without a global scale); every other set the exact weight
+    g = torch.Generator().manual_seed(M + group)
+    N, K = 300, 1000 + 37
+    codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=offset, global_scale=gscale)
+    go = torch.randn(M, N, generator=g).to(torch.bfloat16)
+    w = w4_weight_f64(fmt, codes, scale, group, K, off, gs)
+    if amx_route():
+        w = bf16_dequantized(fmt, codes, scale, group, K, off, gs)
+    out = ops.w4_mm_t(go, codes, scale, fmt, group, K, off, gs)
+    assert_matmul_close(out, go.double() @ w, go.double().abs() @ w.abs(), acc_rtol=1e-5)

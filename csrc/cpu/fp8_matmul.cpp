@@ -39,25 +39,23 @@ inline float finish(const Fp8Operand& op, int64_t n, float sum, bool nan) {
 
 // finish() for a panel of the GEMM: sums s [nr][mb] (weight rows r0.., transposed) into out [mb][ldo] columns
 // r0.., through 16 x 16 blocks so that the sums are read and out is written along their rows (element by element,
-// the transposed loop took a sixth of the GEMM's time at N = 14336, M = 64). nan: the panel's columns.
-template <typename T>
-void finish_panel(const Fp8Operand& op, const float* s, int64_t mb, const bool* nan, int64_t r0, int64_t nr, T* out,
-                  int64_t ldo) {
+// the transposed loop took a sixth of the GEMM's time at N = 14336, M = 64): (sum * unscale) * mul (+ add), the
+// multipliers and addends of columns [n0, n0 + rn) from columns(n0, rn, mul, add).
+template <typename T, typename Columns>
+void finish_panel(const float* s, int64_t mb, int64_t r0, int64_t nr, float unscale, bool has_add, Columns&& columns,
+                  T* out, int64_t ldo) {
   constexpr int64_t kB = 16;
   for (int64_t rb = 0; rb < nr; rb += kB) {
     const int64_t rn = std::min(kB, nr - rb);
     float scale[kB], bias[kB];
-    for (int64_t i = 0; i < rn; i++) {
-      scale[i] = column_scale(op, r0 + rb + i, nan[rb + i]);
-      bias[i] = op.bias ? op.bias[r0 + rb + i] : 0.f;
-    }
+    columns(r0 + rb, rn, scale, bias);
     for (int64_t m0 = 0; m0 < mb; m0 += kB) {
       const int64_t mn = std::min(kB, mb - m0);
       float t[kB][kB];
       for (int64_t i = 0; i < rn; i++)
         for (int64_t j = 0; j < mn; j++) {
-          const float v = s[(rb + i) * mb + m0 + j] * kDecodeUnscale * scale[i];
-          t[j][i] = op.bias ? v + bias[i] : v;
+          const float v = s[(rb + i) * mb + m0 + j] * unscale * scale[i];
+          t[j][i] = has_add ? v + bias[i] : v;
         }
       for (int64_t j = 0; j < mn; j++)
         for (int64_t i = 0; i < rn; i++) out[(m0 + j) * ldo + r0 + rb + i] = T(t[j][i]);
@@ -170,15 +168,15 @@ struct PanelThreadScope {
   }
 };
 
-// The windowed GEMM (see KWindow) over an engine that packs, decodes and multiplies: Fp32Engine (fp32 panels in
-// torch's fp32 GEMM) or Bf16Engine (bf16 panels in oneDNN's AMX brgemm). sums [N][mb] holds each output column's
-// fp32 sums for the rows of the M block; nan [N] the columns that met a NaN code (engines whose decode does not
-// produce NaN).
+// The windowed GEMM (see KWindow) over an engine that packs, decodes and multiplies: Fp32Engine (fp32 panels of an
+// fp8 weight in torch's fp32 GEMM) or Bf16Engine (bf16 panels of any PanelWeight in oneDNN's AMX brgemm). sums
+// [N][mb] holds each output column's fp32 sums for the rows of the M block; nan [N] the columns that met a NaN
+// code (engines whose decode does not produce NaN).
 template <class Engine, typename T>
-void windowed_gemm(const Engine& eng, const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo) {
+void windowed_gemm(const Engine& eng, const T* x, int64_t M, T* out, int64_t ldo) {
   using Act = typename Engine::Act;
-  const KSegments seg = k_segments_for(op.layout.kind == ScaleKind::Block, op.layout.bk, op.K, Engine::kChunkLen);
-  const int64_t N = op.N, R = Engine::kRows, panels = ceil_div(N, R);
+  const KSegments& seg = eng.seg;
+  const int64_t N = eng.N(), K = seg.K, R = Engine::kRows, panels = ceil_div(N, R);
   const int64_t blocks = ceil_div(M * N * 4, kSumsBytes);
   const int64_t Mb = std::min(M, ceil_div(ceil_div(M, blocks), Engine::kCols) * Engine::kCols);
   float* sums = scratch<float>(Slot::Accum, size_t(N * Mb + ceil_div(N, 4)));
@@ -205,19 +203,19 @@ void windowed_gemm(const Engine& eng, const T* x, int64_t M, const Fp8Operand& o
         size_t wi = g0;
         for (int64_t i = i0; i < i1; i++) {
           while (items_at[wi - g0 + 1] <= i) wi++;
-          eng.pack_item(x + m0 * op.K, mb, seg, windows[wi], i - items_at[wi - g0], xp + act_at[wi]);
+          eng.pack_item(x + m0 * K, mb, seg, windows[wi], i - items_at[wi - g0], xp + act_at[wi]);
         }
       });
       parallel_chunks<PanelThreadScope<Engine>>(panels, 1, [&](int64_t b, int64_t) {
-        auto* panel = scratch<typename Engine::Elem>(Slot::Panel, size_t(R * max_width));
+        auto* panel = scratch<typename Engine::Elem>(Slot::Panel, size_t(eng.terms() * R * max_width));
         const int64_t r0 = b * R, nr = std::min(R, N - r0);
         float* s = sums + r0 * mb;
         if (g0 == 0) std::fill(nan + r0, nan + r0 + nr, false);
         for (size_t wi = g0; wi < g1; wi++) {
-          eng.decode(op, seg, windows[wi], r0, nr, panel, nan + r0);
-          eng.multiply(op, seg, windows[wi], r0, nr, panel, xp + act_at[wi], mb, wi == 0, s);
+          eng.decode(windows[wi], r0, nr, panel, nan + r0);
+          eng.multiply(windows[wi], r0, nr, panel, xp + act_at[wi], mb, wi == 0, s);
         }
-        if (g1 == nw) finish_panel(op, s, mb, nan + r0, r0, nr, out + m0 * ldo, ldo);
+        if (g1 == nw) eng.finish(s, mb, nan, r0, nr, out + m0 * ldo, ldo);
       });
     }
   }
@@ -241,7 +239,22 @@ struct Fp32Engine {
   // rows: no L2 target here)
   static constexpr int64_t kPanelBytes = 2 << 20, kActBytes = 8 << 20;
   const Fp8Kernels& kern;
-  bool block;
+  const Fp8Operand& op;
+  bool block = op.layout.kind == ScaleKind::Block;
+  KSegments seg = k_segments_for(block, op.layout.bk, op.K, kChunkLen);
+
+  int64_t N() const { return op.N; }
+  static constexpr int terms() { return 1; }
+  void finish(const float* s, int64_t mb, const bool* nan, int64_t r0, int64_t nr, T* out, int64_t ldo) const {
+    finish_panel(s, mb, r0, nr, kDecodeUnscale, op.bias != nullptr,
+                 [&](int64_t n0, int64_t rn, float* mul, float* add) {
+                   for (int64_t i = 0; i < rn; i++) {
+                     mul[i] = column_scale(op, n0 + i, nan[n0 + i]);
+                     add[i] = op.bias ? op.bias[n0 + i] : 0.f;
+                   }
+                 },
+                 out, ldo);
+  }
 
   int64_t max_width(int64_t mb, const KSegments& seg) const {
     int64_t w = std::min(kPanelBytes / (kRows * 4), std::max(kMinWindow, kActBytes / (mb * 4)));
@@ -261,16 +274,14 @@ struct Fp32Engine {
       pack_segment(x + m * seg.K + k0, n, sw, kChunkOrder, dst + (s - w.s0) * mb * sw + m * sw);
     }
   }
-  void decode(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr, float* panel,
-              bool* nan) const {
+  void decode(const KWindow& w, int64_t r0, int64_t nr, float* panel, bool* nan) const {
     decode_window(op, seg, w, r0, nr, kChunk, panel,
                   [&](const uint8_t* rows, int64_t K, int64_t n_rows, int64_t k0, int64_t n, float* dst, int64_t ld) {
                     kern.decode_rows(rows, K, n_rows, k0, n, dst, ld, nan);
                   });
   }
-  void multiply(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr,
-                const float* panel, const float* xp, int64_t mb, bool first, float* sums) const {
-    (void)seg;
+  void multiply(const KWindow& w, int64_t r0, int64_t nr, const float* panel, const float* xp, int64_t mb, bool first,
+                float* sums) const {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const int64_t ns = w.s1 - w.s0, sw = w.seg_width();
     auto* A = const_cast<float*>(panel);
@@ -308,11 +319,12 @@ constexpr int64_t kBf16Panel = 64;
 constexpr int64_t kBf16Cols = 64;
 constexpr int64_t kBf16Depth = 512;
 
-// On a CPU with AMX (amx_gemm_available): decoded bf16 panels times the packed activation terms in torch's
-// oneDNN brgemm, fp32 accumulation; at M = 64, 3x (bf16, half x) and 2x (float x) faster there than fp32 panels in
-// the fp32 GEMM. The sums are the fp32 path's: decoded weights and bf16 terms are exact in bf16, their products
-// exact in fp32. (AMX, like vdpbf16ps, reads bf16 denormals -- below 1e-38 -- as zero.) Decoded NaN codes are NaN
-// and flow through the sums. Block scales multiply each segment's sums.
+// On a CPU with AMX (amx_gemm_available): decoded bf16 panels of a PanelWeight times the packed activation terms
+// in torch's oneDNN brgemm, fp32 accumulation; at M = 64 (fp8), 3x (bf16, half x) and 2x (float x) faster there
+// than fp32 panels in the fp32 GEMM. For fp8 the sums are the fp32 path's: decoded weights and bf16 terms are exact
+// in bf16, their products exact in fp32. (AMX, like vdpbf16ps, reads bf16 denormals -- below 1e-38 -- as zero.)
+// Decoded NaN codes are NaN and flow through the sums. Block scales multiply each segment's sums. A weight of two
+// terms (PanelWeight) is two panels, each multiplied with the activation terms as PanelWeight says.
 template <typename T>
 struct Bf16Engine {
   using Act = uint16_t;
@@ -322,15 +334,23 @@ struct Bf16Engine {
   // packed activations of a group, in L2 with a decoded slice: measured at M = 64-256 on 16 and 2 Sapphire Rapids
   // cores, 0.5 and 2 MB within the noise of 1 MB
   static constexpr int64_t kGroupBytes = 1 << 20;
-  const Fp8Kernels& kern;
-  bool block;
+  const PanelWeight& pw;
+  bool block = pw.block;
+  KSegments seg = k_segments_for(block, pw.block_k, pw.K, kChunkLen);
 
+  int64_t N() const { return pw.N; }
+  int terms() const { return pw.terms; }
   int64_t max_width(int64_t mb, const KSegments&) const {
-    return std::min(kBf16SliceBytes / (kRows * 2), std::max(kMinWindow, kWindowBytes / (kBf16Terms<T> * mb * 2)));
+    return std::min(kBf16SliceBytes / (kRows * 2 * pw.terms),
+                    std::max(kMinWindow, kWindowBytes / (kBf16Terms<T> * mb * 2)));
+  }
+  void finish(const float* s, int64_t mb, const bool*, int64_t r0, int64_t nr, T* out, int64_t ldo) const {
+    finish_panel(s, mb, r0, nr, pw.unscale, pw.has_add,
+                 [&](int64_t n0, int64_t rn, float* mul, float* add) { pw.columns(n0, rn, mul, add); }, out, ldo);
   }
   int64_t act_elems(int64_t mb, const KWindow& w) const { return kBf16Terms<T> * mb * w.width(); }
   // term t at dst + t * mb * width; for each block of kBf16Cols rows, the block of rows c0.. (width cw) at
-  // + c0 * width in VNNI pairs (brgemm.h), positions segment by segment in kBf16ChunkOrder, zero padded.
+  // + c0 * width in VNNI pairs (brgemm.h), positions segment by segment in the weight's order, zero padded.
   // A pack item is one chunk of positions for all rows: a VNNI row interleaves the rows, so items split by row
   // would share every cache line they write.
   int64_t pack_items(int64_t, const KWindow& w) const { return w.width() / kBf16Chunk; }
@@ -342,10 +362,10 @@ struct Bf16Engine {
     for (int64_t m = 0; m < mb; m++) {
       const int64_t c0 = m / kBf16Cols * kBf16Cols, cw = std::min(kBf16Cols, mb - c0);
       const T* src = x + m * seg.K + k0;
-      // positions q, q + 1 (one VNNI pair) hold consecutive codes (kBf16ChunkOrder): for bf16 x one 32-bit copy
+      // positions q, q + 1 (one VNNI pair) hold consecutive codes (PanelWeight::order): for bf16 x one 32-bit copy
       uint16_t* row = dst + c0 * width + p * cw + (m - c0) * 2;
       for (int q = 0; q < kBf16Chunk; q += 2) {
-        const int64_t k = c + kBf16ChunkOrder[q];
+        const int64_t k = c + pw.order[q];
         uint16_t* at = row + q * cw;
         if constexpr (kBf16Terms<T> == 1) {
           if (k + 1 < n) {
@@ -363,12 +383,20 @@ struct Bf16Engine {
       }
     }
   }
-  void decode(const Fp8Operand& op, const KSegments& seg, const KWindow& w, int64_t r0, int64_t nr, uint16_t* panel,
-              bool*) const {
-    decode_window(op, seg, w, r0, nr, kBf16Chunk, panel, kern.decode_rows_bf16);
+  // term t of the panel at panel + t * kRows * width (row stride width)
+  void decode(const KWindow& w, int64_t r0, int64_t nr, uint16_t* panel, bool*) const {
+    const int64_t width = w.width(), term_stride = kRows * width;
+    for (int64_t s = w.s0; s < w.s1; s++) {
+      int64_t k0;
+      const int64_t n = w.codes(seg, s, &k0);
+      uint16_t* segment = panel + (s - w.s0) * w.seg_width();
+      if (n > 0) pw.decode(r0, nr, k0, n, segment, width, term_stride);
+      for (int t = 0; t < pw.terms; t++)
+        zero_segment_tail(segment + t * term_stride, width, nr, ceil_div(n, kBf16Chunk) * kBf16Chunk, w.seg_width());
+    }
   }
-  void multiply(const Fp8Operand& op, const KSegments&, const KWindow& w, int64_t r0, int64_t nr,
-                const uint16_t* panel, const uint16_t* xp, int64_t mb, bool first, float* sums) const {
+  void multiply(const KWindow& w, int64_t r0, int64_t nr, const uint16_t* panel, const uint16_t* xp, int64_t mb,
+                bool first, float* sums) const {
     const int64_t width = w.width(), sw = w.seg_width();
     float* part = block ? scratch<float>(Slot::Tile, size_t(kBf16Panel * kBf16Cols)) : nullptr;
     const auto* a = reinterpret_cast<const c10::BFloat16*>(panel);
@@ -380,15 +408,19 @@ struct Bf16Engine {
         // without block scales the window's sums go into the persistent ones directly
         float* c = block ? part : sums + c0;
         const int64_t ldc = block ? cw : mb;
-        for (int t = 0; t < kBf16Terms<T>; t++)
-          for (int64_t k = 0; k < sw; k += kBf16Depth)
-            at::native::cpublas::brgemm(nr, cw, std::min(kBf16Depth, sw - k), width, cw, ldc,
-                                        t > 0 || k > 0 || (!block && !first), a + p + k,
-                                        xb + t * mb * width + (p + k) * cw, c, true);
+        bool acc = !block && !first;
+        // weight term tw times activation term t: every pair with one first term (see PanelWeight)
+        for (int tw = 0; tw < pw.terms; tw++)
+          for (int t = 0; t < (tw == 0 ? kBf16Terms<T> : 1); t++)
+            for (int64_t k = 0; k < sw; k += kBf16Depth) {
+              at::native::cpublas::brgemm(nr, cw, std::min(kBf16Depth, sw - k), width, cw, ldc, acc,
+                                          a + tw * kRows * width + p + k, xb + t * mb * width + (p + k) * cw, c, true);
+              acc = true;
+            }
         if (block) {
           const bool init = first && s == w.s0;
           for (int64_t r = 0; r < nr; r++) {
-            const float bs = block_scale_row(op, r0 + r)[s];
+            const float bs = pw.block_scale_row(r0 + r)[s];
             float* dst = sums + r * mb + c0;
             const float* src = part + r * cw;
             for (int64_t m = 0; m < cw; m++) dst[m] = init ? bs * src[m] : dst[m] + bs * src[m];
@@ -399,10 +431,42 @@ struct Bf16Engine {
   }
 };
 
+// An fp8 weight as the bf16 panel GEMM reads it: the kernel set's exact bf16 decode (dec(code) / 256).
+struct Fp8PanelWeight final : PanelWeight {
+  const Fp8Operand& op;
+  const Fp8Kernels& kern;
+  Fp8PanelWeight(const Fp8Operand& o, const Fp8Kernels& k) : op(o), kern(k) {
+    N = op.N;
+    K = op.K;
+    order = kBf16ChunkOrder.data();
+    block = op.layout.kind == ScaleKind::Block;
+    block_k = op.layout.bk;
+    unscale = kDecodeUnscale;
+    has_add = op.bias != nullptr;
+  }
+  void decode(int64_t r0, int64_t nr, int64_t k0, int64_t n, uint16_t* dst, int64_t ld, int64_t) const override {
+    kern.decode_rows_bf16(op.w + r0 * op.K, op.K, nr, k0, n, dst, ld);
+  }
+  void columns(int64_t n0, int64_t nr, float* mul, float* add) const override {
+    for (int64_t i = 0; i < nr; i++) {
+      mul[i] = column_scale(op, n0 + i, false);
+      add[i] = op.bias ? op.bias[n0 + i] : 0.f;
+    }
+  }
+  const float* block_scale_row(int64_t n) const override { return lowbit::cpu::block_scale_row(op, n); }
+};
+
 // Whether the GEMM regime runs on AMX (as bf16 panels and bf16 terms of x).
 bool bf16_amx_gemm(const Fp8Kernels& kern) { return kern.decode_rows_bf16 != nullptr && amx_gemm_available(); }
 
 }  // namespace
+
+bool bf16_panel_gemm_available() { return amx_gemm_available(); }
+
+template <typename T>
+void bf16_panel_gemm(const T* x, int64_t M, const PanelWeight& w, T* out, int64_t ldo) {
+  windowed_gemm(Bf16Engine<T>{w}, x, M, out, ldo);
+}
 
 int64_t gemm_min_rows() { return bf16_amx_gemm(kernel_set().fp8) ? kAmxGemmMinRows : kGemmMinRows; }
 
@@ -471,9 +535,8 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
   const Fp8Kernels& kern = kernel_set().fp8;
   const bool amx = bf16_amx_gemm(kern);
   if (M >= (amx ? kAmxGemmMinRows : kGemmMinRows)) {
-    const bool block = op.layout.kind == ScaleKind::Block;
-    if (amx) return windowed_gemm(Bf16Engine<T>{kern, block}, x, M, op, out, ldo);
-    return windowed_gemm(Fp32Engine<T>{kern, block}, x, M, op, out, ldo);
+    if (amx) return bf16_panel_gemm(x, M, Fp8PanelWeight(op, kern), out, ldo);
+    return windowed_gemm(Fp32Engine<T>{kern, op}, x, M, out, ldo);
   }
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);
   void* xp = scratch<uint8_t>(Slot::Activations, size_t(M * acts.row_bytes()));
@@ -485,6 +548,7 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
 
 #define LOWBIT_INSTANTIATE(T)                                                                                  \
   template void fp8_matmul<T>(const T*, int64_t, const Fp8Operand&, T*, int64_t);                              \
+  template void bf16_panel_gemm<T>(const T*, int64_t, const PanelWeight&, T*, int64_t);                        \
   template GemvActivations gemv_activations<T>(const Fp8Kernels&, const ScaleLayout&, int64_t);                \
   template void pack_rows<T>(const GemvActivations&, const T*, int64_t, void*);                                \
   template void gemv_rows<T>(const Fp8Kernels&, const GemvActivations&, const void*, int64_t, const Fp8Operand&, \

@@ -24,6 +24,39 @@ struct Fp8Operand {
   const float* bias = nullptr;
 };
 
+// A weight as the bf16 panel GEMM (bf16_panel_gemm; AMX) reads it: fp8 and 4-bit weights implement it, so that
+// both run one engine. The GEMM multiplies decoded bf16 panels with x as 1-3 exact bf16 terms (bf16_terms.h);
+// a weight whose decode is not exact in one bf16 word gives two (hi + lo), each multiplied with x's first term
+// and the first with every term of x (lo x lo, at most 2^-16 of a product, is left out).
+struct PanelWeight {
+  int64_t N = 0, K = 0;
+  int terms = 1;  // bf16 words per decoded weight: 1 or 2
+  // positions of a chunk of kBf16Chunk: position p holds code order[p] of the chunk (pairs of consecutive codes)
+  const uint8_t* order = nullptr;
+  bool block = false;  // block scales along K (segments of block_k codes), block_scale_row's
+  int64_t block_k = 0;
+  // out = (sum * unscale) * mul[n] (+ add[n] where has_add)
+  float unscale = 1.f;
+  bool has_add = false;
+
+  virtual ~PanelWeight() = default;
+  // Rows [r0, r0 + nr), codes [k0, k0 + n) of each: term t of the code at position p (relative to k0, chunk by
+  // chunk in `order`) at dst[t * term_stride + r * ld + p], zero padded up to a whole chunk.
+  virtual void decode(int64_t r0, int64_t nr, int64_t k0, int64_t n, uint16_t* dst, int64_t ld,
+                      int64_t term_stride) const = 0;
+  // Columns [n0, n0 + nr)'s multipliers and addends.
+  virtual void columns(int64_t n0, int64_t nr, float* mul, float* add) const = 0;
+  // block: row n's scales, one per segment
+  virtual const float* block_scale_row(int64_t) const { return nullptr; }
+};
+
+// Whether bf16_panel_gemm can run now (amx_gemm_available()).
+bool bf16_panel_gemm_available();
+
+// out[m * ldo + n] for the rows of x [M, K] through the bf16 panel GEMM (where bf16_panel_gemm_available()).
+template <typename T>
+void bf16_panel_gemm(const T* x, int64_t M, const PanelWeight& w, T* out, int64_t ldo);
+
 // Below this many activation rows the GEMV-style tiles are used (they re-decode the weight for every group of
 // 4 rows, so their cost grows with M; the panel GEMM's does not). Not tuned yet: a first guess.
 constexpr int64_t kGemmMinRows = 8;

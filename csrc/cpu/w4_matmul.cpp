@@ -9,9 +9,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "cpu/arch/kernel_set.h"
+#include "cpu/fp8_matmul.h"
+#include "cpu/fp8_simd.h"
 #include "cpu/parallel.h"
 #include "cpu/workspace.h"
 
@@ -89,6 +94,129 @@ void panel_gemm(const W4Kernels& kern, const float* xp, int64_t M, const W4Opera
   release_scratch_above_cap(Slot::Accum);
 }
 
+// ---- the GEMM regime and the transposed product on AMX (bf16 panels) ----
+//
+// Numerics. A decoded weight is exact in one bf16 word when its code value and its scale together have at most
+// 8 significant bits and there is no offset: e2m1 values (2 bits) times e4m3 (4) or e8m0 (1) scales -- nvfp4,
+// mxfp4 -- are, up to bf16's subnormals, which AMX reads as zero (weights below 2^-126: e8m0 scale bytes below 2;
+// as for fp8). Those run the forward product on one term, the sums as exact as the fp32 path's. Others (int4 /
+// uint4 with 16- or 32-bit scales, zero points or biases, a table such as NF4's) take two terms, hi + lo
+// (w4_kernels.h: |w - hi - lo| <= 2^-16 |w|), each multiplied with x's first bf16 term, and hi with x's others:
+// per product at most about 2^-15 relative off, 16x below the rounding of a half output and 128x below a bf16
+// one. Float x keeps the fp32 path for them (2^-15 would show in an fp32 output). Per-group scales applied to
+// partial sums were the alternative: exact, but brgemm calls of group_size (32-128) codes, and uint4's biases
+// need per-group sums of x.
+// w4_mm_t: for bf16 grad_out the product is grad_out times the bf16-dequantized weight (global * w in fp32, rounded
+// once to bf16: w4_dequantize(dtype=bfloat16)'s bits) in torch's bf16 GEMM, as the bf16 layer on that weight
+// computes (fp8_mm_t does the same); exact for the formats above where the global scale is a power of two.
+
+// Significant bits of a finite value (0 for zero; many for inf / NaN).
+int significant_bits(float v) {
+  if (v == 0.f) return 0;
+  if (!std::isfinite(v)) return 64;
+  int e;
+  double m = std::fabs(std::frexp(double(v), &e));
+  int bits = 0;
+  while (m != 0.0) {
+    m = m * 2.0 - std::floor(m * 2.0);
+    bits++;
+  }
+  return bits;
+}
+
+// Whether every decoded weight of op is exact in one bf16 word (see above).
+bool w4_exact_in_bf16(const W4Operand& op) {
+  if (op.offset) return false;
+  int value_bits = 0;
+  for (int c = 0; c < 16; c++) value_bits = std::max(value_bits, significant_bits(op.values[c]));
+  int scale_bits = 24;
+  switch (op.scale_enc) {
+    case W4Scale::F16: scale_bits = 11; break;
+    case W4Scale::BF16: scale_bits = 8; break;
+    case W4Scale::E4M3: scale_bits = 4; break;
+    case W4Scale::E8M0: scale_bits = 1; break;
+    default: break;
+  }
+  return value_bits + scale_bits <= 8;
+}
+
+static_assert(kW4Bf16Chunk == kBf16Chunk, "w4 bf16 panels are chunked as the bf16 GEMM packs x");
+constexpr std::array<uint8_t, kBf16Chunk> make_natural_order() {
+  std::array<uint8_t, kBf16Chunk> o{};
+  for (int p = 0; p < kBf16Chunk; p++) o[p] = uint8_t(p);
+  return o;
+}
+constexpr std::array<uint8_t, kBf16Chunk> kNaturalOrder = make_natural_order();
+
+// A 4-bit weight as the bf16 panel GEMM reads it (fp8_matmul.h): the set's bf16 decode, natural order; the
+// global scale and the bias after the K reduction.
+struct W4PanelWeight final : PanelWeight {
+  W4Operand op;  // global = 1 for the decode: the global scale multiplies the sums
+  const W4Kernels& kern;
+  float global;
+  W4PanelWeight(const W4Operand& o, const W4Kernels& k, int term_count) : op(o), kern(k) {
+    op.global = 1.f;
+    global = o.global;
+    N = op.N;
+    K = op.K;
+    terms = term_count;
+    order = kNaturalOrder.data();
+    has_add = op.bias != nullptr;
+  }
+  void decode(int64_t r0, int64_t nr, int64_t k0, int64_t n, uint16_t* dst, int64_t ld,
+              int64_t term_stride) const override {
+    kern.decode_rows_bf16(op, r0, nr, k0, n, terms, dst, ld, term_stride);
+  }
+  void columns(int64_t n0, int64_t nr, float* mul, float* add) const override {
+    for (int64_t i = 0; i < nr; i++) {
+      mul[i] = global;
+      add[i] = op.bias ? op.bias[n0 + i] : 0.f;
+    }
+  }
+};
+
+// The bf16 panels run now: the set decodes to bf16 and the CPU runs torch's brgemm on AMX.
+bool w4_amx(const W4Kernels& kern) { return kern.decode_rows_bf16 != nullptr && bf16_panel_gemm_available(); }
+
+// The GEMM regime on AMX; false where it does not run (see above).
+template <typename T>
+bool amx_gemm(const W4Kernels& kern, const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
+  if (!w4_amx(kern)) return false;
+  const bool exact = w4_exact_in_bf16(op);
+  if (!exact && std::is_same_v<T, float>) return false;
+  bf16_panel_gemm(x, M, W4PanelWeight(op, kern, exact ? 1 : 2), out, ldo);
+  return true;
+}
+
+// w4_mm_t's GEMM regime on AMX for bf16 g: column panels (all N rows, kc codes) decoded to bf16 by all threads,
+// then multiplied with g in one torch bf16 GEMM straight into out (transposed_matmul.cpp's scheme and sizes).
+template <typename T>
+bool amx_gemm_t(const W4Kernels& kern, const T* g, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
+  if constexpr (!std::is_same_v<T, c10::BFloat16>) {
+    return false;
+  } else {
+    if (M < kW4GemmMinRows || !w4_amx(kern)) return false;
+    const int64_t N = op.N, K = op.K;
+    const int64_t bytes = std::max(int64_t(8) << 20, (int64_t(2) << 20) * int64_t(at::get_num_threads()));
+    const int64_t kc = std::min(std::max<int64_t>(bytes / (N * 2) / kBf16Chunk * kBf16Chunk, 256),
+                                ceil_div(K, kBf16Chunk) * kBf16Chunk);
+    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+    const at::Tensor panel = at::empty({N * kc}, bf16);
+    auto* pp = reinterpret_cast<uint16_t*>(panel.data_ptr());
+    const at::Tensor A = at::from_blob(const_cast<T*>(g), {M, N}, bf16);
+    const at::Tensor out_all = at::from_blob(out, {M, K}, {ldo, 1}, bf16);
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+      const int64_t kw = std::min(kc, K - k0);
+      at::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+        kern.decode_rows_bf16(op, a, b - a, k0, kw, 1, pp + a * kc, kc, 0);
+      });
+      at::Tensor C = out_all.narrow(1, k0, kw);
+      at::mm_out(C, A, at::from_blob(pp, {N, kw}, {kc, 1}, bf16));
+    }
+    return true;
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -140,6 +268,7 @@ void w4_matmul(const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) 
     return;
   }
   const W4Kernels& kern = kernel_set().w4;
+  if (M >= kW4GemmMinRows && amx_gemm(kern, x, M, op, out, ldo)) return;
   if (M >= kW4GemmMinRows) {
     float* xp = scratch<float>(Slot::Activations, size_t(M * w4_padded(op.K)));
     pack(x, M, op.K, xp);
@@ -159,6 +288,7 @@ void w4_matmul_t(const T* g, int64_t M, const W4Operand& op, T* out, int64_t ldo
   const int64_t N = op.N, K = op.K;
   if (M == 0 || K == 0) return;
   const W4Kernels& kern = kernel_set().w4;
+  if (amx_gemm_t(kern, g, M, op, out, ldo)) return;
   const at::Tensor gf = at::from_blob(const_cast<T*>(g), {M, N}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value))
                             .to(at::kFloat)
                             .contiguous();

@@ -449,6 +449,53 @@ float w4_ref(const W4Operand& op, int64_t n, int64_t k) {
 
 bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || bits_of(a) == bits_of(b); }
 
+// The nearest bf16 of finite v (ties to even) computed in double, and a finite v too large for it truncated
+// (w4_kernels.h's rule): the harness's own rounding, not the kernels'.
+double bf16_nearest(double v) {
+  if (v == 0) return v;
+  int e;
+  std::frexp(v, &e);                              // |v| in [2^(e-1), 2^e)
+  const int q = std::max(e - 8, -133);            // the bf16 quantum's exponent (subnormals: 2^-133)
+  const double r = std::ldexp(std::nearbyint(std::ldexp(v, -q)), q);
+  if (std::fabs(r) > 3.3895313892515355e38) return std::ldexp(std::trunc(std::ldexp(v, -q)), q);
+  return r;
+}
+
+// decode_rows_bf16: every term against the harness's own rounding of the exact decode (times a global scale of 1
+// or not), one and two terms, every window of 64 * j codes, zero past K up to whole 64-code chunks.
+void check_w4_bf16_panels(const KernelSet& s, const W4Operand& plain, const char* fmt) {
+  if (!s.w4.decode_rows_bf16) return;
+  const int64_t N = plain.N, K = plain.K;
+  for (float global : {1.f, 1.1f})
+  for (int terms : {1, 2})
+    for (int64_t win : {int64_t(64), int64_t(128), (K + 63) / 64 * 64}) {
+      const int64_t ld = win + 8, ts = N * ld + 4;
+      Buf<uint16_t> d(size_t(terms * ts), 0xBEEF);
+      int bad = 0;
+      for (int64_t k0 = 0; k0 < K; k0 += win) {
+        W4Operand op = plain;
+        op.global = global;
+        s.w4.decode_rows_bf16(op, 0, N, k0, win, terms, d.p, ld, ts);
+        for (int64_t n = 0; n < N; n++)
+          for (int64_t k = k0; k < k0 + win; k++) {
+            const float wg = k < K ? w4_ref(op, n, k) * global : 0.f;  // the fp32 product
+            const double w = wg;
+            const float hi = w4_bf16_float(d[size_t(n * ld + k - k0)]);
+            if (std::isnan(w) || std::isinf(w)) {
+              bad += !(std::isnan(w) ? std::isnan(hi) : double(hi) == w);
+              if (terms == 2) bad += d[size_t(ts + n * ld + k - k0)] != 0;
+              continue;
+            }
+            const double h = bf16_nearest(w);
+            bad += double(hi) != h;
+            if (terms == 2) bad += double(w4_bf16_float(d[size_t(ts + n * ld + k - k0)])) != bf16_nearest(w - h);
+          }
+      }
+      CHECK(bad == 0, "w4 decode_rows_bf16 %s K=%lld group=%lld window=%lld terms=%d global=%g: %d words differ",
+            fmt, (long long)K, (long long)plain.group, (long long)win, terms, double(global), bad);
+    }
+}
+
 void check_w4_case(const KernelSet& s, const W4Operand& op, const char* fmt) {
   const int64_t N = op.N, K = op.K, Kp = w4_padded(K);
   // natural-order decode: every element exact
@@ -475,6 +522,7 @@ void check_w4_case(const KernelSet& s, const W4Operand& op, const char* fmt) {
     CHECK(bad == 0, "w4 decode_rows %s K=%lld group=%lld window=%lld: %d elements differ", fmt, (long long)K,
           (long long)op.group, (long long)win, bad);
   }
+  check_w4_bf16_panels(s, op, fmt);
   // GEMV tiles against float64, every (mr, nr)
   std::uniform_real_distribution<float> ux(-2.f, 2.f);
   for (int mr = 1; mr <= kMaxTileRows; mr++)

@@ -16,6 +16,7 @@
 // too. Decoded positions past K are zero (a padded code with an inf / NaN table entry would otherwise give NaN).
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "w4_formats.h"
@@ -113,6 +114,32 @@ struct W4BlockGroups {
   }
 };
 
+// bf16 panels for the GEMMs on AMX (w4_matmul.cpp): decoded weights in natural order, each as `terms` bf16
+// words whose sum approximates the fp32 decode -- term 0 its rounding to nearest even, term 1 (terms = 2) the
+// rounding of the exact remainder w - term 0, so |w - t0 - t1| <= 2^-16 |w|. NaN: a quiet NaN (remainder 0);
+// +-inf: inf (remainder 0); a finite value that would round to inf is truncated (stays finite). Subnormal
+// results stay bf16 subnormals (AMX reads them as zero). Rows are zero padded to a multiple of kW4Bf16Chunk.
+constexpr int64_t kW4Bf16Chunk = 64;
+inline uint16_t w4_bf16_round(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if (f != f) return uint16_t((b >> 16) | 0x40);
+  uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  if ((r & 0x7F80u) == 0x7F80u && (b & 0x7F800000u) != 0x7F800000u) r = b >> 16;
+  return uint16_t(r);
+}
+inline float w4_bf16_float(uint16_t h) {
+  const uint32_t b = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+// The bf16 remainder term of w given its first term hi (0 where w or hi is not finite).
+inline uint16_t w4_bf16_remainder(float w, uint16_t hi) {
+  const float h = w4_bf16_float(hi);
+  return (w - w == 0.f && h - h == 0.f) ? w4_bf16_round(w - h) : uint16_t(0);
+}
+
 // One instantiation of a GEMV tile: W4Kernels::gemv_tile without the run-time (mr, nr) (pick_gemv_tile).
 using W4GemvTileFn = void (*)(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums);
 
@@ -130,6 +157,11 @@ struct W4Kernels {
   bool (*gemv_bf16_takes)(const W4Operand& op) = nullptr;
   void (*gemv_tile_bf16)(int mr, int nr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
                          float* sums) = nullptr;
+  // Rows [n0, n0 + nrows), codes [k0, k0 + n) (k0 a multiple of kW4Chunk), each weight times op.global (an fp32
+  // product: the weight w4_dequantize gives), as `terms` (1 or 2) bf16 words (see w4_bf16_round): term t of code k at dst[t * term_stride + r * ldd + k - k0], natural order, zero past K
+  // and up to n rounded up to kW4Bf16Chunk. Null in sets without amx_gemm (nothing calls it there).
+  void (*decode_rows_bf16)(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, int terms,
+                           uint16_t* dst, int64_t ldd, int64_t term_stride) = nullptr;
 };
 
 // The portable kernels: every set's fallback for group sizes its vector loops do not take.

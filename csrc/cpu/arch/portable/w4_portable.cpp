@@ -53,8 +53,22 @@ void dequantize_rows(const W4Operand& op, int64_t n0, int64_t nrows, float* dst,
     for_each_decoded(op, n0 + r, 0, op.K, [&](int64_t k, float w) { dst[r * ldd + k] = w; });
 }
 
+void decode_rows_bf16(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, int terms, uint16_t* dst,
+                      int64_t ldd, int64_t term_stride) {
+  const int64_t k1 = std::min(op.K, k0 + n), padded = (n + kW4Bf16Chunk - 1) / kW4Bf16Chunk * kW4Bf16Chunk;
+  for (int64_t r = 0; r < nrows; r++) {
+    for (int t = 0; t < terms; t++) std::fill(dst + t * term_stride + r * ldd, dst + t * term_stride + r * ldd + padded, 0);
+    for_each_decoded(op, n0 + r, k0, k1, [&](int64_t k, float decoded) {
+      const float w = decoded * op.global;
+      const uint16_t hi = w4_bf16_round(w);
+      dst[r * ldd + k - k0] = hi;
+      if (terms > 1) dst[term_stride + r * ldd + k - k0] = w4_bf16_remainder(w, hi);
+    });
+  }
+}
+
 }  // namespace
 
-const W4Kernels kW4KernelsPortable{&gemv_tile, &decode_rows, &dequantize_rows};
+const W4Kernels kW4KernelsPortable{&gemv_tile, &decode_rows, &dequantize_rows, nullptr, nullptr, &decode_rows_bf16};
 
 }  // namespace lowbit::cpu

@@ -483,8 +483,53 @@ LOWBIT_TARGET_AVX512 void dequantize_rows(const W4Operand& op, int64_t n0, int64
   }
 }
 
+// 16 floats -> their bf16 words (w4_bf16_round: nearest even, NaN quiet, finite values never to inf) in the low
+// halves of the 32-bit lanes.
+LOWBIT_TARGET_AVX512 inline __m512i bf16_round16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v), trunc = _mm512_srli_epi32(b, 16), exp = _mm512_set1_epi32(0x7F80);
+  const __m512i odd = _mm512_and_si512(trunc, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7F800000)),
+                                                    _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_mov_epi32(r, _mm512_mask_cmpeq_epi32_mask(finite, _mm512_and_si512(r, exp), exp), trunc);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_or_si512(trunc, _mm512_set1_epi32(0x40)));
+}
+
+// 16 decoded weights as `terms` bf16 words each (w4_bf16_remainder for the second).
+LOWBIT_TARGET_AVX512 inline void store_bf16_terms(__m512 v, int terms, uint16_t* dst, int64_t term_stride) {
+  const __m512i hi = bf16_round16(v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(hi));
+  if (terms < 2) return;
+  const __mmask16 finite = _mm512_cmpneq_epi32_mask(
+      _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7F800000));
+  const __m512 rest = _mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + term_stride), _mm512_cvtepi32_epi16(bf16_round16(rest)));
+}
+
+LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n,
+                                           int terms, uint16_t* dst, int64_t ldd, int64_t term_stride) {
+  if (!w4_blocks_in_groups(op))
+    return kW4KernelsPortable.decode_rows_bf16(op, n0, nrows, k0, n, terms, dst, ldd, term_stride);
+  const int64_t written = w4_padded(std::max<int64_t>(0, std::min(op.K - k0, n)));
+  const int64_t padded = (n + kW4Bf16Chunk - 1) / kW4Bf16Chunk * kW4Bf16Chunk;
+  // natural order, as in dequantize_rows
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  const __m512 global = _mm512_set1_ps(op.global);
+  for (int64_t r = 0; r < nrows; r++) {
+    uint16_t* d = dst + r * ldd;
+    for_each_chunk(op, n0 + r, k0, n, [&](int64_t p, __m512 e, __m512 o) LOWBIT_TARGET_AVX512 {
+      store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, lo, o), global), terms, d + p, term_stride);
+      store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, hi, o), global), terms, d + p + 16, term_stride);
+    });
+    for (int t = 0; t < terms; t++) std::memset(d + t * term_stride + written, 0, size_t(padded - written) * 2);
+  }
+}
+
 }  // namespace
 
-extern const W4Kernels kW4KernelsAvx512{&gemv_tile, &decode_rows, &dequantize_rows, &gemv_bf16_takes, &gemv_tile_bf16};
+extern const W4Kernels kW4KernelsAvx512{&gemv_tile, &decode_rows, &dequantize_rows, &gemv_bf16_takes, &gemv_tile_bf16,
+                                         &decode_rows_bf16};
 
 }  // namespace lowbit::cpu
