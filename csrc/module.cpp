@@ -27,6 +27,22 @@ at::Tensor emu_fp8_grouped_mm_unvalidated(const at::Tensor& x, const at::Tensor&
                                             offsets, expert_ids, std::nullopt);
 }
 
+// w4_grouped_mm (transposed: w4_grouped_mm_t, K given) in the emulator without host-side checks of offsets and
+// expert ids, as on mps (a test hook, as emu_fp8_grouped_mm_unvalidated).
+at::Tensor emu_w4_grouped_mm_unvalidated(bool transposed, const at::Tensor& x, const at::Tensor& codes,
+                                         const at::Tensor& scale, const std::string& format, int64_t group_size,
+                                         int64_t K, const at::Tensor& offsets,
+                                         const std::optional<at::Tensor>& expert_ids,
+                                         const std::optional<at::Tensor>& offset,
+                                         const std::optional<at::Tensor>& global_scale) {
+  lowbit::metal::EmuLauncher l;
+  const lowbit::metal::Target t{l, /*host_visible=*/false, l.caps()};
+  return transposed ? lowbit::metal::plan_w4_grouped_mm_t(t, x, codes, scale, format, group_size, K, offsets,
+                                                          expert_ids, offset, global_scale)
+                    : lowbit::metal::plan_w4_grouped_mm(t, x, codes, scale, format, group_size, offsets, expert_ids,
+                                                        offset, global_scale);
+}
+
 // The dry-run records as Python dicts (torch_lowbit.emulator.dry_run).
 py::list dry_run_take() {
   using lowbit::metal::Access;
@@ -126,6 +142,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the plans' launch-limit check on a dispatch of these sizes (raises like a plan would; for tests)");
   m.def("_emu_fp8_grouped_mm_unvalidated", &emu_fp8_grouped_mm_unvalidated,
         "fp8_grouped_mm in the emulator without host-side checks of offsets / expert_ids, as on mps (tests)");
+  m.def("_emu_w4_grouped_mm_unvalidated", &emu_w4_grouped_mm_unvalidated,
+        "w4_grouped_mm (transposed: w4_grouped_mm_t) in the emulator without host-side checks of offsets / "
+        "expert_ids, as on mps (tests): (transposed, x, codes, scale, format, group_size, K, offsets, expert_ids, "
+        "offset, global_scale)");
   m.def(
       "_cpu_set_isa",
       [](const std::string& name) {

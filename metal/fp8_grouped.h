@@ -1,8 +1,9 @@
-// Groups of rows for the grouped (MoE) kernels, shared by fp8_grouped_mm (fp8_grouped_mm.metal) and its
-// transposed product fp8_grouped_mm_t (fp8_grouped_mm_t.metal): group spans, zeroing the rows a kernel does
+// Groups of rows for the grouped (MoE) kernels, shared by fp8_grouped_mm (fp8_grouped_mm.metal), its
+// transposed product fp8_grouped_mm_t (fp8_grouped_mm_t.metal) and the 4-bit ones (w4_grouped.h): group spans, zeroing the rows a kernel does
 // not compute, and the lookup of a prefill threadgroup's row tile in fp8_grouped_tiles' table.
 // offsets are clamped to [0, T] and ids outside [0, E) act as -1, so malformed values (validated on the host
 // where the plan can read them, not on mps) never index outside a buffer.
+// P: the op's params (Fp8GroupedMmParams, W4GroupedParams), read for its rows T, experts E and groups G.
 #pragma once
 #include <metal_stdlib>
 #include "params.h"
@@ -17,8 +18,8 @@ inline uint clamp_row(int o, uint T) {
   return o < 0 ? 0u : min(uint(o), T);
 }
 
-inline GroupSpan group_span(device const int* offsets, device const int* ids, uint g,
-                            constant Fp8GroupedMmParams& p) {
+template <typename P>
+inline GroupSpan group_span(device const int* offsets, device const int* ids, uint g, constant P& p) {
   GroupSpan s;
   s.begin = clamp_row(offsets[g], p.T);
   s.end = max(s.begin, clamp_row(offsets[g + 1], p.T));
@@ -40,9 +41,8 @@ inline void zero_rows(device T* out, uint cols, uint r0, uint r1, uint c0, uint 
 }
 
 // Rows in no group: before offsets[0] and from offsets[G] on (groups are contiguous between the two)
-template <typename T>
-inline void zero_rows_in_no_group(device T* out, uint cols, device const int* offsets,
-                                  constant Fp8GroupedMmParams& p, uint r0, uint r1, uint c0, uint c1, uint tid,
+template <typename T, typename P>
+inline void zero_rows_in_no_group(device T* out, uint cols, device const int* offsets, constant P& p, uint r0, uint r1, uint c0, uint c1, uint tid,
                                   uint nthreads) {
   const uint first = clamp_row(offsets[0], p.T), last = clamp_row(offsets[p.G], p.T);
   zero_rows<T>(out, cols, r0, min(r1, first), c0, c1, tid, nthreads);
@@ -57,8 +57,8 @@ struct GroupTile {
   int expert;
 };
 
-inline GroupTile group_tile(device const uint* tiles, device const int* expert_ids, uint y,
-                            constant Fp8GroupedMmParams& p) {
+template <typename P>
+inline GroupTile group_tile(device const uint* tiles, device const int* expert_ids, uint y, constant P& p) {
   device const uint* bound = tiles;
   device const uint* first = tiles + p.G + 3;
   GroupTile t;

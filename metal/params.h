@@ -165,4 +165,14 @@ struct W4Params {
   float values[16];   // the value of each 4-bit code
 };
 
+// A grouped 4-bit product (w4_grouped_mm, w4_grouped_mm_t): each expert's weight as W4Params describes one
+// (w.M = T), the experts one after another in codes / scale / offset; the groups of rows as Fp8GroupedMmParams'
+// (metal/fp8_grouped.h reads T, E and G).
+struct W4GroupedParams {
+  W4Params w;
+  uint T;  // rows of x (grad_out)
+  uint E;  // experts
+  uint G;  // groups of rows (not w.G, the weight's groups per row)
+};
+
 LOWBIT_PARAMS_NAMESPACE_END

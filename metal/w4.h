@@ -14,20 +14,26 @@
 using namespace metal;
 
 // ---- scale encodings (lowbit::W4Scale): scale i of a buffer bound as bytes; elements are naturally aligned ----
+// bytes(n): the size of n scales (a grouped kernel's step from one expert's scales to the next)
 struct W4ScaleF32 {
   static float load(device const uchar* s, ulong i) { return ((device const float*)s)[i]; }
+  static ulong bytes(ulong n) { return 4 * n; }
 };
 struct W4ScaleF16 {
   static float load(device const uchar* s, ulong i) { return float(((device const half*)s)[i]); }
+  static ulong bytes(ulong n) { return 2 * n; }
 };
 struct W4ScaleBF16 {
   static float load(device const uchar* s, ulong i) { return float(((device const bfloat*)s)[i]); }
+  static ulong bytes(ulong n) { return 2 * n; }
 };
 struct W4ScaleE4M3 {
   static float load(device const uchar* s, ulong i) { return fp8_e4m3_to_float(s[i]); }
+  static ulong bytes(ulong n) { return n; }
 };
 // 2^(b - 127); 0xFF is NaN; b == 0 is 2^-127, an fp32 subnormal
 struct W4ScaleE8M0 {
+  static ulong bytes(ulong n) { return n; }
   static float load(device const uchar* s, ulong i) {
     const uint b = s[i];
     return b == 0xFFu ? as_type<float>(kFp8QuietNaN) : as_type<float>(b == 0u ? 0x00400000u : b << 23);
@@ -40,19 +46,26 @@ struct W4Group {
   float s, o;
 };
 
+// bytes<S>(n): the size of n offsets (as W4Scale*::bytes)
 struct W4OffsetNone {
   template <typename S>
   static float offset(device const uchar*, ulong) { return 0.0f; }
+  template <typename S>
+  static ulong bytes(ulong) { return 0; }
   static float apply(float v, W4Group g) { return v * g.s; }
 };
 struct W4OffsetZeroPoint {  // int8 zero points
   template <typename S>
   static float offset(device const uchar* o, ulong i) { return float(((device const char*)o)[i]); }
+  template <typename S>
+  static ulong bytes(ulong n) { return n; }
   static float apply(float v, W4Group g) { return (v - g.o) * g.s; }
 };
 struct W4OffsetBias {  // additive biases in the scale's encoding (MLX affine)
   template <typename S>
   static float offset(device const uchar* o, ulong i) { return S::load(o, i); }
+  template <typename S>
+  static ulong bytes(ulong n) { return S::bytes(n); }
   static float apply(float v, W4Group g) { return v * g.s + g.o; }
 };
 

@@ -1,5 +1,5 @@
 // The tiled 4-bit products on 8x8 simdgroup matrices, shared by w4_mm's GEMM (w4_gemm.metal) and w4_mm_t's
-// (w4_mm_t.metal). Both stage a 32 x 32 tile of the weight W[n0 .. n0 + 32, k0 .. k0 + 32) decoded to fp32 in
+// (w4_mm_t.metal), and by the grouped ones (w4_grouped_mm.metal, w4_grouped_mm_t.metal). Both stage a 32 x 32 tile of the weight W[n0 .. n0 + 32, k0 .. k0 + 32) decoded to fp32 in
 // threadgroup memory (each weight decoded once per tile, exactly as the format defines it: no scale is folded
 // into a partial sum) and a 32 x 32 tile of the activations (or grad_out) as fp32, then 4 simdgroups in a 2 x 2
 // arrangement run 2 x 2 simdgroup_float8x8 multiply-accumulates each, in fp32. w4_mm's B operand is the
@@ -89,4 +89,42 @@ inline void w4_tile_store(thread const W4TileAcc& acc, device T* out, uint rows,
       }
     }
   }
+}
+
+// One w4_mm output tile: out[0 .. rows, n0 .. n0 + 32) = x[0 .. rows, :] @ W[n0 .. n0 + 32, :]^T * gmul (+ bias);
+// x and out point at the tile's first row. K advances 32 per step. xs / ws: kW4GemmTile * kW4TileStride floats.
+template <typename T, typename S, typename O>
+inline void w4_gemm_tile(device const T* x, uint rows, device const uchar* codes, device const uchar* scale,
+                         device const uchar* offset, constant W4Params& p, float gmul, BiasRef bias, device T* out,
+                         uint n0, threadgroup float* xs, threadgroup float* ws, uint tid, uint sg, uint lane) {
+  const uint sm = (sg / 2) * 16, sn = (sg % 2) * 16;  // this simdgroup's quarter of the tile
+  W4TileAcc acc = w4_zero_acc();
+  for (uint k0 = 0; k0 < p.K; k0 += kW4GemmTile) {
+    const uint len = min(kW4GemmTile, p.K - k0);
+    gemm_stage_x<T, float>(xs, x, rows, p.K, k0, len, (p.flags & kW4XVec) != 0, tid);  // A(m, k) = x[m, k]
+    w4_stage_w<S, O>(ws, codes, scale, offset, p, n0, k0, tid);                             // B(k, n) = W[n, k]
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    w4_tile_mma<true>(acc, xs, ws, sm, sn, len);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the next step overwrites xs / ws
+  }
+  w4_tile_store<T>(acc, out, rows, n0, p.N, p.N, gmul, bias, sm, sn, lane);
+}
+
+// One w4_mm_t output tile: out[0 .. rows, k0 .. k0 + 32) = g[0 .. rows, :] @ W[:, k0 .. k0 + 32) * gmul; g and out
+// point at the tile's first row. N (the reduction) advances 32 per step, W is read row-major as stored.
+template <typename T, typename S, typename O>
+inline void w4_mm_t_tile(device const T* g, uint rows, device const uchar* codes, device const uchar* scale,
+                         device const uchar* offset, constant W4Params& p, float gmul, device T* out, uint k0,
+                         threadgroup float* gs, threadgroup float* ws, uint tid, uint sg, uint lane) {
+  const uint sm = (sg / 2) * 16, sk = (sg % 2) * 16;  // this simdgroup's quarter of the tile
+  W4TileAcc acc = w4_zero_acc();
+  for (uint n0 = 0; n0 < p.N; n0 += kW4GemmTile) {
+    const uint len = min(kW4GemmTile, p.N - n0);
+    gemm_stage_x<T, float>(gs, g, rows, p.N, n0, len, (p.flags & kW4XVec) != 0, tid);  // A(m, n) = g[m, n]
+    w4_stage_w<S, O>(ws, codes, scale, offset, p, n0, k0, tid);                             // B(n, k) = W[n, k]
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    w4_tile_mma<false>(acc, gs, ws, sm, sk, len);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the next step overwrites gs / ws
+  }
+  w4_tile_store<T>(acc, out, rows, k0, p.K, p.K, gmul, no_bias(), sm, sk, lane);
 }

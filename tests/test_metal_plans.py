@@ -325,3 +325,62 @@ def test_transposed_vector_loads_need_aligned_buffers(g_off, w_off, flags):
     w = view_at(w_off, (N, K), torch.uint8)     # 4-byte weight loads at a multiple of 4 bytes
     _, (r,) = run("fp8_mm_t", go, w, torch.empty(1, device=META), None)
     assert u32s(r, 4)[3] == flags
+
+
+# ---------------------------------------------------------------------------------------------- 4-bit MoE
+W4_MOE = {  # hidden, expert intermediate, experts, top-k, format, group size
+    "gpt_oss_120b": (2880, 2880, 128, 4, "mxfp4", 32),
+    "deepseek_v3": (7168, 2048, 256, 8, "nvfp4", 16),
+}
+W4_MOE_VARIANT = {"mxfp4": "_e8m0_none", "nvfp4": "_e4m3_none"}
+
+
+def w4_grouped(model, proj, T, transposed=False):
+    """w4_grouped_mm (transposed: w4_grouped_mm_t, grad_out [T, N] -> [T, K]) at a model's expert shapes, one
+    group per expert; nvfp4 with its per-expert global scale."""
+    hidden, inter, E, _, fmt, group = W4_MOE[model]
+    N, K = (2 * inter, hidden) if proj == "gate_up" else (hidden, inter)
+    G = math.ceil(K / group)
+    codes = torch.empty(E, N, (K + 1) // 2, dtype=torch.uint8, device=META)
+    scale = torch.empty(E, N, G, dtype=torch.uint8, device=META)
+    gs = torch.empty(E, device=META) if fmt == "nvfp4" else None
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=META)
+    ids = torch.empty(E, dtype=torch.int32, device=META)
+    if transposed:
+        out, recs = run("w4_grouped_mm_t", torch.empty(T, N, dtype=torch.bfloat16, device=META), codes, scale, fmt,
+                        group, K, offsets, ids, None, gs)
+        assert out.shape == (T, K)
+    else:
+        out, recs = run("w4_grouped_mm", torch.empty(T, K, dtype=torch.bfloat16, device=META), codes, scale, fmt,
+                        group, offsets, ids, None, gs)
+        assert out.shape == (T, N)
+    for r in recs[-1:]:
+        assert r["buffers"]["codes"]["nbytes"] == E * N * ((K + 1) // 2)  # > 2^32 for DeepSeek: 64-bit offsets
+        # W4Params (M = T, N, K, G), then the groups' T, E, G
+        assert u32s(r, 4) == (T, N, K, G) and u32s(r, 27)[24:] == (T, E, E)
+    return recs, N, K, E, fmt
+
+
+@pytest.mark.parametrize("model", list(W4_MOE))
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_w4_grouped_decode_is_one_slot_per_group(model, proj):
+    top_k = W4_MOE[model][3]
+    (r,), N, K, E, fmt = w4_grouped(model, proj, top_k)  # one token: its top-k rows
+    assert r["kernel"] == "w4_grouped_gemv_bfloat" + W4_MOE_VARIANT[fmt]
+    assert r["binding"][5:7] == ["offsets", "expert_ids"]
+    assert r["grid"] == (math.ceil(N / 4), E + 1, 1) and r["threads"] == (64, 1, 1)
+
+
+@pytest.mark.parametrize("model", list(W4_MOE))
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["mm", "mm_t"])
+def test_w4_grouped_prefill_tiles_only_the_rows_that_exist(model, proj, transposed):
+    T = 4096 * W4_MOE[model][3]  # a 4096-token prefill: rows = tokens x top-k, sorted by expert
+    recs, N, K, E, fmt = w4_grouped(model, proj, T, transposed)
+    layout, gemm = recs
+    assert layout["kernel"] == "fp8_grouped_tiles" and layout["buffers"]["tiles"]["shape"] == (2 * (E + 3),)
+    base = "w4_grouped_mm_t_gemm_bfloat" if transposed else "w4_grouped_gemm_bfloat"
+    assert gemm["kernel"] == base + W4_MOE_VARIANT[fmt] and gemm["binding"][5:7] == ["tiles", "expert_ids"]
+    cols = K if transposed else N
+    assert gemm["grid"] == (math.ceil(cols / 32), math.ceil(T / 32) + E + 1, 1) and gemm["threads"] == (128, 1, 1)
+

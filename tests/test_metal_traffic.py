@@ -130,3 +130,20 @@ def test_w4_gemm_reads_each_code_once_per_tile_column():
         m = MT.measure(case, trace)
     assert [r["kernel"] for r in m.launches] == ["w4_gemm_bfloat_e4m3_none"]
     assert m.read_ratio == pytest.approx(1.0, abs=0.01)
+
+
+def test_w4_grouped_decode_reads_the_chosen_experts_once():
+    """4-bit MoE decode (4 tokens, each its own group on a different one of 8 experts): 1.00x the ideal bytes -- the
+    chosen experts' codes, scales and offsets once, nothing of the others -- in full lines, for nvfp4 (per-expert
+    global scale) and int4 (bf16 scales, int8 zero points). K = 1280: rows of 640 bytes, a partial last GEMV step."""
+    if not torch_lowbit.emulator.trace_available():
+        pytest.skip("no traffic build of the emulator in this install")
+    chosen = [c for c in MT.cases(64, 1280) if c.op == "w4_grouped_mm"]
+    assert len(chosen) == 2
+    with torch_lowbit.emulator.traced() as trace:
+        for case in chosen:
+            m = MT.measure(case, trace)
+            variant = "e4m3_none" if "nvfp4" in case.label else "bf16_zp"
+            assert [r["kernel"] for r in m.launches] == ["w4_grouped_gemv_bfloat_" + variant]
+            assert m.read_ratio == pytest.approx(1.0, abs=0.005), case.label
+            assert m.line_use >= MT.LINE_USE_GOAL, case.label

@@ -33,28 +33,41 @@ Fp8GroupedMmParams grouped_params(const Fp8GroupedMmArgs& a, uint32_t flags) {
   return p;
 }
 
-at::Tensor run_grouped_tiles(Target t, const at::Tensor& offsets, const Fp8GroupedMmParams& p) {
-  at::Tensor tiles = at::empty({2 * (int64_t(p.G) + 3)}, offsets.options());
+at::Tensor run_grouped_tiles(Target t, const GroupRows& rows) {
+  // the table kernel reads only T and G of its params
+  Fp8GroupedMmParams p{};
+  p.T = checked_u32("T", rows.T);
+  p.G = checked_u32("G", rows.G);
+  at::Tensor tiles = at::empty({2 * (rows.G + 3)}, rows.offsets.options());
   Dispatch layout("fp8_grouped_tiles");
-  layout.buffer("offsets", offsets).buffer("tiles", tiles, Access::Write).value("params", p);
+  layout.buffer("offsets", rows.offsets).buffer("tiles", tiles, Access::Write).value("params", p);
   layout.grid({1, 1, 1}, {1, 1, 1});
   t.run(layout);
   return tiles;
+}
+
+void bind_group_rows(Target t, Dispatch& d, const GroupRows& rows, bool decode) {
+  if (decode) {
+    d.buffer("offsets", rows.offsets);
+  } else {
+    d.buffer("tiles", run_grouped_tiles(t, rows));
+  }
+  d.buffer("expert_ids", rows.expert_ids);
+}
+
+void grouped_grid(Dispatch& d, const GroupRows& rows, bool decode, int64_t grid_x, uint32_t threads) {
+  // prefill: at most ceil(rows / 32) tiles per segment -- G groups and the rows before and after them
+  const int64_t grid_y = decode ? rows.G + 1 : ceil_div(rows.T, kFp8GemmTile) + rows.G + 1;
+  d.grid({checked_u32("grid x", grid_x), checked_u32("grid y", grid_y), 1}, {threads, 1, 1});
 }
 
 void run_grouped(Target t, const std::string& kernel, const char* x_name, const Fp8GroupedMmArgs& a,
                  const Fp8GroupedMmParams& p, const at::Tensor& out, bool decode, int64_t grid_x, uint32_t threads) {
   Dispatch d(kernel);
   d.buffer(x_name, a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
-  if (decode) {
-    d.buffer("offsets", a.offsets);
-  } else {
-    d.buffer("tiles", run_grouped_tiles(t, a.offsets, p));
-  }
-  d.buffer("expert_ids", a.expert_ids).buffer("out", out, Access::Write).value("params", p);
-  // prefill: at most ceil(rows / 32) tiles per segment -- G groups and the rows before and after them
-  const int64_t grid_y = decode ? a.G + 1 : ceil_div(a.T, kFp8GemmTile) + a.G + 1;
-  d.grid({checked_u32("grid x", grid_x), checked_u32("grid y", grid_y), 1}, {threads, 1, 1});
+  bind_group_rows(t, d, a, decode);
+  d.buffer("out", out, Access::Write).value("params", p);
+  grouped_grid(d, a, decode, grid_x, threads);
   t.run(d);
 }
 

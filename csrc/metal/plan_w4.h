@@ -1,5 +1,6 @@
-// The plan code shared by the 4-bit ops (plan_w4_mm.cpp, plan_w4_dequantize.cpp, plan_w4_mm_t.cpp): kernel names,
-// the params struct, the weight's buffers. Kernels: metal/w4*.
+// The plan code shared by the 4-bit ops (plan_w4_mm.cpp, plan_w4_dequantize.cpp, plan_w4_mm_t.cpp and the grouped
+// plan_w4_grouped_mm.cpp, plan_w4_grouped_mm_t.cpp): kernel names, the params struct, the weight's buffers.
+// Kernels: metal/w4*.
 #pragma once
 #include "metal/plans.h"
 
@@ -20,5 +21,14 @@ W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags);
 // Binds the weight's four buffers in kernel order: codes, scale, offset, global_scale. An absent offset or global
 // scale binds the scale in its place (never read: the params say it is absent), so no buffer is ever unbound.
 void bind_w4_weight(Dispatch& d, const W4Weight& w);
+
+// The params of a grouped product (T rows, G groups, E experts; `flags` as for w4_params)
+W4GroupedParams w4_grouped_params(const W4GroupedMmArgs& a, uint32_t flags);
+
+// Launches a 4-bit grouped kernel <kernel_base>_<dtype>_<scale>_<offset>: x (or grad_out), the weight's buffers,
+// the group buffers (offsets for decode, else the tile table), out, params; grid as plan_grouped.h's
+// grouped_grid.
+void run_w4_grouped(Target t, const char* kernel_base, const char* x_name, const W4GroupedMmArgs& a,
+                    const W4GroupedParams& p, const at::Tensor& out, bool decode, int64_t grid_x, uint32_t threads);
 
 }  // namespace lowbit::metal

@@ -78,6 +78,24 @@ struct PlannedOps {
                         K.expect_int(), offset, global_scale);
   }
 
+  static at::Tensor w4_grouped_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                  c10::string_view format, int64_t group_size, const at::Tensor& offsets,
+                                  const std::optional<at::Tensor>& expert_ids, const std::optional<at::Tensor>& offset,
+                                  const std::optional<at::Tensor>& global_scale) {
+    L l;
+    return plan_w4_grouped_mm(Target{l, HostVisible, l.caps()}, x, codes, scale, std::string(format), group_size,
+                              offsets, expert_ids, offset, global_scale);
+  }
+  static at::Tensor w4_grouped_mm_t(const at::Tensor& grad_out, const at::Tensor& codes, const at::Tensor& scale,
+                                    c10::string_view format, int64_t group_size, c10::SymInt K,
+                                    const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                    const std::optional<at::Tensor>& offset,
+                                    const std::optional<at::Tensor>& global_scale) {
+    L l;
+    return plan_w4_grouped_mm_t(Target{l, HostVisible, l.caps()}, grad_out, codes, scale, std::string(format),
+                                group_size, K.expect_int(), offsets, expert_ids, offset, global_scale);
+  }
+
   static void register_all(torch::Library& m) {
     m.impl("fp8_mm", &fp8_mm);
     m.impl("fp8_dequantize", &fp8_dequantize);
@@ -90,6 +108,8 @@ struct PlannedOps {
     m.impl("w4_mm", &w4_mm);
     m.impl("w4_dequantize", &w4_dequantize);
     m.impl("w4_mm_t", &w4_mm_t);
+    m.impl("w4_grouped_mm", &w4_grouped_mm);
+    m.impl("w4_grouped_mm_t", &w4_grouped_mm_t);
   }
 };
 

@@ -140,6 +140,18 @@ at::Tensor plan_w4_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& 
                         const std::string& format, int64_t group_size, int64_t K,
                         const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& global_scale);
 
+// grouped (MoE): codes [E, N, ceil(K/2)], scale / offset [E, N, G], global_scale [E]
+at::Tensor plan_w4_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const std::string& format, int64_t group_size, const at::Tensor& offsets,
+                              const std::optional<at::Tensor>& expert_ids, const std::optional<at::Tensor>& offset,
+                              const std::optional<at::Tensor>& global_scale);
+
+at::Tensor plan_w4_grouped_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& codes,
+                                const at::Tensor& scale, const std::string& format, int64_t group_size, int64_t K,
+                                const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids,
+                                const std::optional<at::Tensor>& offset,
+                                const std::optional<at::Tensor>& global_scale);
+
 at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& wq,
                         const at::Tensor& w_scale, const std::optional<at::Tensor>& bias,
                         std::optional<at::ScalarType> out_dtype);

@@ -17,7 +17,7 @@ GPU thread and groups them into SIMD instructions. Per op call and shape it prin
              reaches the core's L1) per weight byte loaded: a GEMV that reloads its activation rows in every
              simdgroup spends more load bandwidth on them than on the weights
 
-Goals for the decode kernels (M = 1 fp8 GEMV, grouped decode, int8 GEMV, 4-bit GEMV): read <= 1.02 x ideal, line use
+Goals for the decode kernels (M = 1 fp8 GEMV, grouped decode (fp8, 4-bit), int8 GEMV, 4-bit GEMV): read <= 1.02 x ideal, line use
 >= 90% and >= 4 threadgroups per core (also at N = 1024, a Llama-3-8B k/v projection); for the multi-row fp8
 GEMV (M = 8): act/w <= 1 (pass/fail columns). Ops whose Metal kernel does not exist yet are listed and skipped.
 """
@@ -167,16 +167,31 @@ def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024
                         torch.randint(-127, 128, (n, K), dtype=torch.int8, generator=gen),
                         torch.rand(n, generator=gen) + 0.5, None, torch.bfloat16)
 
-    def w4_mm(M, n, fmt):
-        """w4_mm args: nvfp4 (e4m3 scale per 16, global scale) or int4 (bf16 scale and int8 zero point per 128)."""
-        codes = torch.randint(0, 256, (n, (K + 1) // 2), dtype=torch.uint8, generator=gen)
+    def w4_weight(lead, n, fmt):
+        """(codes, scale, format, group_size, offset, global_scale) of a [*lead, n, K] 4-bit weight: nvfp4 (e4m3
+        scale per 16, global scale) or int4 (bf16 scale and int8 zero point per 128)."""
+        codes = torch.randint(0, 256, lead + (n, (K + 1) // 2), dtype=torch.uint8, generator=gen)
         if fmt == "nvfp4":
             G = (K + 15) // 16
-            return lambda: (x(M), codes, torch.randint(0x28, 0x48, (n, G), dtype=torch.uint8, generator=gen), fmt,
-                            16, None, torch.ones(1), None)
+            return (codes, torch.randint(0x28, 0x48, lead + (n, G), dtype=torch.uint8, generator=gen), fmt, 16, None,
+                    torch.ones(lead or (1,)))
         G = (K + 127) // 128
-        return lambda: (x(M), codes, (torch.rand(n, G, generator=gen) + 0.5).to(torch.bfloat16), fmt, 128,
-                        torch.randint(-8, 8, (n, G), dtype=torch.int8, generator=gen), None, None)
+        return (codes, (torch.rand(lead + (n, G), generator=gen) + 0.5).to(torch.bfloat16), fmt, 128,
+                torch.randint(-8, 8, lead + (n, G), dtype=torch.int8, generator=gen), None)
+
+    def w4_mm(M, n, fmt):
+        return lambda: (x(M), *w4_weight((), n, fmt), None)
+
+    def w4_grouped(n, fmt):
+        codes, scale, fmt, group, offset, gscale = w4_weight((E,), n, fmt)
+        return lambda: (x(T), codes, scale, fmt, group, offsets, ids, offset, gscale)
+
+    def w4_grouped_ideal(a):
+        """x, the chosen experts' codes, scales and offsets once, all global scales, offsets and ids"""
+        xx, codes, s, _fmt, _group, offs, eids, offset, gscale = a
+        used = len(set(int(e) for e in eids.tolist() if e >= 0))
+        per_expert = (nbytes(codes) + nbytes(s) + nbytes(offset)) // codes.shape[0]
+        return nbytes(xx) + used * per_expert + nbytes(gscale) + nbytes(offs) + nbytes(eids)
 
     return [
         *[Case(f"w4_mm M=1 N={n} K={K} {fmt} bf16", "w4_mm", w4_mm(1, n, fmt), w4_mm_ideal, True)
@@ -194,6 +209,9 @@ def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024
         Case(f"fp8_grouped_mm decode T={T} E={E} N={N} K={K} per-channel", "fp8_grouped_mm",
              lambda: (x(T), _fp8((E, N, K), gen), torch.rand(E, N, generator=gen) + 0.5, offsets, ids, None),
              grouped_ideal, True),
+        # 4-bit MoE decode: one pass over the chosen experts' codes
+        *[Case(f"w4_grouped_mm decode T={T} E={E} N={N} K={K} {fmt} bf16", "w4_grouped_mm", w4_grouped(N, fmt),
+               w4_grouped_ideal, True) for fmt in ("nvfp4", "int4")],
         Case(f"int8_mm M=1 N={N} K={K}", "int8_mm", int8_mm_m1(N), int8_ideal, True),
         Case(f"int8_mm M=1 N={small_N} K={K}", "int8_mm", int8_mm_m1(small_N), int8_ideal, True),
         # the backward product grad_out [M, N] @ W [N, K]: decode (one row) and one 32-row tile of the GEMM
