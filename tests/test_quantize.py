@@ -336,7 +336,8 @@ def _gpt_oss():
     lambda: (torch.nn.Sequential(_InterleavedExperts()), "0", "differs from the SwiGLU of its gate_up_proj"),
     lambda: (torch.nn.Sequential(_BiasedExperts()), "0", "holds down_proj_bias besides gate_up_proj"),
 ], ids=["gelu", "gpt-oss", "interleaved", "bias"])
-@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly(), torch_lowbit.Int8Dynamic()], ids=["fp8", "int8"])
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly(), torch_lowbit.Int8Dynamic(),
+                                    torch_lowbit.Nvfp4WeightOnly()], ids=["fp8", "int8", "nvfp4"])
 def test_quantize__experts_it_cannot_convert_stay_dense_with_the_reason(build, config):
     model, fqn, why = build()
     dense_type = type(model.get_submodule(fqn))

@@ -1,8 +1,9 @@
 """W4Experts: vs a float64 loop over tokens on the experts' dequantized weights (every 4-bit format, zero points and
 biases, nvfp4's per-expert global scales, odd K and partial groups, skipped slots, idle experts, T = 1, leading
 dims), bad input named, torch.compile(fullgraph=True), from_float (stacked = per expert, round trip within half a
-step), quantize_ on tiny transformers Qwen3-MoE / Mixtral (logits vs float64 on the dequantized weights), what stays
-dense and why, and dequantize_model back to the model's dense experts module."""
+step), quantize_ on tiny transformers Qwen3-MoE / Mixtral (logits vs float64 on the dequantized weights), and
+dequantize_model back to the model's dense experts module. What stays dense under the 4-bit configs, and why
+(gpt-oss, GELU, interleaved, biased experts): tests/test_quantize.py."""
 import pytest
 import torch
 
@@ -224,18 +225,6 @@ def test_quantize__converts_fused_experts_to_w4_experts(arch, name):
         out, want = model(MOE_IDS).logits.double(), ref(MOE_IDS).logits
     err = ((out - want).abs().max() / want.abs().max()).item()
     assert err <= 1e-5, err  # W4A16 = the dequantized model up to fp32 accumulation
-
-
-@pytest.mark.parametrize("config", [torch_lowbit.Int4WeightOnly(16), torch_lowbit.Mxfp4WeightOnly()],
-                         ids=["int4", "mxfp4"])
-def test_gpt_oss_experts_stay_dense_with_the_reason(config):
-    from test_quantize import _gpt_oss
-    model, fqn, why = _gpt_oss()
-    dense_type = type(model.get_submodule(fqn))
-    with pytest.warns(UserWarning, match=f"MoE experts {fqn} left in high precision: {why}"):
-        model, report = torch_lowbit.quantize_(model, config, return_report=True)
-    assert type(model.get_submodule(fqn)) is dense_type and why in report.skipped[fqn]
-    assert "model.layers.0.self_attn.q_proj" in report.converted
 
 
 # --------------------------------------------------------------------------------------------- dequantize_model
