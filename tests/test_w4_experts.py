@@ -161,8 +161,10 @@ def _bits(t):
 @pytest.mark.parametrize("fmt,gs,kw", [("int4", 16, {}), ("int4", 32, {"symmetric": False}), ("nvfp4", None, {}),
                                        ("mxfp4", None, {}), ("uint4", 16, {}), ("uint4", 64, {"rule": "minmax"}),
                                        ("int4", None, {"scale_dtype": torch.float16})])
-def test_from_float_is_quantize_w4_of_each_expert_and_rounds_within_half_a_step(fmt, gs, kw):
+def test_from_float_is_quantize_w4_of_each_expert_and_rounds_within_half_a_step(fmt, gs, kw, monkeypatch):
     from test_w4_quantize import _step_bound
+    from torch_lowbit.nn import w4_experts
+    monkeypatch.setattr(w4_experts, "_QUANTIZE_SLICE_ELEMENTS", 2 * 40 * 37)  # slices of 2 experts, then 1
     g = torch.Generator().manual_seed(len(fmt) + (gs or 0))
     gate_up, down = torch.randn(3, 2 * 20, 37, generator=g), torch.randn(3, 37, 20, generator=g) * 3
     gate_up[1, 4] = 0  # a zero row: zero scales, zero outputs

@@ -19,6 +19,18 @@ from .experts import combine, route, swiglu
 from .w4_linear import W4_GLOBAL_SCALE, W4_OFFSETS, W4_SCALE_DTYPES
 
 _PROJECTIONS = ("gate_up", "down")
+# from_float quantizes this many weight elements at a time (slices of whole experts): quantize_w4's float32
+# temporaries stay a few hundred MB where a real MoE layer's projection (Qwen3-30B-A3B: 128 x 1536 x 2048) would
+# take several GB at once
+_QUANTIZE_SLICE_ELEMENTS = 1 << 26
+
+
+def _quantize_experts(w: torch.Tensor, format: str, group_size: int, symmetric: bool, **kw) -> dict:
+    E, N, K = w.shape
+    step = max(1, _QUANTIZE_SLICE_ELEMENTS // max(N * K, 1))
+    parts = [quantize_w4(w[i:i + step], format, group_size, symmetric, **kw) for i in range(0, max(E, 1), step)]
+    return {name: None if parts[0][i] is None else torch.cat([q[i] for q in parts]) if len(parts) > 1 else parts[0][i]
+            for i, name in enumerate(("packed", "scale", "offset", "scale_2"))}
 
 
 class W4Experts(FormatBuffers):
@@ -110,8 +122,8 @@ class W4Experts(FormatBuffers):
                    group_size: Optional[int] = None, symmetric: bool = True, *,
                    scale_dtype: Optional[torch.dtype] = None, rule: str = "mlx") -> "W4Experts":
         """Quantize dense stacked experts ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` with
-        :func:`torch_lowbit.quantize_w4.quantize_w4` (each expert as its own weight, all experts in one call per
-        projection; nvfp4: a tensor scale per expert and projection). ``group_size``: None for the format's default;
+        :func:`torch_lowbit.quantize_w4.quantize_w4` (each expert as its own weight, many experts per call, in slices
+        that bound the float32 temporaries; nvfp4: a tensor scale per expert and projection). ``group_size``: None for the format's default;
         one value for both projections, per channel for a projection whose K (H, or I) it reaches. ``symmetric``,
         ``scale_dtype``, ``rule``: as quantize_w4."""
         fn = "W4Experts.from_float"
@@ -127,10 +139,8 @@ class W4Experts(FormatBuffers):
         if format not in W4_DEFAULT_GROUP:
             raise ValueError(f"{fn}: format must be one of {list(W4_DEFAULT_GROUP)}, got {format!r}")
         group = W4_DEFAULT_GROUP[format] if group_size is None else int(group_size)
-        parts = [quantize_w4(w.detach(), format, group, symmetric, scale_dtype=scale_dtype, rule=rule)
-                 for w in (gate_up, down)]
-        gu, dn = ({"packed": q.weight_packed, "scale": q.weight_scale, "offset": q.weight_offset,
-                   "scale_2": q.weight_scale_2} for q in parts)
+        gu, dn = (_quantize_experts(w.detach(), format, group, symmetric, scale_dtype=scale_dtype, rule=rule)
+                  for w in (gate_up, down))
         dtype = gate_up.dtype if gate_up.dtype in W4_SCALE_DTYPES["int4"] else torch.float32  # a compute dtype
         return cls.from_quantized(gu, dn, format=format, group_size=group, hidden_size=H, intermediate_size=I2 // 2,
                                   dtype=dtype)
