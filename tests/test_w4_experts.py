@@ -64,7 +64,7 @@ def _dequant_f64(layer):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("T,k", [(1, 1), (1, 6), (17, 2), (40, 3)])  # (1, 6): one token, every expert
+@pytest.mark.parametrize("T,k", [(1, 1), (1, 6), (40, 3)])  # (1, 6): one token, every expert
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_float64_token_loop(variant, T, k, dtype):
     layer, (gu, down) = _layer(variant, seed=T * 10 + k)
