@@ -34,7 +34,8 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
     Fused 4-bit experts (``W4Experts``) become dense fused experts holding their dequantized ``gate_up_proj
     [E, 2I, H]`` / ``down_proj [E, H, I]`` (``W4Experts.dequantize``): the model's own experts module where
     ``quantize_`` made them (Qwen3MoeExperts, MixtralExperts, ...), else :class:`DenseSwiGLUExperts`.
-    experts: fused ``Fp8Experts`` have no dense counterpart here: ``"refuse"`` (default) raises naming them,
+    experts: fused ``Fp8Experts`` and 4-bit experts with their own arithmetic (gpt-oss's ``GptOssW4Experts``) have no
+    dense counterpart here: ``"refuse"`` (default) raises naming them,
     ``"keep"`` copies every fused experts layer as it is (fp8, 4-bit; LoRA adapters on the linear layers merge all
     the same).
     """
@@ -50,7 +51,12 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
         if isinstance(module, (Fp8Linear, Int8Linear, W4Linear)):
             memo[id(module)] = _dense_linear(module, dtype)
         elif isinstance(module, W4Experts) and experts != "keep":
-            memo[id(module)] = _dense_experts(module, dtype)
+            if module.activation == "swiglu" and module.gate_up_bias is None:
+                memo[id(module)] = _dense_experts(module, dtype)
+            else:
+                raise ValueError(f"dequantize_model: {name} is a {type(module).__name__} with its own arithmetic "
+                                 f"(activation {module.activation!r}, biases), which has no dense counterpart here; "
+                                 "pass experts='keep' to keep them 4-bit in the copy")
         elif isinstance(module, Fp8Experts) and experts == "refuse":
             raise ValueError(f"dequantize_model: {name} is an Fp8Experts (fused fp8 experts), which has no dense "
                              "counterpart here; pass experts='keep' to keep them fp8 in the copy")

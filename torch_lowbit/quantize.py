@@ -216,16 +216,35 @@ def register_quantize_module_handler(config_cls: Type):
     return _handler_registrar(_HANDLERS, "register_quantize_module_handler", "handler")(config_cls)
 
 
-def register_quantize_experts_handler(config_cls: Type):
+# config class -> [(claims(module) -> bool, handler)]: experts with their own arithmetic (gpt-oss's)
+_OWN_EXPERTS_HANDLERS: Dict[type, list] = {}
+
+
+def register_quantize_experts_handler(config_cls: Type, claims: Optional[Callable[[nn.Module], bool]] = None):
     """Decorator: ``handler(experts, config) -> new module`` is what ``quantize_(model, config_cls(...))`` does to
     each dense fused MoE experts module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) its filter accepts
-    (torch_lowbit.nn registers Fp8Experts for Fp8WeightOnly, Int8Experts for Int8Dynamic,
-    W4Experts for the 4-bit configs)."""
-    return _handler_registrar(_EXPERTS_HANDLERS, "register_quantize_experts_handler", "experts handler")(config_cls)
+    (torch_lowbit.nn registers Fp8Experts for Fp8WeightOnly, Int8Experts for Int8Dynamic, W4Experts for the 4-bit
+    configs).
+    ``claims(module) -> bool``: the handler is for the experts modules it accepts only -- experts that compute
+    their own arithmetic (gpt-oss's), asked before the [gate; up] SwiGLU handler and without its SwiGLU check:
+    such a handler answers for what the module computes."""
+    if claims is None:
+        return _handler_registrar(_EXPERTS_HANDLERS, "register_quantize_experts_handler",
+                                  "experts handler")(config_cls)
+
+    def decorator(handler):
+        _OWN_EXPERTS_HANDLERS.setdefault(config_cls, []).append((claims, handler))
+        return handler
+    return decorator
 
 
 def _experts_handler_for(config):
     return next((_EXPERTS_HANDLERS[c] for c in type(config).__mro__ if c in _EXPERTS_HANDLERS), None)
+
+
+def _own_experts_handler_for(config, module):
+    return next((h for c in type(config).__mro__ for claims, h in _OWN_EXPERTS_HANDLERS.get(c, ()) if claims(module)),
+                None)
 
 
 def _handler_for(config):
@@ -383,7 +402,10 @@ class _Walker:
             self.report.skipped[fqn] = ("skipped by the default filter (lm_head)" if self.default
                                         else "filter_fn returned False")
             return None
-        if kind == "experts":
+        own = _own_experts_handler_for(self.config, module) if kind == "experts" else None
+        if own is not None:
+            new = own(module, self.config)
+        elif kind == "experts":
             if self.experts_handler is None:
                 why = f"no experts layer implements {type(self.config).__name__}"
             else:

@@ -6,7 +6,7 @@ checkpoints from .safetensors (never pickles);
 ``detect_format`` says which one a checkpoint is. Each format is one module here, registered below
 (see ``registry.py``); detection without a config asks them in this order.
 """
-from . import compressed_tensors, diffusion, fbgemm_fp8, hf_fp8, mlx, modelopt
+from . import compressed_tensors, diffusion, fbgemm_fp8, gpt_oss, hf_fp8, mlx, modelopt
 from .registry import (CheckpointFormat, Example, QuantFormat, register_format,  # noqa: F401
                        registered_formats)
 
@@ -15,6 +15,7 @@ register_format(compressed_tensors.FORMAT)
 register_format(hf_fp8.FORMAT)
 register_format(fbgemm_fp8.FORMAT)
 register_format(mlx.FORMAT)
+register_format(gpt_oss.FORMAT)
 register_format(diffusion.FORMAT)  # last: it claims any file holding float8_e4m3fn tensors
 
 FORMATS = tuple(f.name for f in registered_formats())  # the built-in formats' names

@@ -283,7 +283,8 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
         for name, mod in list(model.named_modules()):
             if not name or not is_experts_module(mod) or _inside(name, done):
                 continue
-            res = load_experts(src, fmt, name, mod, device, dtype)
+            res = ((fmt.format.experts(src, fmt, name, mod, device, dtype) if fmt.format is not None else None)
+                   or load_experts(src, fmt, name, mod, device, dtype))
             if res is None:
                 continue
             layer, keys, desc, quantized = res

@@ -270,6 +270,11 @@ class CheckpointFormat:
         converts (MLX's quantized embeddings), dequantized once; None where it is stored as it is."""
         return None
 
+    def experts(self, src: Source, fmt: QuantFormat, name: str, module, device, dtype):
+        """For a fused experts module the format stores its own way (gpt-oss's MXFP4 blocks): (layer, keys used,
+        description, True); None to leave it to the per-expert rule (``formats/moe.py``)."""
+        return None
+
     def make(self, **kw) -> QuantFormat:
         kw.setdefault("scale_key", self.scale_key)
         return QuantFormat(self.name, format=self, **kw)

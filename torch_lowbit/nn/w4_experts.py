@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from ..quantize import (AffineWeightOnly, Int4WeightOnly, Mxfp4WeightOnly, Nvfp4
                         register_quantize_experts_handler)
 from ..quantize_w4 import W4_DEFAULT_GROUP, quantize_w4
 from ._format_buffers import FormatBuffers
-from .experts import combine, route, swiglu
+from .experts import combine, route
 from .w4_linear import W4_GLOBAL_SCALE, W4_OFFSETS, W4_SCALE_DTYPES
 
 _PROJECTIONS = ("gate_up", "down")
@@ -33,6 +33,35 @@ def _quantize_experts(w: torch.Tensor, format: str, group_size: int, symmetric: 
             for i, name in enumerate(("packed", "scale", "offset", "scale_2"))}
 
 
+# name -> fn(gate_up fp32 [rows, 2I], layer) -> fp32 [rows, I]: what an experts layer computes between its two
+# products (W4Experts' ``activation``); "swiglu" is silu(gate) * up with the gate rows first
+EXPERT_ACTIVATIONS: Dict[str, Callable[[torch.Tensor, torch.nn.Module], torch.Tensor]] = {}
+
+
+def register_expert_activation(name: str):
+    """Decorator: ``fn(gate_up, layer)`` becomes the activation ``W4Experts(activation=name)`` computes (fp32 in,
+    fp32 out; ``layer`` carries its parameters). A name is registered once."""
+    def decorator(fn):
+        if name in EXPERT_ACTIVATIONS and EXPERT_ACTIVATIONS[name] is not fn:
+            raise ValueError(f"register_expert_activation: {name!r} is already registered")
+        EXPERT_ACTIVATIONS[name] = fn
+        return fn
+    return decorator
+
+
+@register_expert_activation("swiglu")
+def _swiglu(gate_up: torch.Tensor, layer) -> torch.Tensor:
+    gate, up = gate_up.split(layer.intermediate_size, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def expert_row_bias(bias: torch.Tensor, r) -> torch.Tensor:
+    """fp32 ``[rows, N]``: each sorted row's expert's bias ``bias [E, N]``; zeros for skipped slots (sorted id E),
+    whose rows the grouped product leaves zero."""
+    padded = torch.cat([bias.float(), bias.new_zeros(1, bias.shape[-1], dtype=torch.float32)])
+    return padded[r.sorted_ids]
+
+
 class W4Experts(FormatBuffers):
     """E SwiGLU experts with 4-bit weights: ``gate_up`` ``[E, 2I, H]`` (gate rows, then up rows) and ``down``
     ``[E, H, I]``, each stored as W4Linear stores one weight, stacked over experts:
@@ -43,13 +72,21 @@ class W4Experts(FormatBuffers):
 
     ``forward`` routes as Fp8Experts does (no host synchronization; negative ids skip a slot), and runs
     ``w4_grouped_mm`` for each projection with SwiGLU between them in fp32.
+
+    ``activation``: a name of :data:`EXPERT_ACTIVATIONS` (default ``"swiglu"``; gpt-oss registers its own).
+    ``bias=True`` adds ``{p}_bias`` ``[E, rows]`` (the dense model's dtype: not a format buffer), each row's
+    expert's bias added in fp32 after that projection's product.
     """
     _format_buffers = tuple(f"{p}_{s}" for p in _PROJECTIONS for s in ("packed", "scale", "offset", "scale_2"))
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, format: str = "int4",
                  group_size: int = 128, scale_dtype: Optional[torch.dtype] = None, offset: bool = False,
-                 global_scale: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
+                 global_scale: bool = False, device=None, dtype: torch.dtype = torch.bfloat16,
+                 activation: str = "swiglu", bias: bool = False):
         super().__init__()
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"W4Experts: activation must be one of {list(EXPERT_ACTIVATIONS)}, got {activation!r}")
+        self.activation = activation
         if format not in W4_SCALE_DTYPES:
             raise ValueError(f"W4Experts: format must be one of {list(W4_SCALE_DTYPES)}, got {format!r}")
         scale_dtype = scale_dtype or W4_SCALE_DTYPES[format][0]
@@ -76,33 +113,47 @@ class W4Experts(FormatBuffers):
                                  torch.zeros(E, rows, G, dtype=off_dtype, device=device) if offset else None)
             self.register_buffer(f"{p}_scale_2",
                                  torch.ones(E, dtype=torch.float32, device=device) if global_scale else None)
+            self.register_buffer(f"{p}_bias", torch.zeros(E, rows, dtype=dtype, device=device) if bias else None)
 
     def _project(self, p: str, x: torch.Tensor, r) -> torch.Tensor:
         return w4_grouped_mm(x, getattr(self, f"{p}_packed"), getattr(self, f"{p}_scale"), self.format,
                              self.group_size, r.offsets, r.expert_ids, getattr(self, f"{p}_offset"),
                              getattr(self, f"{p}_scale_2"))
 
+    def _biased(self, p: str, y: torch.Tensor, r) -> torch.Tensor:
+        """The product `y` plus its rows' expert biases, in fp32 (y itself where the layer has none)."""
+        bias = getattr(self, f"{p}_bias", None)
+        return y if bias is None else y.float() + expert_row_bias(bias, r)
+
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         x, r = route(self, hidden, topk_ids, topk_weights)
-        gu = self._project("gate_up", x[r.tokens], r)
-        y = self._project("down", swiglu(gu, self.intermediate_size, x.dtype), r)
+        gu = self._biased("gate_up", self._project("gate_up", x[r.tokens], r), r)
+        h = EXPERT_ACTIVATIONS[self.activation](gu.float(), self).to(x.dtype)
+        y = self._biased("down", self._project("down", h, r), r)
         return combine(y, topk_weights, r, hidden)
 
     @classmethod
     def from_quantized(cls, gate_up: dict, down: dict, *, format: str, group_size: int, hidden_size: int,
-                       intermediate_size: int, dtype: torch.dtype = torch.bfloat16) -> "W4Experts":
+                       intermediate_size: int, dtype: torch.dtype = torch.bfloat16,
+                       activation: str = "swiglu") -> "W4Experts":
         """Wrap stacked 4-bit tensors without copying them: ``gate_up`` / ``down`` are dicts with ``packed``,
-        ``scale`` and optionally ``offset`` and ``scale_2`` (the layouts of the class docstring). Checked by one
-        call of the op per projection on no rows, so a bad layout fails here with the op's message."""
+        ``scale`` and optionally ``offset``, ``scale_2`` and ``bias`` (``[E, rows]``) (the layouts of the class
+        docstring). Checked by one call of the op per projection on no rows, so a bad layout fails here with the
+        op's message."""
         E = gate_up["packed"].shape[0]
         m = cls(E, hidden_size, intermediate_size, format=format, group_size=group_size,
                 scale_dtype=gate_up["scale"].dtype, offset=gate_up.get("offset") is not None,
-                global_scale=gate_up.get("scale_2") is not None, device="meta", dtype=dtype)
-        for p, t in zip(_PROJECTIONS, (gate_up, down)):
-            if (t.get("offset") is None) != (gate_up.get("offset") is None) or \
-                    (t.get("scale_2") is None) != (gate_up.get("scale_2") is None):
-                raise ValueError("W4Experts.from_quantized: gate_up and down must both have, or both lack, offset "
-                                 "and scale_2")
+                global_scale=gate_up.get("scale_2") is not None, device="meta", dtype=dtype,
+                activation=activation, bias=gate_up.get("bias") is not None)
+        for p, t, rows in zip(_PROJECTIONS, (gate_up, down), (2 * intermediate_size, hidden_size)):
+            if any((t.get(k) is None) != (gate_up.get(k) is None) for k in ("offset", "scale_2", "bias")):
+                raise ValueError("W4Experts.from_quantized: gate_up and down must both have, or both lack, offset, "
+                                 "scale_2 and bias")
+            if t.get("bias") is not None:
+                if tuple(t["bias"].shape) != (E, rows) or not t["bias"].is_floating_point():
+                    raise ValueError(f"W4Experts.from_quantized: {p} bias must be a floating [E, rows] = "
+                                     f"{[E, rows]} tensor, got {t['bias'].dtype} of shape {list(t['bias'].shape)}")
+                setattr(m, f"{p}_bias", t["bias"].contiguous())
             scale = t["scale"].contiguous()
             setattr(m, f"{p}_packed", t["packed"].contiguous())
             setattr(m, f"{p}_scale", as_stored_fp8(scale) if scale.dtype == FP8 else scale)
@@ -123,9 +174,10 @@ class W4Experts(FormatBuffers):
                    scale_dtype: Optional[torch.dtype] = None, rule: str = "mlx") -> "W4Experts":
         """Quantize dense stacked experts ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` with
         :func:`torch_lowbit.quantize_w4.quantize_w4` (each expert as its own weight, many experts per call, in slices
-        that bound the float32 temporaries; nvfp4: a tensor scale per expert and projection). ``group_size``: None for the format's default;
-        one value for both projections, per channel for a projection whose K (H, or I) it reaches. ``symmetric``,
-        ``scale_dtype``, ``rule``: as quantize_w4."""
+        that bound the float32 temporaries; nvfp4: a tensor scale per expert and projection). ``group_size``: None
+        for the format's default; one value for both projections, per channel for a projection whose K (H, or I) it
+        reaches. ``symmetric``, ``scale_dtype``, ``rule``: as quantize_w4. The layer computes the [gate; up] SwiGLU
+        with no biases."""
         fn = "W4Experts.from_float"
         for name, w in (("gate_up", gate_up), ("down", down)):
             if not isinstance(w, torch.Tensor) or w.dim() != 3 or not w.is_floating_point():
@@ -147,7 +199,7 @@ class W4Experts(FormatBuffers):
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The dense ``(gate_up [E, 2I, H], down [E, H, I])`` as ``w4_grouped_mm`` reads them (the format's fp32
-        arithmetic, rounded once to ``dtype``, default the layer's ``dtype``)."""
+        arithmetic, rounded once to ``dtype``, default the layer's ``dtype``; biases, if any, not included)."""
         dtype = dtype or self.dtype
         out = []
         for p, K in zip(_PROJECTIONS, (self.hidden_size, self.intermediate_size)):
@@ -165,6 +217,10 @@ class W4Experts(FormatBuffers):
              f"intermediate_size={self.intermediate_size}, format={self.format}, group_size={self.group_size}")
         if self.gate_up_offset is not None:
             s += f", offset={W4_OFFSETS[self.format]}"
+        if self.activation != "swiglu":
+            s += f", activation={self.activation}"
+        if self.gate_up_bias is not None:
+            s += ", biases"
         return s
 
 
