@@ -136,7 +136,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(RuntimeError, match=r"w4_grouped_mm: scale must be \[E, N, ceil\(K/group_size\)\] = "
                                            r"\[2, 8, 2\] for K = 16, group_size = 8, got \[2, 8, 3\]"):
         W4Experts.from_quantized(gu, dn, format="int4", group_size=8, hidden_size=16, intermediate_size=4)
-    with pytest.raises(ValueError, match="gate_up and down must both have, or both lack, offset and scale_2"):
+    with pytest.raises(ValueError, match="gate_up and down must both have, or both lack, offset, scale_2 and bias"):
         W4Experts.from_quantized({**gu, "scale": torch.ones(2, 8, 2), "offset": torch.zeros(2, 8, 2, dtype=torch.int8)},
                                  dn, format="int4", group_size=8, hidden_size=16, intermediate_size=4)
     with pytest.raises(ValueError, match=r"W4Experts.from_float: gate_up must be \[E, 2I, H\] and down \[E, H, I\]; "
@@ -261,3 +261,16 @@ def test_dequantize_model_without_the_original_module_builds_dense_swiglu_expert
     x = torch.randn(9, 41)
     with torch.no_grad():
         _check(dense(x, ids, w), ref_experts(x, ids, w, gu, down), torch.float32)
+
+
+def test_dequantize_model_refuses_4bit_experts_with_their_own_arithmetic():
+    layer, _ = _layer("mxfp4", E=2)
+    t = {p: {s: getattr(layer, f"{p}_{s}") for s in ("packed", "scale")} for p in PROJ}
+    t["gate_up"]["bias"], t["down"]["bias"] = torch.zeros(2, 48), torch.zeros(2, 41)
+    biased = W4Experts.from_quantized(t["gate_up"], t["down"], format="mxfp4", group_size=32, hidden_size=41,
+                                      intermediate_size=24, dtype=torch.float32)
+    model = torch.nn.Sequential(biased)
+    with pytest.raises(ValueError, match=r"dequantize_model: 0 is a W4Experts with its own arithmetic \(activation "
+                                         r"'swiglu', biases\).*experts='keep'"):
+        torch_lowbit.dequantize_model(model)
+    assert isinstance(torch_lowbit.dequantize_model(model, experts="keep")[0], W4Experts)
