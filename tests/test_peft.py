@@ -2,8 +2,8 @@
 adapters on cpu and through the emulator; the adapters' gradients match the same LoRA on the dequantized base in
 float64; merging is refused, and merging into torch_lowbit.dequantize_model's dense copy matches float64; unmerged
 inference works; plain PEFT calls (no torch_lowbit.peft.register) wrap the low-bit layers and reload saved
-adapters; bias="all" / "lora_only" train the low-bit layers' biases; LoRA on the attention of a tiny Qwen3-MoE whose experts
-are W4Experts (QLoRA on MoE) matches float64 and trains."""
+adapters; bias="all" / "lora_only" train the low-bit layers' biases; LoRA on the attention of a tiny Qwen3-MoE whose
+experts are W4Experts (QLoRA on MoE) matches float64 and trains."""
 import copy
 
 import pytest
