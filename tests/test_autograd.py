@@ -1,6 +1,6 @@
-"""Gradients through the low-bit layers: fp8_mm / fp8_grouped_mm / Int8Linear (straight through) / Fp8Experts vs
-float64 references on the dequantized weights, on cpu and through the emulator; frozen weights refused; opcheck's
-autograd tests; a compiled training step; activation checkpointing."""
+"""Gradients through the low-bit layers: fp8_mm / fp8_grouped_mm / Int8Linear (straight through) / Fp8Experts /
+w4_mm / w4_grouped_mm / W4Experts vs float64 references on the dequantized weights, on cpu and through the
+emulator; frozen weights refused; opcheck's autograd tests; a compiled training step; activation checkpointing."""
 import math
 import sys
 
@@ -295,6 +295,10 @@ def _bits(*shape):
                        torch.randn(16, requires_grad=True))),
     ("w4_mm_t", lambda: (torch.randn(3, 16, requires_grad=True), *_w4(16, 41, "nvfp4")[:4], 41,
                          *_w4(16, 41, "nvfp4")[4:])),
+    ("w4_grouped_mm", lambda: (torch.randn(22, 71, requires_grad=True), *_w4_experts(3, 16, 71, "int4_zp")[:4],
+                               *_GROUPS, *_w4_experts(3, 16, 71, "int4_zp")[4:])),
+    ("w4_grouped_mm_t", lambda: (torch.randn(22, 16, requires_grad=True), *_w4_experts(3, 16, 71, "nvfp4")[:4], 71,
+                                 *_GROUPS, *_w4_experts(3, 16, 71, "nvfp4")[4:])),
 ])
 def test_opcheck_with_gradients(op, args):
     opcheck(getattr(torch.ops.lowbit, op).default, args())
@@ -520,3 +524,101 @@ def test_w4_layer_trains_the_layer_before_it():
     w64 = w4_weight_f64("int4", layer.weight_packed, layer.weight_scale, 32, 64, layer.weight_offset)
     h_grad = torch.ones(5, 40, dtype=torch.float64) @ w64
     torch.testing.assert_close(pre.weight.grad.double(), h_grad.T @ x.double(), rtol=1e-5, atol=1e-5)
+
+
+# ---- 4-bit grouped (MoE) weights: w4_grouped_mm, W4Experts
+def _w4_experts(E, N, K, kind, seed=0):
+    """_w4 per expert, stacked: (codes, scale, format, group_size, offset, global_scale [E] (nvfp4, one each))."""
+    parts = [_w4(N, K, kind, seed + e) for e in range(E)]
+    codes, scale, fmt, gs, offset, glob = parts[0]
+    stack = [torch.stack([p[i] for p in parts]) for i in (0, 1)]
+    offset = None if offset is None else torch.stack([p[4] for p in parts])
+    glob = None if glob is None else torch.tensor([0.02 * (1 + e) for e in range(E)])
+    return stack[0], stack[1], fmt, gs, offset, glob
+
+
+_GROUPS = (torch.tensor([0, 1, 1, 13, 17], dtype=torch.int32), torch.tensor([2, 0, 1, -1], dtype=torch.int32))
+
+
+def _w4_grouped_ref_t(go, codes, scale, fmt, gs, K, offset, glob):
+    from reference import _grouped
+    offsets, ids = _GROUPS
+    return _grouped(go, offsets, ids, K, lambda rows, e: ref_matmul_t(rows, w4_weight_f64(
+        fmt, codes[e], scale[e], gs, K, None if offset is None else offset[e], None if glob is None else glob[e])))
+
+
+@pytest.mark.parametrize("backend", backends_for("w4_grouped_mm"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["nvfp4", "int4_zp"])
+def test_w4_grouped_mm_grad_x(backend, dtype, kind):
+    E, N, K, T = 3, 40, 71, 22
+    codes, scale, fmt, gs, offset, glob = _w4_experts(E, N, K, kind)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, K, generator=g).to(dtype).requires_grad_()
+    go = torch.randn(T, N, generator=g).to(dtype)
+    backend.op("w4_grouped_mm")(x, codes, scale, fmt, gs, *_GROUPS, offset, glob).backward(go)
+    assert x.grad.dtype == dtype
+    ref, absref = _w4_grouped_ref_t(go, codes, scale, fmt, gs, K, offset, glob)
+    assert_matmul_close(x.grad, ref, absref, acc_rtol=ACC_RTOL)
+    assert (x.grad[13:] == 0).all() and (x.grad[1:13] != 0).any()  # rows of expert -1 and in no group: zero
+
+
+@pytest.mark.parametrize("backend", backends_for("w4_grouped_mm"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4_grouped_mm_second_order_gradients_match_float64(backend, dtype):
+    E, N, K, T = 3, 40, 71, 22
+    codes, scale, fmt, gs, offset, glob = _w4_experts(E, N, K, "nvfp4", seed=9)
+    offsets, ids = _GROUPS
+    w_rows = torch.zeros(T, N, K, dtype=torch.float64)
+    for grp, e in enumerate(ids.tolist()):
+        if e >= 0:
+            w_rows[offsets[grp]:offsets[grp + 1]] = w4_weight_f64(fmt, codes[e], scale[e], gs, K, None, glob[e])
+    _assert_second_order_close(lambda x: backend.op("w4_grouped_mm")(x, codes, scale, fmt, gs, offsets, ids, None,
+                                                                     glob),
+                               lambda x: torch.einsum("tnk,tk->tn", w_rows, x),
+                               torch.randn(T, K, generator=torch.Generator().manual_seed(2)), dtype)
+
+
+def test_w4_grouped_mm_frozen_codes_scales_and_offsets_refuse_gradients():
+    x = torch.randn(3, 32, requires_grad=True)
+    codes, scale, fmt, gs, offset, _ = _w4_experts(2, 4, 32, "int4_zp")
+    groups = (torch.tensor([0, 2, 3], dtype=torch.int32), None)
+    for name, args in (("scale", (codes, scale.float().requires_grad_(), fmt, gs, *groups, offset)),
+                       ("offset", (codes, scale.float(), "uint4", gs, *groups,
+                                   torch.zeros(2, 4, 2, requires_grad=True)))):
+        out = torch.ops.lowbit.w4_grouped_mm(x, *args)
+        with pytest.raises(RuntimeError, match=f"w4_grouped_mm: {name} requires grad, but low-bit weights .* frozen"):
+            out.sum().backward()
+    nv = _w4_experts(2, 4, 32, "nvfp4")
+    out = torch.ops.lowbit.w4_grouped_mm(x, *nv[:4], *groups, None, torch.tensor([0.5, 1.0], requires_grad=True))
+    with pytest.raises(RuntimeError, match="w4_grouped_mm: global_scale requires grad"):
+        out.sum().backward()
+    gx = torch.ops.lowbit.w4_grouped_mm_t(torch.ones(3, 4), codes, scale.float().requires_grad_(), fmt, gs, 32,
+                                          *groups, offset)
+    with pytest.raises(RuntimeError, match="w4_grouped_mm_t: scale requires grad"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("fmt,gs,kw", [("nvfp4", 16, {}), ("int4", 16, {"symmetric": False})])
+def test_w4_experts_grads_for_hidden_and_routing_weights(fmt, gs, kw):
+    from torch_lowbit.nn import W4Experts
+    torch.manual_seed(2)
+    E, H, I, T, k = 4, 41, 24, 9, 2
+    ex = W4Experts.from_float(torch.randn(E, 2 * I, H) / 6, torch.randn(E, H, I) / 5, fmt, gs, **kw)
+    hidden = torch.randn(T, H, requires_grad=True)
+    ids = torch.randint(0, E - 1, (T, k))  # expert E - 1 idle
+    ids[3, 1] = -1  # a skipped slot
+    weights = torch.rand(T, k, requires_grad=True)
+    go = torch.randn(T, H)
+    ex(hidden, ids, weights).backward(go)
+
+    def deq(p, K):
+        t = [getattr(ex, f"{p}_{s}") for s in ("packed", "scale", "offset", "scale_2")]
+        return torch.stack([w4_weight_f64(fmt, t[0][e], t[1][e], gs, K, *(None if v is None else v[e] for v in t[2:]))
+                            for e in range(E)])
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weights.detach().double().requires_grad_()
+    _experts_f64(h64, ids, w64, deq("gate_up", H), deq("down", I)).backward(go.double())
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(weights.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)
+    assert weights.grad[3, 1] == 0 and hidden.grad.abs().max() > 0

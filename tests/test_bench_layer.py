@@ -9,18 +9,22 @@ from torch_lowbit.bench import layer
 
 def test_layer_suite_runs_and_writes_json(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(layer, "LLAMA3_8B", [("a_proj", 48, 64, 2), ("b_proj", 17, 130, 1)])
+    monkeypatch.setattr(layer, "QWEN3_30B_A3B_EXPERTS", (6, 40, 24, 2))
     path = tmp_path / "out.json"
     assert bench_main.main(["--m", "1,3", "--repeat", "2", "--device", "cpu", "--working-set-mb", "1", "--json", str(path)]) == 0
     out, err = capsys.readouterr()
-    assert "[2/2] b_proj" in err and "decoder layer (7)" in out and "max rel err" in out
+    assert "[2/2] b_proj" in err and "decoder layer (7)" in out and "max rel err" in out and "moe experts" in out
     rows = json.loads(path.read_text())["rows"]
     modes = len(layer.MODES)
     assert {r["mode"] for r in rows} == {"fp8", "int8", "nvfp4", "mxfp4", "int4", "uint4"}
-    assert len(rows) == 2 * 2 * modes + 2 * modes  # shapes x M x modes, plus a total per (M, mode)
+    # shapes x M x modes, a total per (M, mode), the experts per (M, mode)
+    assert len(rows) == 2 * 2 * modes + 2 * modes + 2 * modes
     for r in rows:
         assert r["lowbit_ms"] > 0 and r["speedup"] > 0 and r["vs_fp8"] > 0
         # 4-bit: about a quarter of a step of 16 levels, relative to the largest output
         bound = {"fp8": 0.08, "int8": 0.04}.get(r["mode"], 0.25)
+        if r["layer"] == "moe experts":  # two quantized products in a row (gate / up, then down), 24-wide sums
+            bound *= 2
         assert 0 < r["max_rel_err"] < bound, r
     fp8 = {(r["layer"], r["M"]): r["lowbit_ms"] for r in rows if r["mode"] == "fp8"}
     for r in rows:
@@ -28,6 +32,13 @@ def test_layer_suite_runs_and_writes_json(monkeypatch, tmp_path, capsys):
     # the weight bytes include the 4-bit formats' scales and offsets: 48 x 64 int4 per 128 (one bf16 scale a row)
     a_int4 = next(r for r in rows if r["layer"] == "a_proj" and r["mode"] == "int4")
     assert a_int4["weight_bytes"] == 48 * 32 + 48 * 2
+    # the experts' rows: one per (M, mode), the fp8 one among them (same-run ratios), bytes of the chosen experts
+    # only (M = 1: its 2 of 6 experts; int4 per 128 is per channel here: one bf16 scale per row)
+    moe = [r for r in rows if r["layer"] == "moe experts"]
+    assert sorted((r["M"], r["mode"]) for r in moe) == sorted((M, m) for M in (1, 3) for m in layer.MODES)
+    moe_int4 = next(r for r in moe if r["M"] == 1 and r["mode"] == "int4")
+    per_expert = 2 * 24 * (20 + 2) + 40 * (12 + 2)
+    assert moe_int4["weight_bytes"] == pytest.approx(2 * per_expert)
 
 
 @pytest.mark.parametrize("argv,match", [(["--m", "0"], "--m values must be >= 1"),
@@ -42,6 +53,7 @@ def test_layer_suite_bad_options(argv, match, capsys):
 
 def test_layer_suite_runs_a_subset_of_modes(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(layer, "LLAMA3_8B", [("a_proj", 16, 40, 1)])
+    monkeypatch.setattr(layer, "QWEN3_30B_A3B_EXPERTS", (3, 16, 8, 2))
     path = tmp_path / "out.json"
     assert layer.run(["--m", "2", "--repeat", "1", "--device", "cpu", "--working-set-mb", "0", "--modes", "nvfp4",
                       "--json", str(path)]) == 0

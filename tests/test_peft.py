@@ -2,7 +2,8 @@
 adapters on cpu and through the emulator; the adapters' gradients match the same LoRA on the dequantized base in
 float64; merging is refused, and merging into torch_lowbit.dequantize_model's dense copy matches float64; unmerged
 inference works; plain PEFT calls (no torch_lowbit.peft.register) wrap the low-bit layers and reload saved
-adapters; bias="all" / "lora_only" train the low-bit layers' biases."""
+adapters; bias="all" / "lora_only" train the low-bit layers' biases; LoRA on the attention of a tiny Qwen3-MoE whose
+experts are W4Experts (QLoRA on MoE) matches float64 and trains."""
 import copy
 
 import pytest
@@ -334,3 +335,45 @@ def test_dequantize_model_names_what_it_cannot_do():
         torch_lowbit.dequantize_model(model, dtype=torch.float64, experts="keep")
     with pytest.raises(ValueError, match=r"dequantize_model: experts must be one of .*got 'dense'"):
         torch_lowbit.dequantize_model(model, experts="dense")
+
+
+# ---- QLoRA on a 4-bit MoE: adapters on the attention, experts frozen in W4Experts
+@pytest.mark.parametrize("config", [torch_lowbit.Int4WeightOnly(16, symmetric=False), torch_lowbit.Nvfp4WeightOnly()],
+                         ids=["int4-asym", "nvfp4"])
+def test_lora_on_the_attention_of_a_4bit_moe_matches_float64_and_trains(config):
+    import hf_writers as W
+    from test_quantize import _dequantized_f64
+    from torch_lowbit.nn import W4Experts
+    dense = W.tiny_model("qwen3_moe")
+    model = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), config)
+    assert isinstance(model.model.layers[0].mlp.experts, W4Experts)
+    ref = _dequantized_f64(dense, model)
+    targets = ["q_proj", "v_proj", "o_proj"]
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                                    init_lora_weights=False))
+    pd = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                                  init_lora_weights=False))
+    with torch.no_grad():
+        for (n, p), (nd, q) in zip(adapters(pm).items(), adapters(pd).items()):
+            assert n == nd
+            q.copy_(p.double())
+    ids = torch.randint(0, W.V, (2, 7), generator=torch.Generator().manual_seed(0))
+    pm(input_ids=ids, labels=ids).loss.backward()
+    pd(input_ids=ids, labels=ids).loss.backward()
+    # layer 0's adapters get their gradient back through both layers' 4-bit experts and routing weights
+    assert any("layers.0.self_attn" in n for n in adapters(pm))
+    for (n, p), q in zip(adapters(pm).items(), adapters(pd).values()):
+        assert p.grad is not None and float(q.grad.abs().max()) > 0, n
+        tol = 1e-4 * float(q.grad.abs().max()) + 1e-7
+        assert float((p.grad.double() - q.grad).abs().max()) <= tol, n
+    assert all(not p.requires_grad for n, p in pm.named_parameters() if "lora_" not in n)
+    pm.zero_grad()
+    opt = torch.optim.AdamW(list(adapters(pm).values()), lr=3e-2)
+    losses = []
+    for _ in range(4):
+        loss = pm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.95 * losses[0], losses

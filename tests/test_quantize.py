@@ -198,8 +198,8 @@ def _dequantized_f64(dense, quantized):
     scales, by the format's definition), so that transformers' own forward is the reference."""
     import copy
 
-    from reference import expand_scale, fp8_bits_to_f64
-    from torch_lowbit.nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear
+    from reference import expand_scale, fp8_bits_to_f64, w4_weight_f64
+    from torch_lowbit.nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear, W4Experts, W4Linear
 
     def fp8(codes, scale, block):
         return fp8_bits_to_f64(codes.view(torch.uint8)) * expand_scale(scale, *codes.shape, block)
@@ -221,6 +221,17 @@ def _dequantized_f64(dense, quantized):
                 r = ref.get_submodule(name)
                 r.gate_up_proj.copy_(m.gate_up.double() * m.gate_up_scale.double()[..., None])
                 r.down_proj.copy_(m.down.double() * m.down_scale.double()[..., None])
+            elif isinstance(m, W4Linear):
+                ref.get_submodule(name).weight.copy_(w4_weight_f64(
+                    m.format, m.weight_packed, m.weight_scale, m.group_size, m.in_features, m.weight_offset,
+                    m.weight_scale_2))
+            elif isinstance(m, W4Experts):
+                r = ref.get_submodule(name)
+                for p, K in (("gate_up", m.hidden_size), ("down", m.intermediate_size)):
+                    t = [getattr(m, f"{p}_{s}") for s in ("packed", "scale", "offset", "scale_2")]
+                    for e in range(m.num_experts):
+                        getattr(r, f"{p}_proj")[e] = w4_weight_f64(m.format, t[0][e], t[1][e], m.group_size, K,
+                                                                   *(None if v is None else v[e] for v in t[2:]))
     return ref
 
 
@@ -325,7 +336,8 @@ def _gpt_oss():
     lambda: (torch.nn.Sequential(_InterleavedExperts()), "0", "differs from the SwiGLU of its gate_up_proj"),
     lambda: (torch.nn.Sequential(_BiasedExperts()), "0", "holds down_proj_bias besides gate_up_proj"),
 ], ids=["gelu", "gpt-oss", "interleaved", "bias"])
-@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly(), torch_lowbit.Int8Dynamic()], ids=["fp8", "int8"])
+@pytest.mark.parametrize("config", [torch_lowbit.Fp8WeightOnly(), torch_lowbit.Int8Dynamic(),
+                                    torch_lowbit.Nvfp4WeightOnly()], ids=["fp8", "int8", "nvfp4"])
 def test_quantize__experts_it_cannot_convert_stay_dense_with_the_reason(build, config):
     model, fqn, why = build()
     dense_type = type(model.get_submodule(fqn))

@@ -3,7 +3,6 @@ computes them (compressed-tensors itself for int4 / NVFP4 / MXFP4; an independen
 mlx.core.quantize and of torchao's min/max rule for uint4), round-trip error bounds, the configs through quantize_,
 and the torchao alias with its refusals."""
 import copy
-import re
 
 import numpy as np
 import pytest
@@ -276,22 +275,6 @@ def test_int4_weight_only_config__alias_is_the_min_max_rule_and_refuses_other_ar
         torch_lowbit.Int4WeightOnly(group_size=-1)
     with pytest.raises(ValueError, match="AffineWeightOnly: rule must be one of"):
         torch_lowbit.AffineWeightOnly(rule="awq")
-
-
-@pytest.mark.parametrize("config", [torch_lowbit.Int4WeightOnly(), torch_lowbit.Nvfp4WeightOnly()], ids=["int4",
-                                                                                                          "nvfp4"])
-def test_quantize___w4_configs_keep_fused_experts_dense_with_the_reason(config):
-    import hf_writers as W
-    model = W.tiny_model("qwen3_moe")
-    fqn = "model.layers.0.mlp.experts"
-    experts = model.get_submodule(fqn)
-    gate_up = experts.gate_up_proj.detach().clone()
-    with pytest.warns(UserWarning, match=f"MoE experts {fqn} left in high precision: no experts layer implements "
-                      f"{type(config).__name__}"):
-        model, report = torch_lowbit.quantize_(model, config, return_report=True)
-    assert model.get_submodule(fqn) is experts and torch.equal(experts.gate_up_proj, gate_up)
-    assert re.search(type(config).__name__, report.skipped[fqn])
-    assert any(isinstance(m, W4Linear) for m in model.modules())
 
 
 def test_quantize_w4__e2m1_ties_go_to_the_even_code_as_the_writer():

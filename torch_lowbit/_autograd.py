@@ -3,12 +3,12 @@
 The weights and scales are frozen data: the ops are differentiable w.r.t. their activations and bias only, and
 asking for a weight's or scale's gradient raises instead of leaving it silently None. The backward passes
 multiply by the low-bit weights as stored, through the transposed-product ops (``fp8_mm_t``,
-``fp8_grouped_mm_t``, ``int8_weight_mm_t``, ``w4_mm_t``), never through a dense copy.
+``fp8_grouped_mm_t``, ``int8_weight_mm_t``, ``w4_mm_t``, ``w4_grouped_mm_t``), never through a dense copy.
 
 Higher-order gradients (``autograd.grad(..., create_graph=True)``, gradient penalties, Hessian-vector products):
 the transposed ops are linear in ``grad_out``, so they are differentiable too, through the forward products
 (``fp8_mm_t``'s gradient is ``fp8_mm``, ``fp8_grouped_mm_t``'s is ``fp8_grouped_mm``, ``w4_mm_t``'s is
-``w4_mm``). ``int8_weight_mm_t``'s is
+``w4_mm``, ``w4_grouped_mm_t``'s is ``w4_grouped_mm``). ``int8_weight_mm_t``'s is
 ``gg @ (wq * w_scale)^T``, which no int8 op computes without quantizing ``gg``: it runs as a float32 matmul on a
 dequantized copy of the weight that lives only for that call (double backward only; first-order training never
 builds it).
@@ -89,6 +89,21 @@ def _w4_mm_t_setup(ctx, inputs, output):
 _W4_FROZEN = ((1, "codes"), (2, "scale"))
 
 
+def _w4_grouped_save(ctx, codes, scale, fmt, group_size, K, offsets, expert_ids, offset, global_scale):
+    ctx.save_for_backward(codes, scale, offsets, expert_ids, offset, global_scale)
+    ctx.format, ctx.group_size, ctx.K = fmt, group_size, K
+
+
+def _w4_grouped_mm_setup(ctx, inputs, output):
+    x, codes, scale, fmt, group_size, offsets, expert_ids, offset, global_scale = inputs
+    _w4_grouped_save(ctx, codes, scale, fmt, group_size, x.shape[-1], offsets, expert_ids, offset, global_scale)
+
+
+def _w4_grouped_mm_t_setup(ctx, inputs, output):
+    grad_out, codes, scale, fmt, group_size, K, offsets, expert_ids, offset, global_scale = inputs
+    _w4_grouped_save(ctx, codes, scale, fmt, group_size, K, offsets, expert_ids, offset, global_scale)
+
+
 def _int8_weight_mm_t_setup(ctx, inputs, output):
     grad_out, wq, w_scale = inputs
     ctx.save_for_backward(wq, w_scale)
@@ -151,6 +166,22 @@ def _backward_fns(ns):
         gx = _transposed(ns, "w4_mm")(gg, codes, scale, ctx.format, ctx.group_size, offset, global_scale, None)
         return gx, None, None, None, None, None, None, None
 
+    def w4_grouped_mm_backward(ctx, grad):
+        _refuse_frozen("w4_grouped_mm", ctx, _W4_FROZEN + ((7, "offset"), (8, "global_scale")))
+        codes, scale, offsets, expert_ids, offset, global_scale = ctx.saved_tensors
+        gx = None
+        if _needs(ctx, 0):
+            gx = _transposed(ns, "w4_grouped_mm_t")(grad, codes, scale, ctx.format, ctx.group_size, ctx.K, offsets,
+                                                    expert_ids, offset, global_scale)
+        return gx, None, None, None, None, None, None, None, None
+
+    def w4_grouped_mm_t_backward(ctx, gg):
+        _refuse_frozen("w4_grouped_mm_t", ctx, _W4_FROZEN + ((8, "offset"), (9, "global_scale")))
+        codes, scale, offsets, expert_ids, offset, global_scale = ctx.saved_tensors
+        gx = _transposed(ns, "w4_grouped_mm")(gg, codes, scale, ctx.format, ctx.group_size, offsets, expert_ids,
+                                              offset, global_scale)
+        return gx, None, None, None, None, None, None, None, None, None
+
     def int8_weight_mm_t_backward(ctx, gg):
         _refuse_frozen("int8_weight_mm_t", ctx, ((2, "w_scale"),))
         wq, w_scale = ctx.saved_tensors
@@ -180,6 +211,8 @@ def _backward_fns(ns):
         "int8_weight_mm_t": (int8_weight_mm_t_backward, _int8_weight_mm_t_setup),
         "w4_mm": (w4_mm_backward, _w4_mm_setup),
         "w4_mm_t": (w4_mm_t_backward, _w4_mm_t_setup),
+        "w4_grouped_mm": (w4_grouped_mm_backward, _w4_grouped_mm_setup),
+        "w4_grouped_mm_t": (w4_grouped_mm_t_backward, _w4_grouped_mm_t_setup),
         "int8_quantize": (int8_quantize_backward, None),
     }
 

@@ -7,10 +7,11 @@ from collections import Counter
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._ops import fp8_dequantize
-from .nn import Fp8Linear, Int8Linear, W4Linear
+from .nn import Fp8Linear, Int8Linear, W4Experts, W4Linear
 from .nn.experts import Fp8Experts
 
 _EXPERTS_CHOICES = ("refuse", "keep")
@@ -30,8 +31,13 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
     dtype: of the dense weights and biases (bfloat16, float16 or float32); default: the dtype holding most of the
     model's floating-point parameters (embeddings, norms: what ``model.to(dtype)`` set), bfloat16 if it has none.
     The weights stay frozen (requires_grad=False, as they were); each bias keeps its requires_grad.
-    experts: fused ``Fp8Experts`` have no dense counterpart here: ``"refuse"`` (default) raises naming them,
-    ``"keep"`` copies them as they are (fp8; LoRA adapters on the linear layers merge all the same).
+    Fused 4-bit experts (``W4Experts``) become dense fused experts holding their dequantized ``gate_up_proj
+    [E, 2I, H]`` / ``down_proj [E, H, I]`` (``W4Experts.dequantize``): the model's own experts module where
+    ``quantize_`` made them (Qwen3MoeExperts, MixtralExperts, ...), else :class:`DenseSwiGLUExperts`.
+    experts: fused ``Fp8Experts`` and 4-bit experts with their own arithmetic (gpt-oss's ``GptOssW4Experts``) have no
+    dense counterpart here: ``"refuse"`` (default) raises naming them,
+    ``"keep"`` copies every fused experts layer as it is (fp8, 4-bit; LoRA adapters on the linear layers merge all
+    the same).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"dequantize_model: model must be an nn.Module, got {type(model).__name__}")
@@ -44,6 +50,13 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
     for name, module in model.named_modules():
         if isinstance(module, (Fp8Linear, Int8Linear, W4Linear)):
             memo[id(module)] = _dense_linear(module, dtype)
+        elif isinstance(module, W4Experts) and experts != "keep":
+            if module.activation == "swiglu" and module.gate_up_bias is None:
+                memo[id(module)] = _dense_experts(module, dtype)
+            else:
+                raise ValueError(f"dequantize_model: {name} is a {type(module).__name__} with its own arithmetic "
+                                 f"(activation {module.activation!r}, biases), which has no dense counterpart here; "
+                                 "pass experts='keep' to keep them 4-bit in the copy")
         elif isinstance(module, Fp8Experts) and experts == "refuse":
             raise ValueError(f"dequantize_model: {name} is an Fp8Experts (fused fp8 experts), which has no dense "
                              "counterpart here; pass experts='keep' to keep them fp8 in the copy")
@@ -71,3 +84,38 @@ def _dense_linear(layer, dtype: torch.dtype) -> nn.Linear:
     if layer.bias is not None:
         dense.bias = nn.Parameter(layer.bias.detach().to(dtype, copy=True), requires_grad=layer.bias.requires_grad)
     return dense
+
+
+class DenseSwiGLUExperts(nn.Module):
+    """Dense fused SwiGLU experts in transformers 5's layout (``gate_up_proj [E, 2I, H]``, gate rows then up rows;
+    ``down_proj [E, H, I]``) and interface (``forward(hidden, top_k_index, top_k_weights)``): what
+    ``dequantize_model`` makes of a W4Experts whose original module it does not know (one built by a loader)."""
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+        super().__init__()
+        self.num_experts, _, self.hidden_dim = gate_up_proj.shape
+        self.intermediate_dim = down_proj.shape[2]
+        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
+        self.down_proj = nn.Parameter(down_proj, requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, self.hidden_dim)
+        ids, weights = top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = torch.where(ids == e)
+            gate, up = (x[token] @ self.gate_up_proj[e].T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ self.down_proj[e].T
+            out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        return out.reshape(hidden.shape)
+
+
+def _dense_experts(layer: W4Experts, dtype: torch.dtype) -> nn.Module:
+    gate_up, down = layer.dequantize(dtype)
+    template = getattr(layer, "_dense_template", None)
+    if template is None:
+        return DenseSwiGLUExperts(gate_up, down)
+    # the model's own module (its tensors on meta), with the dequantized ones in their place
+    memo = {id(template.gate_up_proj): nn.Parameter(gate_up, requires_grad=False),
+            id(template.down_proj): nn.Parameter(down, requires_grad=False)}
+    return copy.deepcopy(template, memo)

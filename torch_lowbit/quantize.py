@@ -223,7 +223,8 @@ _OWN_EXPERTS_HANDLERS: Dict[type, list] = {}
 def register_quantize_experts_handler(config_cls: Type, claims: Optional[Callable[[nn.Module], bool]] = None):
     """Decorator: ``handler(experts, config) -> new module`` is what ``quantize_(model, config_cls(...))`` does to
     each dense fused MoE experts module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) its filter accepts
-    (torch_lowbit.nn registers Fp8Experts for Fp8WeightOnly, Int8Experts for Int8Dynamic).
+    (torch_lowbit.nn registers Fp8Experts for Fp8WeightOnly, Int8Experts for Int8Dynamic, W4Experts for the 4-bit
+    configs).
     ``claims(module) -> bool``: the handler is for the experts modules it accepts only -- experts that compute
     their own arithmetic (gpt-oss's), asked before the [gate; up] SwiGLU handler and without its SwiGLU check:
     such a handler answers for what the module computes."""
@@ -364,8 +365,9 @@ class QuantizeReport:
 def _describe(layer: nn.Module) -> str:
     """The report's words for a new layer, as the loader's report writes them."""
     name = type(layer).__name__
-    if hasattr(layer, "format") and hasattr(layer, "group_size"):  # W4Linear
-        return f"{name}({layer.format}, group {layer.group_size})"
+    if hasattr(layer, "format") and hasattr(layer, "group_size"):  # W4Linear, W4Experts
+        experts = f"E={layer.num_experts}, " if hasattr(layer, "num_experts") else ""
+        return f"{name}({experts}{layer.format}, group {layer.group_size})"
     if hasattr(layer, "gate_up_granularity"):
         return (f"{name}(E={layer.num_experts}, gate_up {layer.gate_up_granularity.kind}, "
                 f"down {layer.down_granularity.kind})")
@@ -428,8 +430,8 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
     config: ``Fp8WeightOnly(granularity="channel")`` -> ``Fp8Linear`` / ``Fp8Experts``, ``Int8Dynamic()`` ->
     ``Int8Linear`` / ``Int8Experts`` (torchao's ``Float8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig``
     are aliases), the 4-bit ``Int4WeightOnly(group_size, symmetric)``, ``Nvfp4WeightOnly()``, ``Mxfp4WeightOnly()``,
-    ``AffineWeightOnly(group_size)`` -> ``W4Linear`` (torchao's ``Int4WeightOnlyConfig`` is an alias; fused experts
-    stay in high precision under them, with a warning), or any config class with a handler registered by
+    ``AffineWeightOnly(group_size)`` -> ``W4Linear`` / ``W4Experts`` (torchao's ``Int4WeightOnlyConfig`` is an
+    alias), or any config class with a handler registered by
     ``register_quantize_module_handler`` (and, for experts, ``register_quantize_experts_handler``).
 
     Experts: a fused experts module (transformers >= 5: ``Qwen3MoeExperts``, ``MixtralExperts``, ... with 3-D

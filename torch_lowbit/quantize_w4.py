@@ -47,20 +47,21 @@ _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 class W4Quantized(NamedTuple):
-    """The tensors of a 4-bit weight, named as ``W4Linear.from_quantized`` takes them."""
+    """The tensors of a 4-bit weight, named as ``W4Linear.from_quantized`` takes them (stacked experts: each with a
+    leading ``[E]``, as ``W4Experts.from_quantized`` takes them)."""
     weight_packed: torch.Tensor             # uint8 [N, ceil(K/2)]
     weight_scale: torch.Tensor              # [N, G] in the format's scale dtype
     weight_offset: Optional[torch.Tensor]   # int8 zero points (int4 asymmetric) or biases (uint4), [N, G]
-    weight_scale_2: Optional[torch.Tensor]  # nvfp4: fp32 [1] multiplier
+    weight_scale_2: Optional[torch.Tensor]  # nvfp4: fp32 [1] multiplier ([E]: one per expert)
 
 
 def pack_w4_codes(codes: torch.Tensor) -> torch.Tensor:
-    """int codes in [0, 16) ``[N, K]`` -> uint8 ``[N, ceil(K/2)]``, the even k in the low nibble."""
-    N, K = codes.shape
+    """int codes in [0, 16) ``[..., N, K]`` -> uint8 ``[..., N, ceil(K/2)]``, the even k in the low nibble."""
+    K = codes.shape[-1]
     c = codes.to(torch.uint8)
     if K % 2:
         c = torch.nn.functional.pad(c, (0, 1))
-    c = c.view(N, (K + 1) // 2, 2)
+    c = c.reshape(*c.shape[:-1], (K + 1) // 2, 2)
     return (c[..., 0] | (c[..., 1] << 4)).contiguous()
 
 
@@ -99,28 +100,29 @@ def _e4m3_as_f32(s: torch.Tensor) -> torch.Tensor:
 
 
 def _groups(w32: torch.Tensor, group_size: int):
-    """w [N, K] -> [N, G, group_size] padded with NaN (ignored by the nan-reductions below), and G."""
-    N, K = w32.shape
+    """w [..., N, K] -> [..., N, G, group_size] padded with NaN (ignored by the nan-reductions below), and G."""
+    K = w32.shape[-1]
     G = -(-K // group_size)
     padded = torch.nn.functional.pad(w32, (0, G * group_size - K), value=float("nan"))
-    return padded.view(N, G, group_size), G
+    return padded.view(*w32.shape[:-1], G, group_size), G
 
 
 def _expand(t: torch.Tensor, group_size: int, K: int) -> torch.Tensor:
-    return t.repeat_interleave(group_size, dim=1)[:, :K]
+    return t.repeat_interleave(group_size, dim=-1)[..., :K]
 
 
 def _group_min_max(grouped: torch.Tensor):
     finite = ~torch.isnan(grouped)
-    lo = torch.where(finite, grouped, torch.full_like(grouped, float("inf"))).amin(dim=2)
-    hi = torch.where(finite, grouped, torch.full_like(grouped, float("-inf"))).amax(dim=2)
+    lo = torch.where(finite, grouped, torch.full_like(grouped, float("inf"))).amin(dim=-1)
+    hi = torch.where(finite, grouped, torch.full_like(grouped, float("-inf"))).amax(dim=-1)
     return lo, hi
 
 
 def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, symmetric: bool = True, *,
                 scale_dtype: Optional[torch.dtype] = None, rule: str = "mlx") -> W4Quantized:
     """Quantize ``w [N, K]`` to one of ``w4_mm``'s 4-bit formats by rounding to nearest (see the module docstring
-    for each format's arithmetic). ``group_size``: K values per scale (default the format's: nvfp4 16, mxfp4 32,
+    for each format's arithmetic); ``w [E, N, K]`` (stacked experts) quantizes each expert as its own weight (nvfp4:
+    a tensor scale per expert, ``weight_scale_2 [E]``), all at once. ``group_size``: K values per scale (default the format's: nvfp4 16, mxfp4 32,
     int4 128, uint4 64; any value >= K is per channel). ``symmetric``: int4 only (False adds int8 zero points).
     ``scale_dtype``: int4 / uint4 scales (and biases) as bfloat16 / float16 / float32; default the weight's dtype
     (float32 for a float64 weight). ``rule``: uint4's bias rule, ``"mlx"`` or ``"minmax"`` (torchao).
@@ -128,11 +130,12 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
     fn = "quantize_w4"
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{fn}: w must be a torch.Tensor, got {type(w).__name__}")
-    if not w.is_floating_point() or w.dtype == FP8 or w.dim() != 2:
-        raise ValueError(f"{fn}: w must be a floating-point [N, K] weight, got {w.dtype} of shape {tuple(w.shape)}")
+    if not w.is_floating_point() or w.dtype == FP8 or w.dim() not in (2, 3):
+        raise ValueError(f"{fn}: w must be a floating-point [N, K] weight (or [E, N, K] stacked experts), got "
+                         f"{w.dtype} of shape {tuple(w.shape)}")
     if format not in W4_DEFAULT_GROUP:
         raise ValueError(f"{fn}: format must be one of {list(W4_DEFAULT_GROUP)}, got {format!r}")
-    N, K = w.shape
+    lead, (N, K) = tuple(w.shape[:-2]), w.shape[-2:]
     group_size = W4_DEFAULT_GROUP[format] if group_size is None else int(group_size)
     if group_size < 1:
         raise ValueError(f"{fn}: group_size must be >= 1, got {group_size}")
@@ -156,7 +159,7 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
     grouped, G = _groups(w32, group_size)
     lo, hi = _group_min_max(grouped)
     if not K:
-        lo = hi = w32.new_zeros(N, G)
+        lo = hi = w32.new_zeros(*lead, N, G)
     amax = torch.maximum(lo.abs(), hi.abs())
     offset = global_mult = None
 
@@ -194,13 +197,14 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
     elif format == "nvfp4":
         # compressed-tensors: the divisor 2688 / amax and amax_g / 6 in the weight's dtype, their product, the e4m3
         # cast and the values' quotient in float32
-        tensor_amax = (amax.amax() if amax.numel() else w32.new_zeros(())).to(cd)
+        # one tensor scale per weight (per expert of a stack), kept as [..., 1, 1] to broadcast over its groups
+        tensor_amax = (amax.amax(dim=(-2, -1), keepdim=True) if N * G else w32.new_zeros(*lead, 1, 1)).to(cd)
         gs = torch.where(tensor_amax > 0, (E4M3_MAX * E2M1_MAX) / _safe(tensor_amax),
                          torch.ones_like(tensor_amax)).to(torch.float32)  # an all-zero weight: 1, no global scaling
         scale = _to_e4m3(gs * (amax.to(cd) / E2M1_MAX).to(torch.float32))
         eff = _safe(_e4m3_as_f32(scale) / gs)
         codes = _round_half_even_e2m1(w32 / _expand(eff, group_size, K))
-        global_mult = (1.0 / gs).reshape(1).to(torch.float32)
+        global_mult = (1.0 / gs).reshape(lead or (1,)).to(torch.float32)
     else:  # mxfp4
         mant, exp = torch.frexp(amax)  # amax = mant * 2^exp, mant in [0.5, 1)
         e = (exp - 1) + (mant >= 0.875).to(exp.dtype)  # floor(log2(amax)), up by one at a mantissa >= 1.75

@@ -4,6 +4,9 @@ NVFP4, MXFP4, INT4 per 128, MLX-affine UINT4 per 64) against bf16.
 Each distinct weight shape is measured once (q/o share 4096x4096, k/v 1024x4096, gate/up 14336x4096) with the
 real layers (nn.Linear in bf16, Fp8Linear per channel, Int8Linear, W4Linear), for decode (M = 1) and a prefill
 batch, on the best device (mps if available, else cpu). The table ends with the whole decoder layer (7 linears).
+Then the MoE experts of one Qwen3-30B-A3B layer (128 SwiGLU experts, hidden 2048, intermediate 768, top 8) in each
+mode (Fp8Experts, Int8Experts, W4Experts) against the bf16 experts computed expert by expert (transformers' eager
+path), for the same M; their weight GB/s counts only the experts the tokens chose (what decode reads).
 
 Columns: bf16 / lowbit time (median, ms), speedup = bf16 / lowbit, vs fp8 = fp8 time / lowbit time (the same
 run), weight GB/s = bytes of the low-bit weight and its scales / lowbit time, and the error:
@@ -24,7 +27,7 @@ import time
 import torch
 import torch.nn as nn
 
-from ..nn import Fp8Linear, Int8Linear, W4Linear
+from ..nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear, W4Experts, W4Linear
 from .timing import median_time, print_table, sync, write_json
 
 # (names, N, K, how many of the 7 linears of a decoder layer have this shape)
@@ -34,6 +37,9 @@ LLAMA3_8B = [
     ("gate_proj,up_proj", 14336, 4096, 2),
     ("down_proj", 4096, 14336, 1),
 ]
+# (num_experts, hidden, intermediate, top_k) of one MoE layer's experts
+QWEN3_30B_A3B_EXPERTS = (128, 2048, 768, 8)
+MOE_LAYER = "moe experts"
 # mode -> (W4Linear format, group size); the group sizes are what the formats' writers use
 W4_MODES = {"nvfp4": ("nvfp4", 16), "mxfp4": ("mxfp4", 32), "int4": ("int4", 128), "uint4": ("uint4", 64)}
 MODES = ("fp8", "int8", *W4_MODES)
@@ -81,6 +87,34 @@ def quantized(mode, lin):
     return W4Linear.from_float(lin, fmt, group)
 
 
+def quantized_experts(mode, gate_up, down):
+    """The low-bit experts layer of a mode from bf16 stacked weights."""
+    if mode == "fp8":
+        return Fp8Experts.from_float(gate_up, down, "channel")
+    if mode == "int8":
+        return Int8Experts.from_float(gate_up, down)
+    fmt, group = W4_MODES[mode]
+    return W4Experts.from_float(gate_up, down, fmt, group)
+
+
+class Bf16Experts(nn.Module):
+    """The bf16 experts as transformers' eager experts compute them: a loop over the experts the tokens chose."""
+
+    def __init__(self, gate_up, down):
+        super().__init__()
+        self.register_buffer("gate_up", gate_up)
+        self.register_buffer("down", down)
+
+    def forward(self, x, ids, weights):
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = torch.where(ids == e)
+            gate, up = (x[tok] @ self.gate_up[e].T).chunk(2, dim=-1)
+            y = (torch.nn.functional.silu(gate) * up) @ self.down[e].T
+            out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
+        return out
+
+
 def weight_bytes(layer):
     """Bytes of the weight and its scales (and zero points / biases, and nvfp4's tensor scale): every buffer, and
     nn.Linear's weight."""
@@ -93,7 +127,7 @@ def cycling(layer, working_set_mb):
     n = min(MAX_COPIES, max(1, math.ceil(working_set_mb * 2 ** 20 / weight_bytes(layer))))
     layers = [layer] + [copy.deepcopy(layer) for _ in range(n - 1)]
     it = itertools.cycle(layers)
-    return lambda x: next(it)(x)
+    return lambda *args: next(it)(*args)
 
 
 def parse(argv):
@@ -155,6 +189,38 @@ def measure_shape(names, N, K, args, gen):
     return with_vs_fp8(rows)
 
 
+def measure_experts(args, gen):
+    """Rows for the MoE experts layer: every M and mode, tokens routed to top_k random experts each."""
+    dev = args.device
+    E, H, I, k = QWEN3_30B_A3B_EXPERTS
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(torch.bfloat16)
+    t0 = time.perf_counter()
+    layers = {mode: quantized_experts(mode, gate_up, down).to(dev) for mode in args.modes}
+    log(f"  {MOE_LAYER} E={E} {H}x{I} top {k}: quantized to {', '.join(args.modes)} in "
+        f"{time.perf_counter() - t0:.1f} s")
+    calls = {mode: cycling(layer, args.working_set_mb) for mode, layer in layers.items()}
+    calls["bf16"] = cycling(Bf16Experts(gate_up, down).to(dev), args.working_set_mb)
+    rows = []
+    for M in args.ms:
+        x = torch.randn(M, H, generator=gen).to(torch.bfloat16).to(dev)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(dev)
+        w = torch.softmax(torch.randn(M, k, generator=gen), dim=-1).to(torch.bfloat16).to(dev)
+        chosen = ids.unique().numel() / E  # the share of the experts' bytes this batch reads
+        t_bf16, y_bf16, n_bf16 = timed(lambda: calls["bf16"](x, ids, w), dev, args.repeat, args.target_s)
+        log(f"  {MOE_LAYER} M={M} bf16: {t_bf16 * 1e3:.2f} ms ({n_bf16} timed)")
+        for mode in args.modes:
+            layer, call = layers[mode], calls[mode]
+            t, y, n = timed(lambda: call(x, ids, w), dev, args.repeat, args.target_s)
+            nbytes = weight_bytes(layer) * chosen
+            rows.append(dict(layer=MOE_LAYER, shape=f"E{E} {H}x{I} top{k}", N=H, K=I, M=M, mode=mode,
+                             bf16_ms=t_bf16 * 1e3, lowbit_ms=t * 1e3, speedup=t_bf16 / t, weight_gbs=nbytes / t / 1e9,
+                             max_rel_err=rel_err(y, y_bf16), timed_calls=n, weight_bytes=nbytes))
+            log(f"  {MOE_LAYER} M={M} {mode}: {t * 1e3:.2f} ms ({n} timed), {t_bf16 / t:.2f}x bf16, "
+                f"err {rows[-1]['max_rel_err']:.2e}")
+    return with_vs_fp8(rows)
+
+
 def with_vs_fp8(rows):
     """vs_fp8 = the fp8 layer's time / each row's, for rows whose (layer, M) has an fp8 row (same run)."""
     fp8 = {(r["layer"], r["M"]): r["lowbit_ms"] for r in rows if r["mode"] == "fp8"}
@@ -167,6 +233,7 @@ def with_vs_fp8(rows):
 def layer_totals(rows):
     """The whole decoder layer per (M, mode): times summed over the 7 linears."""
     count = {names: c for names, _, _, c in LLAMA3_8B}
+    rows = [r for r in rows if r["layer"] in count]
     out = []
     for M in sorted({r["M"] for r in rows}):
         for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:
@@ -197,12 +264,14 @@ def run(argv) -> int:
         for i, (names, N, K, _) in enumerate(LLAMA3_8B):
             log(f"[{i + 1}/{len(LLAMA3_8B)}] {names} ({N}x{K}), {time.perf_counter() - start:.0f} s elapsed")
             rows += measure_shape(names, N, K, args, gen)
-    rows.sort(key=lambda r: (r["M"], r["mode"]))
-    table = rows + layer_totals(rows)
+        log(f"[MoE] {MOE_LAYER} {QWEN3_30B_A3B_EXPERTS}, {time.perf_counter() - start:.0f} s elapsed")
+        moe = measure_experts(args, gen)
+    table = rows + layer_totals(rows) + moe
     table.sort(key=lambda r: (r["M"], r["mode"]))
     print(f"Llama-3-8B decoder layer, {dev}; fp8 = Fp8Linear (per-channel, W8A16), int8 = Int8Linear (W8A8 dynamic), "
-          f"nvfp4 / mxfp4 / int4 (group 128) / uint4 (group 64) = W4Linear (W4A16); "
-          f"err = max|y - y_bf16| / max|y_bf16|")
+          f"nvfp4 / mxfp4 / int4 (group 128) / uint4 (group 64) = W4Linear (W4A16); {MOE_LAYER}: Qwen3-30B-A3B "
+          f"(E, hidden, intermediate, top k) = {QWEN3_30B_A3B_EXPERTS}, Fp8Experts / Int8Experts / W4Experts vs bf16 "
+          f"expert by expert, GB/s over the chosen experts; err = max|y - y_bf16| / max|y_bf16|")
     print_table(table, [("layer", "layer", None), ("shape", "N x K", None), ("M", "M", None), ("mode", "mode", None),
                         ("bf16_ms", "bf16 ms", "{:.2f}"), ("lowbit_ms", "lowbit ms", "{:.2f}"),
                         ("speedup", "speedup", "{:.2f}x"), ("vs_fp8", "vs fp8", "{:.2f}x"),
@@ -212,6 +281,7 @@ def run(argv) -> int:
     if args.json:
         write_json(args.json, table, suite="layer", device=str(dev), torch=torch.__version__,
                    threads=torch.get_num_threads(), ms=args.ms, err="max|y - y_bf16| / max|y_bf16|",
-                   weight_gbs="(weight + scale bytes) / lowbit time")
+                   weight_gbs="(weight + scale bytes) / lowbit time; moe experts: of the chosen experts",
+                   moe_experts=dict(zip(("num_experts", "hidden", "intermediate", "top_k"), QWEN3_30B_A3B_EXPERTS)))
         log(f"wrote {args.json}")
     return 0

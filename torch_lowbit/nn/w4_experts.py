@@ -3,17 +3,35 @@
 (``forward(hidden, topk_ids, topk_weights)``, gate rows then up rows in ``gate_up``)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+import copy
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
+from torch import nn
 
-from .._ops import w4_grouped_mm
+from .._ops import w4_dequantize, w4_grouped_mm
 from .._storage import FP8, as_stored_fp8
+from ..quantize import (AffineWeightOnly, Int4WeightOnly, Mxfp4WeightOnly, Nvfp4WeightOnly,
+                        register_quantize_experts_handler)
+from ..quantize_w4 import W4_DEFAULT_GROUP, quantize_w4
 from ._format_buffers import FormatBuffers
 from .experts import combine, route
 from .w4_linear import W4_GLOBAL_SCALE, W4_OFFSETS, W4_SCALE_DTYPES
 
 _PROJECTIONS = ("gate_up", "down")
+# from_float quantizes this many weight elements at a time (slices of whole experts): quantize_w4's float32
+# temporaries stay a few hundred MB where a real MoE layer's projection (Qwen3-30B-A3B: 128 x 1536 x 2048) would
+# take several GB at once
+_QUANTIZE_SLICE_ELEMENTS = 1 << 26
+
+
+def _quantize_experts(w: torch.Tensor, format: str, group_size: int, symmetric: bool, **kw) -> dict:
+    E, N, K = w.shape
+    step = max(1, _QUANTIZE_SLICE_ELEMENTS // max(N * K, 1))
+    parts = [quantize_w4(w[i:i + step], format, group_size, symmetric, **kw) for i in range(0, max(E, 1), step)]
+    return {name: None if parts[0][i] is None else torch.cat([q[i] for q in parts]) if len(parts) > 1 else parts[0][i]
+            for i, name in enumerate(("packed", "scale", "offset", "scale_2"))}
+
 
 # name -> fn(gate_up fp32 [rows, 2I], layer) -> fp32 [rows, I]: what an experts layer computes between its two
 # products (W4Experts' ``activation``); "swiglu" is silu(gate) * up with the gate rows first
@@ -150,6 +168,50 @@ class W4Experts(FormatBuffers):
                            type("R", (), {"offsets": none, "expert_ids": none[:0]})())
         return m
 
+    @classmethod
+    def from_float(cls, gate_up: torch.Tensor, down: torch.Tensor, format: str = "int4",
+                   group_size: Optional[int] = None, symmetric: bool = True, *,
+                   scale_dtype: Optional[torch.dtype] = None, rule: str = "mlx") -> "W4Experts":
+        """Quantize dense stacked experts ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` with
+        :func:`torch_lowbit.quantize_w4.quantize_w4` (each expert as its own weight, many experts per call, in slices
+        that bound the float32 temporaries; nvfp4: a tensor scale per expert and projection). ``group_size``: None
+        for the format's default; one value for both projections, per channel for a projection whose K (H, or I) it
+        reaches. ``symmetric``, ``scale_dtype``, ``rule``: as quantize_w4. The layer computes the [gate; up] SwiGLU
+        with no biases."""
+        fn = "W4Experts.from_float"
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            if not isinstance(w, torch.Tensor) or w.dim() != 3 or not w.is_floating_point():
+                raise ValueError(f"{fn}: {name} must be a floating-point 3-D tensor, got "
+                                 + (f"{w.dtype} of shape {tuple(w.shape)}" if isinstance(w, torch.Tensor)
+                                    else type(w).__name__))
+        E, I2, H = gate_up.shape
+        if I2 % 2 or tuple(down.shape) != (E, H, I2 // 2):
+            raise ValueError(f"{fn}: gate_up must be [E, 2I, H] and down [E, H, I]; got gate_up "
+                             f"{list(gate_up.shape)} and down {list(down.shape)}")
+        if format not in W4_DEFAULT_GROUP:
+            raise ValueError(f"{fn}: format must be one of {list(W4_DEFAULT_GROUP)}, got {format!r}")
+        group = W4_DEFAULT_GROUP[format] if group_size is None else int(group_size)
+        gu, dn = (_quantize_experts(w.detach(), format, group, symmetric, scale_dtype=scale_dtype, rule=rule)
+                  for w in (gate_up, down))
+        dtype = gate_up.dtype if gate_up.dtype in W4_SCALE_DTYPES["int4"] else torch.float32  # a compute dtype
+        return cls.from_quantized(gu, dn, format=format, group_size=group, hidden_size=H, intermediate_size=I2 // 2,
+                                  dtype=dtype)
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The dense ``(gate_up [E, 2I, H], down [E, H, I])`` as ``w4_grouped_mm`` reads them (the format's fp32
+        arithmetic, rounded once to ``dtype``, default the layer's ``dtype``; biases, if any, not included)."""
+        dtype = dtype or self.dtype
+        out = []
+        for p, K in zip(_PROJECTIONS, (self.hidden_size, self.intermediate_size)):
+            packed, scale, offset, scale_2 = (getattr(self, f"{p}_{s}") for s in ("packed", "scale", "offset",
+                                                                                   "scale_2"))
+            out.append(torch.stack([w4_dequantize(packed[e], scale[e], self.format, self.group_size, K,
+                                                  None if offset is None else offset[e],
+                                                  None if scale_2 is None else scale_2[e:e + 1], dtype)
+                                    for e in range(self.num_experts)]) if self.num_experts else
+                       torch.empty(0, *packed.shape[1:2], K, dtype=dtype, device=packed.device))
+        return out[0], out[1]
+
     def extra_repr(self) -> str:
         s = (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
              f"intermediate_size={self.intermediate_size}, format={self.format}, group_size={self.group_size}")
@@ -160,3 +222,35 @@ class W4Experts(FormatBuffers):
         if self.gate_up_bias is not None:
             s += ", biases"
         return s
+
+
+def _from_experts(experts: nn.Module, format: str, group_size: Optional[int], **kw) -> W4Experts:
+    layer = W4Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach(), format, group_size, **kw)
+    # the model's own experts module with its two tensors on the meta device, outside the module tree (no state,
+    # not walked): what torch_lowbit.dequantize_model rebuilds, so the dense copy has the class the model expects
+    memo = {id(t): (nn.Parameter(t.detach().to("meta"), requires_grad=False) if isinstance(t, nn.Parameter)
+                    else t.detach().to("meta")) for t in (experts.gate_up_proj, experts.down_proj)}
+    object.__setattr__(layer, "_dense_template", copy.deepcopy(experts, memo))
+    return layer
+
+
+@register_quantize_experts_handler(Int4WeightOnly)
+def _quantize_int4_experts(experts: nn.Module, config: Int4WeightOnly) -> W4Experts:
+    E, I2, H = experts.gate_up_proj.shape
+    group = max(H, I2 // 2, 1) if config.group_size is None else config.group_size  # per channel in both
+    return _from_experts(experts, "int4", group, symmetric=config.symmetric)
+
+
+@register_quantize_experts_handler(Nvfp4WeightOnly)
+def _quantize_nvfp4_experts(experts: nn.Module, config: Nvfp4WeightOnly) -> W4Experts:
+    return _from_experts(experts, "nvfp4", None)
+
+
+@register_quantize_experts_handler(Mxfp4WeightOnly)
+def _quantize_mxfp4_experts(experts: nn.Module, config: Mxfp4WeightOnly) -> W4Experts:
+    return _from_experts(experts, "mxfp4", None)
+
+
+@register_quantize_experts_handler(AffineWeightOnly)
+def _quantize_affine_experts(experts: nn.Module, config: AffineWeightOnly) -> W4Experts:
+    return _from_experts(experts, "uint4", config.group_size, rule=config.rule)
