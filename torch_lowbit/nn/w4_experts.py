@@ -16,7 +16,7 @@ from ..quantize import (AffineWeightOnly, Int4WeightOnly, Mxfp4WeightOnly, Nvfp4
 from ..quantize_w4 import W4_DEFAULT_GROUP, quantize_w4
 from ._format_buffers import FormatBuffers
 from .experts import combine, route
-from .w4_linear import W4_GLOBAL_SCALE, W4_OFFSETS, W4_SCALE_DTYPES
+from .w4_linear import W4_OFFSETS, W4_SCALE_DTYPES, check_w4_options
 
 _PROJECTIONS = ("gate_up", "down")
 # from_float quantizes this many weight elements at a time (slices of whole experts): quantize_w4's float32
@@ -87,16 +87,7 @@ class W4Experts(FormatBuffers):
         if activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"W4Experts: activation must be one of {list(EXPERT_ACTIVATIONS)}, got {activation!r}")
         self.activation = activation
-        if format not in W4_SCALE_DTYPES:
-            raise ValueError(f"W4Experts: format must be one of {list(W4_SCALE_DTYPES)}, got {format!r}")
-        scale_dtype = scale_dtype or W4_SCALE_DTYPES[format][0]
-        if scale_dtype not in W4_SCALE_DTYPES[format]:
-            raise ValueError(f"W4Experts: format {format!r} stores scales as one of "
-                             f"{[str(d) for d in W4_SCALE_DTYPES[format]]}, got {scale_dtype}")
-        if offset and format not in W4_OFFSETS:
-            raise ValueError(f"W4Experts: format {format!r} takes no offset")
-        if global_scale and format not in W4_GLOBAL_SCALE:
-            raise ValueError(f"W4Experts: format {format!r} takes no global scale")
+        scale_dtype = check_w4_options("W4Experts", format, scale_dtype, offset, global_scale)
         if int(group_size) < 1:
             raise ValueError(f"W4Experts: group_size must be >= 1, got {group_size}")
         E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)

@@ -25,6 +25,22 @@ W4_OFFSETS = {"int4": "zero points", "uint4": "biases"}  # what weight_offset ho
 W4_GLOBAL_SCALE = ("nvfp4",)
 
 
+def check_w4_options(layer: str, format: str, scale_dtype: Optional[torch.dtype], offset: bool,
+                     global_scale: bool) -> torch.dtype:
+    """A 4-bit layer's format options, checked (errors name `layer`); returns the scale dtype it holds."""
+    if format not in W4_SCALE_DTYPES:
+        raise ValueError(f"{layer}: format must be one of {list(W4_SCALE_DTYPES)}, got {format!r}")
+    scale_dtype = scale_dtype or W4_SCALE_DTYPES[format][0]
+    if scale_dtype not in W4_SCALE_DTYPES[format]:
+        raise ValueError(f"{layer}: format {format!r} stores scales as one of "
+                         f"{[str(d) for d in W4_SCALE_DTYPES[format]]}, got {scale_dtype}")
+    if offset and format not in W4_OFFSETS:
+        raise ValueError(f"{layer}: format {format!r} takes no offset (formats with one: {list(W4_OFFSETS)})")
+    if global_scale and format not in W4_GLOBAL_SCALE:
+        raise ValueError(f"{layer}: format {format!r} takes no global scale")
+    return scale_dtype
+
+
 class W4Linear(QuantizedLinear):
     """``y = x @ w.T + bias`` with ``w`` a 4-bit weight read as stored by ``torch_lowbit.w4_mm`` (fp32 accumulation,
     output in x's dtype; the weight is never dequantized in memory).
@@ -42,21 +58,12 @@ class W4Linear(QuantizedLinear):
                  group_size: Optional[int] = None, scale_dtype: Optional[torch.dtype] = None, offset: bool = False,
                  global_scale: bool = False, device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        if format not in W4_SCALE_DTYPES:
-            raise ValueError(f"W4Linear: format must be one of {list(W4_SCALE_DTYPES)}, got {format!r}")
+        scale_dtype = check_w4_options("W4Linear", format, scale_dtype, offset, global_scale)
         self.in_features, self.out_features = int(in_features), int(out_features)
         N, K = self.out_features, self.in_features
         group_size = max(K, 1) if group_size is None else int(group_size)
         if group_size < 1:
             raise ValueError(f"W4Linear: group_size must be >= 1 (None: per channel), got {group_size}")
-        scale_dtype = scale_dtype or W4_SCALE_DTYPES[format][0]
-        if scale_dtype not in W4_SCALE_DTYPES[format]:
-            raise ValueError(f"W4Linear: format {format!r} stores scales as one of "
-                             f"{[str(d) for d in W4_SCALE_DTYPES[format]]}, got {scale_dtype}")
-        if offset and format not in W4_OFFSETS:
-            raise ValueError(f"W4Linear: format {format!r} takes no offset (formats with one: {list(W4_OFFSETS)})")
-        if global_scale and format not in W4_GLOBAL_SCALE:
-            raise ValueError(f"W4Linear: format {format!r} takes no global scale")
         self.format, self.group_size = format, group_size
         self._fp8_buffers = ("weight_scale",) if scale_dtype == FP8 else ()
         G = -(-K // group_size)
