@@ -281,13 +281,20 @@ def test_loading_a_4bit_moe_checkpoint_peaks_near_its_file_size(tmp_path):
     assert size >= 200e6
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(torch_lowbit.__file__)),
                                                         os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_MEASURE), str(tmp_path / "small"),
-                           str(tmp_path / "ckpt")], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    growth, experts = map(int, done.stdout.split()[-2:])
-    assert experts >= 0.95 * size  # the model holds the experts as stored
-    assert growth <= 1.1 * size, f"loading peaked {growth / 1e6:.0f} MB above the baseline for a {size / 1e6:.0f} " \
-                                 f"MB checkpoint ({growth / size:.2f}x)"
+    # Up to three fresh processes: one full CI run (of many) saw a single 2.9x peak that no rerun showed (the
+    # allocator's per-thread arenas are the suspect); a load that copied the experts would exceed 1.1x every time.
+    growths = []
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(_MEASURE), str(tmp_path / "small"),
+                               str(tmp_path / "ckpt")], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        growth, experts = map(int, done.stdout.split()[-2:])
+        assert experts >= 0.95 * size  # the model holds the experts as stored
+        growths.append(growth)
+        if growth <= 1.1 * size:
+            break
+    assert min(growths) <= 1.1 * size, f"loading peaked {[round(g / 1e6) for g in growths]} MB above the baseline " \
+                                       f"for a {size / 1e6:.0f} MB checkpoint ({min(growths) / size:.2f}x at best)"
 
 
 # ---------------------------------------------------------------------------------------- TorchLowbitConfig
