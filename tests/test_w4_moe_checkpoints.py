@@ -296,7 +296,20 @@ def test_loading_a_4bit_moe_checkpoint_peaks_near_its_file_size(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- TorchLowbitConfig
-@pytest.mark.skip(reason="quantize_ has no W4Experts handler in main yet (the moe-layer branch adds it): "
-                         "TorchLowbitConfig routes MoE experts to W4Experts through it")
-def test_torch_lowbit_config_quantizes_moe_experts_to_w4experts():
-    pass
+@pytest.mark.parametrize("arch", W4.MOE_ARCHS)
+@pytest.mark.parametrize("weights", ["int4", "nvfp4", "mxfp4", "uint4"])
+def test_torch_lowbit_config_quantizes_moe_experts_to_w4experts(moe_dense_dirs, arch, weights):
+    """transformers' from_pretrained with TorchLowbitConfig quantizes the fused experts into W4Experts while it
+    loads, computing exactly what quantize_ with the same config makes of the dense model."""
+    tf = W4.transformers
+    config = torch_lowbit.TorchLowbitConfig(weights)
+    model = tf.AutoModelForCausalLM.from_pretrained(moe_dense_dirs[arch], dtype=torch.float32,
+                                                    quantization_config=config)
+    want = torch_lowbit.quantize_(tf.AutoModelForCausalLM.from_pretrained(moe_dense_dirs[arch], dtype=torch.float32),
+                                  config.quantize_config())
+    got, expected = _experts(model), _experts(want)
+    assert got and got.keys() == expected.keys()
+    assert all(m.format == weights for m in got.values())
+    ids = torch.tensor([[3, 17, 42, 5, 1, 0, 23]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want(ids).logits)
