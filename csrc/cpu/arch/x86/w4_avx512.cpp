@@ -366,7 +366,6 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
   // the values' high halves (exact bf16: gemv_bf16_takes), twice
   const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(op.values)), 16));
   const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
-  const float* byte_table = w4_byte_scale_table(op.scale_enc);
   __m512 tot[MR][NR], part[MR][NR][2], s[NR];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; m++)
@@ -384,21 +383,22 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
       if (k < full) step_bf16<MR, NR, true>(part, x, ldx, w, rb, k, kW4Bf16Step, table);
       else step_bf16<MR, NR, false>(part, x, ldx, w, rb, k, K - k, table);
     }
-    if constexpr (kSmall) {
-      const int64_t g0 = (k - kW4Bf16Step) / op.group;  // the step's first group
-      if (g0 >= base + 16) {
-        base = g0 & ~int64_t(15);
-        const int64_t count = std::min<int64_t>(16, op.G - base);
+    // the step's first group (kSmall), or the group just summed; scales decoded 16 groups at a time
+    const int64_t g0 = kSmall ? (k - kW4Bf16Step) / op.group : op.G <= 1 ? 0 : g;
+    if (g0 >= base + 16) {
+      base = g0 & ~int64_t(15);
+      const int64_t count = std::min<int64_t>(16, std::max<int64_t>(op.G, 1) - base);
 #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++)
-          _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
-      }
+      for (int r = 0; r < NR; r++)
+        _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
+    }
+    if constexpr (kSmall) {
       const __m512i idx = _mm512_add_epi32(lane_group, _mm512_set1_epi32(int(g0 - base)));
 #pragma GCC unroll 4
       for (int r = 0; r < NR; r++) s[r] = _mm512_permutexvar_ps(idx, _mm512_load_ps(sc[r]));
-    } else {
+    } else {  // a broadcast from memory: no shuffle port
 #pragma GCC unroll 4
-      for (int r = 0; r < NR; r++) s[r] = _mm512_set1_ps(w4_group(op, byte_table, n0 + r, g).scale);
+      for (int r = 0; r < NR; r++) s[r] = _mm512_set1_ps(sc[r][g0 - base]);
     }
     scale_parts<MR, NR>(tot, part, s);
   }
