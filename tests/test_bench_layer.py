@@ -44,7 +44,8 @@ def test_layer_suite_runs_and_writes_json(monkeypatch, tmp_path, capsys):
 @pytest.mark.parametrize("argv,match", [(["--m", "0"], "--m values must be >= 1"),
                                         (["--m", "x"], "--m must be comma-separated"),
                                         (["--repeat", "0"], "--repeat must be >= 1"),
-                                        (["--modes", "fp8,nf4"], "--modes must be among")])
+                                        (["--modes", "fp8,nf4"], "--modes must be among"),
+                                        (["--moe-experts", "7"], "--moe-experts must be at least the top k, 8, got 7")])
 def test_layer_suite_bad_options(argv, match, capsys):
     with pytest.raises(SystemExit):
         layer.run(argv)
@@ -56,9 +57,15 @@ def test_layer_suite_runs_a_subset_of_modes(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(layer, "QWEN3_30B_A3B_EXPERTS", (3, 16, 8, 2))
     path = tmp_path / "out.json"
     assert layer.run(["--m", "2", "--repeat", "1", "--device", "cpu", "--working-set-mb", "0", "--modes", "nvfp4",
-                      "--json", str(path)]) == 0
-    rows = json.loads(path.read_text())["rows"]
+                      "--moe-experts", "2", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    rows = data["rows"]
     assert {r["mode"] for r in rows} == {"nvfp4"} and all(r["vs_fp8"] is None for r in rows)
+    assert data["meta"]["moe_experts"]["num_experts"] == 2 and "(2, 16, 8, 2)" in capsys.readouterr().err
+
+
+def test_layer_suite_builds_32_experts_by_default():
+    assert layer.parse([]).moe == (32, 2048, 768, 8)
 
 
 def test_cpu_suite_runs_at_a_capped_isa(tmp_path, capsys):

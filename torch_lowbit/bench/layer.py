@@ -4,9 +4,12 @@ NVFP4, MXFP4, INT4 per 128, MLX-affine UINT4 per 64) against bf16.
 Each distinct weight shape is measured once (q/o share 4096x4096, k/v 1024x4096, gate/up 14336x4096) with the
 real layers (nn.Linear in bf16, Fp8Linear per channel, Int8Linear, W4Linear), for decode (M = 1) and a prefill
 batch, on the best device (mps if available, else cpu). The table ends with the whole decoder layer (7 linears).
-Then the MoE experts of one Qwen3-30B-A3B layer (128 SwiGLU experts, hidden 2048, intermediate 768, top 8) in each
+Then the MoE experts of one Qwen3-30B-A3B layer (SwiGLU experts, hidden 2048, intermediate 768, top 8) in each
 mode (Fp8Experts, Int8Experts, W4Experts) against the bf16 experts computed expert by expert (transformers' eager
-path), for the same M; their weight GB/s counts only the experts the tokens chose (what decode reads).
+path), for the same M; their weight GB/s counts only the experts the tokens chose (what decode reads). The layer
+has 128 experts; the main job builds 32 of them by default (``--moe-experts``), since quantizing all 128 in six
+modes took most of its time: decode reads the 8 chosen experts either way, and a batch of 64 tokens chooses
+nearly all of 32.
 
 Columns: bf16 / lowbit time (median, ms), speedup = bf16 / lowbit, vs fp8 = fp8 time / lowbit time (the same
 run), weight GB/s = bytes of the low-bit weight and its scales / lowbit time, and the error:
@@ -39,6 +42,7 @@ LLAMA3_8B = [
 ]
 # (num_experts, hidden, intermediate, top_k) of one MoE layer's experts
 QWEN3_30B_A3B_EXPERTS = (128, 2048, 768, 8)
+DEFAULT_MOE_EXPERTS = 32
 MOE_LAYER = "moe experts"
 # mode -> (W4Linear format, group size); the group sizes are what the formats' writers use
 W4_MODES = {"nvfp4": ("nvfp4", 16), "mxfp4": ("mxfp4", 32), "int4": ("int4", 128), "uint4": ("uint4", 64)}
@@ -141,6 +145,9 @@ def parse(argv):
                                                             f"{','.join(MODES)})")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--quick", action="store_true", help="smaller prefill batch and fewer repeats")
+    p.add_argument("--moe-experts", type=int, default=None,
+                   help=f"experts in the MoE layer (default {DEFAULT_MOE_EXPERTS}; Qwen3-30B-A3B has "
+                        f"{QWEN3_30B_A3B_EXPERTS[0]}); at least its top k, {QWEN3_30B_A3B_EXPERTS[3]}")
     p.add_argument("--working-set-mb", type=int, default=WORKING_SET_MB,
                    help=f"cycle through copies of each layer adding up to this many MB, so weights come from "
                         f"memory, not cache (default {WORKING_SET_MB}; 0: one copy)")
@@ -159,6 +166,10 @@ def parse(argv):
     if a.repeat < 1:
         p.error("--repeat must be >= 1")
     a.target_s = TARGET_S / 3 if a.quick else TARGET_S
+    E, H, I, k = QWEN3_30B_A3B_EXPERTS
+    a.moe = (min(E, DEFAULT_MOE_EXPERTS) if a.moe_experts is None else a.moe_experts, H, I, k)
+    if a.moe[0] < k:
+        p.error(f"--moe-experts must be at least the top k, {k}, got {a.moe[0]}")
     return a
 
 
@@ -192,7 +203,7 @@ def measure_shape(names, N, K, args, gen):
 def measure_experts(args, gen):
     """Rows for the MoE experts layer: every M and mode, tokens routed to top_k random experts each."""
     dev = args.device
-    E, H, I, k = QWEN3_30B_A3B_EXPERTS
+    E, H, I, k = args.moe
     gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(torch.bfloat16)
     down = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(torch.bfloat16)
     t0 = time.perf_counter()
@@ -264,13 +275,13 @@ def run(argv) -> int:
         for i, (names, N, K, _) in enumerate(LLAMA3_8B):
             log(f"[{i + 1}/{len(LLAMA3_8B)}] {names} ({N}x{K}), {time.perf_counter() - start:.0f} s elapsed")
             rows += measure_shape(names, N, K, args, gen)
-        log(f"[MoE] {MOE_LAYER} {QWEN3_30B_A3B_EXPERTS}, {time.perf_counter() - start:.0f} s elapsed")
+        log(f"[MoE] {MOE_LAYER} {args.moe}, {time.perf_counter() - start:.0f} s elapsed")
         moe = measure_experts(args, gen)
     table = rows + layer_totals(rows) + moe
     table.sort(key=lambda r: (r["M"], r["mode"]))
     print(f"Llama-3-8B decoder layer, {dev}; fp8 = Fp8Linear (per-channel, W8A16), int8 = Int8Linear (W8A8 dynamic), "
           f"nvfp4 / mxfp4 / int4 (group 128) / uint4 (group 64) = W4Linear (W4A16); {MOE_LAYER}: Qwen3-30B-A3B "
-          f"(E, hidden, intermediate, top k) = {QWEN3_30B_A3B_EXPERTS}, Fp8Experts / Int8Experts / W4Experts vs bf16 "
+          f"(E, hidden, intermediate, top k) = {args.moe}, Fp8Experts / Int8Experts / W4Experts vs bf16 "
           f"expert by expert, GB/s over the chosen experts; err = max|y - y_bf16| / max|y_bf16|")
     print_table(table, [("layer", "layer", None), ("shape", "N x K", None), ("M", "M", None), ("mode", "mode", None),
                         ("bf16_ms", "bf16 ms", "{:.2f}"), ("lowbit_ms", "lowbit ms", "{:.2f}"),
@@ -282,6 +293,6 @@ def run(argv) -> int:
         write_json(args.json, table, suite="layer", device=str(dev), torch=torch.__version__,
                    threads=torch.get_num_threads(), ms=args.ms, err="max|y - y_bf16| / max|y_bf16|",
                    weight_gbs="(weight + scale bytes) / lowbit time; moe experts: of the chosen experts",
-                   moe_experts=dict(zip(("num_experts", "hidden", "intermediate", "top_k"), QWEN3_30B_A3B_EXPERTS)))
+                   moe_experts=dict(zip(("num_experts", "hidden", "intermediate", "top_k"), args.moe)))
         log(f"wrote {args.json}")
     return 0
