@@ -208,6 +208,14 @@ def _with_transformer(pipe, transformer):
     return diffusers.FluxPipeline(**{**pipe.components, "transformer": transformer})
 
 
+def test_quantize_a_pipeline_names_its_transformer(tiny_flux_pipeline):
+    with pytest.raises(TypeError, match=r"model must be an nn.Module, got FluxPipeline; .*quantize_\(pipe.transformer, "
+                                        r"config\)"):
+        torch_lowbit.quantize_(tiny_flux_pipeline, CONFIGS["fp8"])
+    with pytest.raises(TypeError, match=r"model must be an nn.Module, got dict$"):
+        torch_lowbit.quantize_({}, CONFIGS["fp8"])
+
+
 @pytest.mark.parametrize("scheme", CONFIGS)
 def test_flux_pipeline_end_to_end_quantized(tiny_flux_pipeline, scheme):
     dense = tiny_flux_pipeline

@@ -50,3 +50,16 @@ def is_diffusers_model(model: nn.Module) -> bool:
     diffusers."""
     return any(c.__module__.split(".", 1)[0] == "diffusers" and c.__name__ == "ModelMixin"
                for c in type(model).__mro__)
+
+
+def pipeline_hint(obj) -> str:
+    """For an error about a diffusers pipeline passed where a model is expected: which of its components to pass."""
+    components = getattr(obj, "components", None)
+    if not isinstance(components, dict):
+        return ""
+    denoisers = [name for name in ("transformer", "transformer_2", "unet", "prior")
+                 if isinstance(components.get(name), nn.Module)]
+    if not denoisers:
+        return ""
+    return (f"; a diffusers pipeline holds several models: quantize its denoiser, e.g. "
+            f"quantize_(pipe.{denoisers[0]}, config)")

@@ -472,7 +472,9 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
     from ._progress import Progress
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"quantize_: model must be an nn.Module, got {type(model).__name__}")
+        from .diffusion import pipeline_hint
+
+        raise TypeError(f"quantize_: model must be an nn.Module, got {type(model).__name__}{pipeline_hint(model)}")
     if filter_fn is None:
         filter_fn = _default_filter_for(model)
     elif not callable(filter_fn):
