@@ -32,6 +32,9 @@ def test_diffusion_suite_runs_and_writes_json(impl, tmp_path, capsys):
     rows = {r["mode"]: r for r in data["rows"]}
     assert list(rows) == ["bf16", "fp8", "int8"]
     bf16 = rows["bf16"]
+    # against the same model's float32 step: bf16's own rounding, below fp8's 3 mantissa bits
+    assert 0 < bf16["rms_err_vs_fp32"] < rows["fp8"]["rms_err_vs_fp32"] < 0.05
+    assert 0 < rows["int8"]["rms_err_vs_fp32"] < 0.05
     assert bf16["step_vs_bf16"] == 1.0 and bf16["max_rel_err"] == 0.0 and bf16["layers_quantized"] == 0
     # 2 double blocks x 14 linears (2 modulations, 6 q / k / v, 2 attention outputs, 2 x 2 MLP) + 1 single block x 6
     # (modulation, q, k, v, proj_mlp, proj_out); the embedders and the final layer stay bf16
@@ -46,6 +49,15 @@ def test_diffusion_suite_runs_and_writes_json(impl, tmp_path, capsys):
         assert 0 < r["rms_rel_err"] <= r["max_rel_err"] * 10 and r["max_rel_err"] < {"fp8": 0.05, "int8": 0.03}[mode]
         # 1-byte weights plus fp32 scales for the quantized layers; the bf16 rest unchanged
         assert 0.5 < r["mem_vs_bf16"] < 0.75
+
+
+def test_diffusion_suite_one_mode_without_the_fp32_reference(tmp_path, capsys):
+    data, out, err = _run(tmp_path, capsys, "--impl", "builtin", "--double-blocks", "0", "--modes", "int8",
+                          "--no-fp32-reference")
+    assert "float32 reference" not in err
+    assert [r["mode"] for r in data["rows"]] == ["bf16", "int8"]
+    assert all(r["rms_err_vs_fp32"] is None for r in data["rows"])
+    assert data["rows"][1]["layers_quantized"] == 6  # the one single block
 
 
 @pytest.mark.parametrize("argv,match", [(["--modes", "fp8,nf4"], "--modes must be among"),
@@ -67,7 +79,8 @@ def test_stand_in_is_diffusers_flux():
     real = real.float()
     stand_in = diffusion.FluxShapedTransformer(64, 4, 32, 16, 16, 4.0, 2, 2)
     stand_in.load_state_dict(real.state_dict(), strict=True)
-    assert ({k: v.shape for k, v in stand_in.state_dict().items()} == {k: v.shape for k, v in real.state_dict().items()})
+    shapes = {k: v.shape for k, v in real.state_dict().items()}
+    assert {k: v.shape for k, v in stand_in.state_dict().items()} == shapes
     x = {k: v.float() for k, v in diffusion.make_inputs(args, torch.Generator().manual_seed(0)).items()}
     with torch.no_grad():
         torch.testing.assert_close(stand_in(**x)[0], real(**x, return_dict=False)[0], rtol=1e-5, atol=1e-6)

@@ -31,19 +31,21 @@ def _flux():
 
 def _flux_inputs(g):
     S, T = 16, 8
-    return dict(hidden_states=torch.randn(1, S, 4, generator=g), encoder_hidden_states=torch.randn(1, T, 32, generator=g),
+    return dict(hidden_states=torch.randn(1, S, 4, generator=g),
+                encoder_hidden_states=torch.randn(1, T, 32, generator=g),
                 pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
                 img_ids=torch.randn(S, 3, generator=g), txt_ids=torch.randn(T, 3, generator=g))
 
 
 def _sd3():
-    return diffusers.SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
-                                           num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
-                                           pooled_projection_dim=64, out_channels=4)
+    return diffusers.SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=4, num_layers=1,
+                                           attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
+                                           joint_attention_dim=32, pooled_projection_dim=64, out_channels=4)
 
 
 def _sd3_inputs(g):
-    return dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g), encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
+    return dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g),
+                encoder_hidden_states=torch.randn(1, 6, 32, generator=g),
                 pooled_projections=torch.randn(1, 64, generator=g), timestep=torch.tensor([10.0]))
 
 
@@ -65,9 +67,9 @@ _EMBEDDERS = ["time_text_embed.timestep_embedder.linear_1", "time_text_embed.tim
 MODELS = {
     "flux": (_flux, _flux_inputs, _EMBEDDERS + ["x_embedder", "norm_out.linear", "proj_out"]),
     "sd3": (_sd3, _sd3_inputs, _EMBEDDERS + ["norm_out.linear", "proj_out"]),
-    "wan": (_wan, _wan_inputs, ["condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2",
-                                "condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1",
-                                "condition_embedder.text_embedder.linear_2", "proj_out"]),
+    "wan": (_wan, _wan_inputs, [f"condition_embedder.{n}" for n in (
+        "time_embedder.linear_1", "time_embedder.linear_2", "time_proj", "text_embedder.linear_1",
+        "text_embedder.linear_2")] + ["proj_out"]),
 }
 
 

@@ -12,8 +12,9 @@ FP8 and INT8 models are the bf16 one quantized by ``quantize_`` with the diffusi
 (``torch_lowbit.diffusion``: embedders and the final layer stay bf16). Every round times one step of every mode in
 turn (median over rounds), so the ratios come from the same minutes of the same machine. Columns: step time,
 step time / bf16's, speedup = bf16 / mode, max rel err = max|y - y_bf16| / max|y_bf16| and rms rel err =
-||y - y_bf16|| / ||y_bf16|| of the step's output (the predicted velocity), weight MB (every parameter and buffer of
-the timed model).
+||y - y_bf16|| / ||y_bf16|| of the step's output (the predicted velocity), rms err vs fp32 = the same against the
+step of a float32 copy of the bf16 model (bf16's own rounding beside the quantization error), weight MB (every
+parameter and buffer of the timed model).
 
 ``python -m torch_lowbit.bench --suite diffusion [--double-blocks 1 --single-blocks 1 --image-tokens 4096 ...]``
 """
@@ -258,8 +259,11 @@ def build_model(args):
     torch.manual_seed(0)
     with _default_dtype(torch.bfloat16), torch.device(args.device):  # built in place: no float32 copy
         model = _build(args, dims, diffusers)
-    what = (f"diffusers {diffusers.__version__} FluxTransformer2DModel" if diffusers is not None
-            else f"torch_lowbit's FLUX-shaped stand-in ({'diffusers not installed' if impl == 'auto' else '--impl builtin'})")
+    if diffusers is not None:
+        what = f"diffusers {diffusers.__version__} FluxTransformer2DModel"
+    else:
+        why = "diffusers not installed" if impl == "auto" else "--impl builtin"
+        what = f"torch_lowbit's FLUX-shaped stand-in ({why})"
     return model.eval(), what
 
 
@@ -323,6 +327,9 @@ def parse(argv):
     p.add_argument("--modes", default=",".join(MODES[1:]), help="comma-separated low-bit modes timed against bf16 "
                                                                 "(default fp8,int8)")
     p.add_argument("--rounds", type=int, default=3, help="timed steps per mode, one per mode in turn (default 3)")
+    p.add_argument("--no-fp32-reference", dest="fp32_reference", action="store_false",
+                   help="skip the float32 step (one untimed step of a float32 copy: twice the bf16 weight memory) "
+                        "behind the 'rms err vs fp32' column")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     a = p.parse_args(argv)
@@ -362,9 +369,13 @@ def run(argv) -> int:
     from ..diffusion import diffusion_filter
     from ..quantize import quantize_
 
+    from ..testing import cpu_amx_gemm, cpu_isa
+
     start = time.perf_counter()
+    cpu = dict(isa=cpu_isa(), amx_gemm=cpu_amx_gemm())
     log(f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads "
-        f"({'--threads' if args.threads else 'torch default'}), {platform.machine()}")
+        f"({'--threads' if args.threads else 'torch default'}), {platform.machine()}, cpu kernels {cpu['isa']}, "
+        f"AMX GEMM route {'on' if cpu['amx_gemm'] else 'off'}")
     model, what = build_model(args)
     log(f"built {what}: {args.double_blocks} double + {args.single_blocks} single blocks, hidden {args.hidden} "
         f"({args.heads} heads x {args.hidden // args.heads}), {args.image_tokens} image + {args.text_tokens} text "
@@ -379,11 +390,17 @@ def run(argv) -> int:
             f"({', '.join(sorted({n.split('.')[0] for n in report.skipped}))}), in {time.perf_counter() - t0:.1f} s")
     x = make_inputs(args, torch.Generator().manual_seed(0))
 
-    def step(m):
-        return m(**x, return_dict=False)[0]
+    def step(m, inputs=x):
+        return m(**inputs, return_dict=False)[0]
 
     outputs, times = {}, {mode: [] for mode in models}
     with torch.inference_mode():
+        reference = None
+        if args.fp32_reference:  # the same weights in float32: how far bf16 itself is, beside fp8 / int8
+            t0 = time.perf_counter()
+            reference = step(copy.deepcopy(model).float(),
+                             {k: v.float() if v.is_floating_point() else v for k, v in x.items()})
+            log(f"float32 reference step: {time.perf_counter() - t0:.2f} s")
         for mode, m in models.items():  # warm-up, and the output the errors compare
             t0 = time.perf_counter()
             outputs[mode] = step(m)
@@ -395,9 +412,10 @@ def run(argv) -> int:
                 step(m)
                 sync(args.device)
                 times[mode].append(time.perf_counter() - t0)
+            last = {mode: ts[-1] for mode, ts in times.items()}
             log(f"[round {r + 1}/{args.rounds}] " + ", ".join(
-                f"{mode} {times[mode][-1]:.3f} s" + ("" if mode == "bf16" else f" ({times[mode][-1] / times['bf16'][-1]:.2f}x)")
-                for mode in models) + f"; {time.perf_counter() - start:.0f} s elapsed")
+                f"{mode} {t:.3f} s" + ("" if mode == "bf16" else f" ({t / last['bf16']:.2f}x bf16)")
+                for mode, t in last.items()) + f"; {time.perf_counter() - start:.0f} s elapsed")
     base_t, base_mb = statistics.median(times["bf16"]), model_bytes(model) / 2 ** 20
     rows = []
     for mode, m in models.items():
@@ -405,23 +423,29 @@ def run(argv) -> int:
         max_err, rms_err = errors(outputs[mode], outputs["bf16"])
         mb = model_bytes(m) / 2 ** 20
         rows.append(dict(mode=mode, step_ms=t * 1e3, step_vs_bf16=t / base_t, speedup=base_t / t, max_rel_err=max_err,
-                         rms_rel_err=rms_err, weights_mb=mb, mem_vs_bf16=mb / base_mb, layers_quantized=converted[mode],
-                         step_ms_rounds=[s * 1e3 for s in times[mode]]))
+                         rms_rel_err=rms_err, rms_err_vs_fp32=None if reference is None else
+                         errors(outputs[mode], reference)[1], weights_mb=mb, mem_vs_bf16=mb / base_mb,
+                         layers_quantized=converted[mode], step_ms_rounds=[s * 1e3 for s in times[mode]]))
+    where = f"{args.device}, {torch.get_num_threads()} threads"
+    if args.device == "cpu":
+        where += f", cpu kernels {cpu['isa']}, AMX GEMM route {'on' if cpu['amx_gemm'] else 'off'}"
     print(f"diffusion: one denoising step, {what}; {args.double_blocks} double + {args.single_blocks} single blocks "
           f"(FLUX.1-dev: 19 + 38), hidden {args.hidden} ({args.heads} heads x {args.hidden // args.heads}), MLP 4x, "
-          f"joint_attention_dim {args.joint_dim}, {args.image_tokens} image + {args.text_tokens} "
-          f"text tokens, batch 1, {args.device}, {torch.get_num_threads()} threads; fp8 = Fp8Linear per channel "
-          f"(W8A16), int8 = Int8Linear (W8A8 dynamic), embedders and final layer bf16; median of {args.rounds} rounds; "
-          f"err vs the bf16 step's output")
-    print_table(rows, [("mode", "mode", None), ("step_ms", "step ms", "{:.1f}"), ("step_vs_bf16", "time vs bf16", "{:.2f}x"),
+          f"joint_attention_dim {args.joint_dim}, {args.image_tokens} image + {args.text_tokens} text tokens, batch 1, "
+          f"{where}; fp8 = Fp8Linear per channel (W8A16), int8 = Int8Linear (W8A8 dynamic), embedders and final layer "
+          f"bf16; median of {args.rounds} rounds; err vs the bf16 step's output")
+    print_table(rows, [("mode", "mode", None), ("step_ms", "step ms", "{:.1f}"),
+                       ("step_vs_bf16", "time vs bf16", "{:.2f}x"),
                        ("speedup", "speedup", "{:.2f}x"), ("max_rel_err", "max rel err", "{:.2e}"),
-                       ("rms_rel_err", "rms rel err", "{:.2e}"), ("weights_mb", "weights MB", "{:.1f}"),
+                       ("rms_rel_err", "rms rel err", "{:.2e}"), ("rms_err_vs_fp32", "rms err vs fp32", "{:.2e}"),
+                       ("weights_mb", "weights MB", "{:.1f}"),
                        ("mem_vs_bf16", "mem vs bf16", "{:.2f}x")])
     log(f"done in {time.perf_counter() - start:.0f} s")
     if args.json:
         write_json(args.json, rows, suite="diffusion", model=what, device=str(args.device), torch=torch.__version__,
-                   threads=torch.get_num_threads(), machine=platform.machine(),
+                   threads=torch.get_num_threads(), machine=platform.machine(), **cpu,
                    dims={k: getattr(args, k, v) for k, v in FLUX_DEV.items()},
-                   rounds=args.rounds, err="max|y - y_bf16| / max|y_bf16|; rms: ||y - y_bf16|| / ||y_bf16||")
+                   rounds=args.rounds, err="max|y - y_bf16| / max|y_bf16|; rms: ||y - y_bf16|| / ||y_bf16||; "
+                       "rms_err_vs_fp32: ||y - y_fp32|| / ||y_fp32||, y_fp32: a float32 copy of the bf16 model's step")
         log(f"wrote {args.json}")
     return 0
