@@ -460,10 +460,10 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
 
     ``filter_fn(module, fqn) -> bool`` is asked about each candidate: every nn.Linear and every fused experts module
     (``fqn`` is its dotted name in ``model``; tell them apart by ``isinstance(module, nn.Linear)``). It replaces the
-    default filter, which skips modules named ``lm_head``, and on a diffusers model (a transformer or UNet,
-    ``pipe.transformer``) is :func:`torch_lowbit.diffusion.diffusion_filter`: embedders and the final layer stay in
-    high precision. A module shared by several parents is quantized once and
-    stays shared. Progress (modules done) is shown on a terminal (``torch_lowbit._progress``).
+    default filter, which skips modules named ``lm_head`` (on a diffusers model -- a transformer or UNet,
+    ``pipe.transformer`` -- the default is :func:`torch_lowbit.diffusion.diffusion_filter`: embedders and the final
+    layer stay in high precision). A module shared by several parents is quantized once and stays shared. Progress (modules done)
+    is shown on a terminal (``torch_lowbit._progress``).
 
     Returns ``model`` (or the new layer if ``model`` is itself a Linear / experts module); with
     ``return_report=True``, ``(model, QuantizeReport)``: ``converted`` (name -> new layer) and ``skipped``

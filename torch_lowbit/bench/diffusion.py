@@ -108,7 +108,6 @@ class _Attention(nn.Module):
         self.heads, head_dim = heads, dim // heads
         self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.norm_q, self.norm_k = nn.RMSNorm(head_dim, eps=1e-6), nn.RMSNorm(head_dim, eps=1e-6)
-        self.joint = joint
         if joint:
             self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim), nn.Linear(dim, dim),
                                                                  nn.Linear(dim, dim))
