@@ -32,9 +32,12 @@ def test_diffusion_suite_runs_and_writes_json(impl, tmp_path, capsys):
     rows = {r["mode"]: r for r in data["rows"]}
     assert list(rows) == ["bf16", "fp8", "int8"]
     bf16 = rows["bf16"]
-    # against the same model's float32 step: bf16's own rounding, below fp8's 3 mantissa bits
-    assert 0 < bf16["rms_err_vs_fp32"] < rows["fp8"]["rms_err_vs_fp32"] < 0.05
-    assert 0 < rows["int8"]["rms_err_vs_fp32"] < 0.05
+    # against the same model's float32 step (timestep and guidance exact in bf16, so the same inputs): bf16's own
+    # rounding, and each mode within its distance from bf16 of bf16's (the triangle inequality)
+    assert 0 < bf16["rms_err_vs_fp32"] < 0.02
+    for mode in ("fp8", "int8"):
+        assert 0 < rows[mode]["rms_err_vs_fp32"] < 0.05
+        assert abs(rows[mode]["rms_err_vs_fp32"] - bf16["rms_err_vs_fp32"]) <= rows[mode]["rms_rel_err"] * 1.05
     assert bf16["step_vs_bf16"] == 1.0 and bf16["max_rel_err"] == 0.0 and bf16["layers_quantized"] == 0
     # 2 double blocks x 14 linears (2 modulations, 6 q / k / v, 2 attention outputs, 2 x 2 MLP) + 1 single block x 6
     # (modulation, q, k, v, proj_mlp, proj_out); the embedders and the final layer stay bf16
