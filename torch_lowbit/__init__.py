@@ -46,6 +46,7 @@ from .quantize import (AffineWeightOnly, Float8WeightOnlyConfig, Fp8WeightOnly, 
                        Int4WeightOnlyConfig, Int8Dynamic, Int8DynamicActivationInt8WeightConfig, Mxfp4WeightOnly,
                        Nvfp4WeightOnly, quantize_, quantize_fp8, quantize_int8, register_quantize_module_handler)
 from .quantize_w4 import W4Quantized, quantize_w4  # noqa: E402,F401
+from .diffusion import diffusion_filter  # noqa: E402,F401
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
 from .hf import enable_save_pretrained, from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
 from .dequantize import dequantize_model  # noqa: E402,F401

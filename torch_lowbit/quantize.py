@@ -379,6 +379,24 @@ def _describe(layer: nn.Module) -> str:
     return f"{name}(channel)" if layer.__class__.__name__.startswith("Int8") else name
 
 
+def _default_filter_for(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """quantize_'s filter when none is given: the diffusion rule on a diffusers model, else ``default_filter``."""
+    from .diffusion import diffusion_filter, is_diffusers_model
+
+    return diffusion_filter if is_diffusers_model(model) else default_filter
+
+
+def _skip_reason(filter_fn, fqn: str) -> str:
+    """The report's words for a module the filter declined."""
+    from .diffusion import diffusion_filter, diffusion_skip_reason
+
+    if filter_fn is default_filter:
+        return "skipped by the default filter (lm_head)"
+    if filter_fn is diffusion_filter:
+        return diffusion_skip_reason(fqn)
+    return "filter_fn returned False"
+
+
 class _Walker:
     """Decides and performs the swap of each candidate module (nn.Linear or fused experts), recording why."""
 
@@ -386,7 +404,6 @@ class _Walker:
         self.config, self.filter_fn, self.report = config, filter_fn, report
         self.linear_handler = _handler_for(config)
         self.experts_handler = _experts_handler_for(config)
-        self.default = filter_fn is default_filter
 
     def kind(self, module) -> Optional[str]:
         if _swappable(module):
@@ -399,8 +416,7 @@ class _Walker:
         from .formats.moe import unconvertible_reason
 
         if not self.filter_fn(module, fqn):
-            self.report.skipped[fqn] = ("skipped by the default filter (lm_head)" if self.default
-                                        else "filter_fn returned False")
+            self.report.skipped[fqn] = _skip_reason(self.filter_fn, fqn)
             return None
         own = _own_experts_handler_for(self.config, module) if kind == "experts" else None
         if own is not None:
@@ -444,8 +460,10 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
 
     ``filter_fn(module, fqn) -> bool`` is asked about each candidate: every nn.Linear and every fused experts module
     (``fqn`` is its dotted name in ``model``; tell them apart by ``isinstance(module, nn.Linear)``). It replaces the
-    default filter, which skips modules named ``lm_head``. A module shared by several parents is quantized once and
-    stays shared. Progress (modules done) is shown on a terminal (``torch_lowbit._progress``).
+    default filter, which skips modules named ``lm_head`` (on a diffusers model -- a transformer or UNet,
+    ``pipe.transformer`` -- the default is :func:`torch_lowbit.diffusion.diffusion_filter`: embedders and the final
+    layer stay in high precision). A module shared by several parents is quantized once and stays shared. Progress (modules done)
+    is shown on a terminal (``torch_lowbit._progress``).
 
     Returns ``model`` (or the new layer if ``model`` is itself a Linear / experts module); with
     ``return_report=True``, ``(model, QuantizeReport)``: ``converted`` (name -> new layer) and ``skipped``
@@ -454,9 +472,11 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
     from ._progress import Progress
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"quantize_: model must be an nn.Module, got {type(model).__name__}")
+        from .diffusion import pipeline_hint
+
+        raise TypeError(f"quantize_: model must be an nn.Module, got {type(model).__name__}{pipeline_hint(model)}")
     if filter_fn is None:
-        filter_fn = default_filter
+        filter_fn = _default_filter_for(model)
     elif not callable(filter_fn):
         raise TypeError(f"quantize_: filter_fn must be callable as filter_fn(module, fqn), got {filter_fn!r}")
     report = QuantizeReport()

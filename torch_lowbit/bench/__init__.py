@@ -7,7 +7,8 @@ SUITES = {
     "layer": "torch_lowbit.bench.layer",            # the main job: one Llama-3-8B decoder layer, fp8 / int8 vs bf16
     "cpu": "torch_lowbit.bench.cpu",                # CPU kernels vs torch baselines and memory bandwidth
     "metal-traffic": "torch_lowbit.bench.metal_traffic",  # emulated device-memory traffic of the Metal kernels
-    "e2e": "torch_lowbit.bench.e2e",
-    "train": "torch_lowbit.bench.train",            # a LoRA training step on fp8 / int8 bases vs bf16                # a small generated model loaded from a checkpoint
+    "e2e": "torch_lowbit.bench.e2e",                # a small generated model loaded from a checkpoint
+    "train": "torch_lowbit.bench.train",            # a LoRA training step on fp8 / int8 bases vs bf16
+    "diffusion": "torch_lowbit.bench.diffusion",    # one denoising step of a FLUX.1-dev-shaped transformer
 }
 DEFAULT_SUITE = "layer"
