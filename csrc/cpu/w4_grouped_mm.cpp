@@ -34,7 +34,7 @@ void small_groups(const W4GroupedMmArgs& a, const std::vector<SmallGroup>& group
   const int64_t ld = acts.row_bytes();
   uint8_t* packed = scratch<uint8_t>(Slot::Activations, size_t(rows * ld));
   for (const SmallGroup& g : groups) w4_pack_rows(acts, x + g.r0 * K, g.r1 - g.r0, packed + g.packed_row * ld);
-  const int64_t cols = std::min(N, stream_chunk(N * int64_t(groups.size()), acts.rows_multiple(), 16));
+  const int64_t cols = std::min(N, stream_chunk(N * int64_t(groups.size()), kMaxTileRows, 16));
   const int64_t per_group = ceil_div(N, cols);
   parallel_chunks(int64_t(groups.size()) * per_group, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i++) {

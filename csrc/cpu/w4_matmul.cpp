@@ -15,7 +15,6 @@
 #include <type_traits>
 
 #include "cpu/arch/kernel_set.h"
-#include "cpu/brgemm.h"
 #include "cpu/fp8_matmul.h"
 #include "cpu/fp8_simd.h"
 #include "cpu/parallel.h"
@@ -225,7 +224,6 @@ W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op
   W4GemvActivations a;
   a.K = op.K;
   a.bf16 = std::is_same_v<T, c10::BFloat16> && kern.gemv_tile_bf16 && kern.gemv_bf16_takes(op);
-  a.amx = a.bf16 && kern.gemv_rows_amx && kern.gemv_amx_takes(op) && amx_gemm_available();
   return a;
 }
 
@@ -245,17 +243,6 @@ template <typename T>
 void w4_gemv_rows(const W4Kernels& kern, const W4GemvActivations& acts, const void* xp, int64_t M, const W4Operand& op,
                   int64_t n0, int64_t n1, T* out, int64_t ldo) {
   const int64_t ldx = acts.row_elems();
-  if (M == 1 && acts.amx) {
-    AmxTileScope tiles;
-    constexpr int64_t kRows = 64;
-    float sums[kRows];
-    for (int64_t n = n0; n < n1; n += kRows) {
-      const int64_t e = std::min(n1, n + kRows);
-      kern.gemv_rows_amx(static_cast<const uint16_t*>(xp), op, n, e, sums);
-      for (int64_t i = n; i < e; i++) out[i] = T(finish(op, i, sums[i - n]));
-    }
-    return;
-  }
   // one activation row: 4 weight rows per pass share its loads; more rows: 2 weight rows x up to 4 x rows
   const int64_t rows_per_pass = M == 1 ? 4 : 2;
   for (int64_t n = n0; n < n1;) {
@@ -290,7 +277,7 @@ void w4_matmul(const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) 
     const W4GemvActivations acts = w4_gemv_activations<T>(kern, op);
     uint8_t* xp = scratch<uint8_t>(Slot::Activations, size_t(M * acts.row_bytes()));
     w4_pack_rows(acts, x, M, xp);
-    parallel_chunks(op.N, stream_chunk(op.N, acts.rows_multiple(), 16),
+    parallel_chunks(op.N, stream_chunk(op.N, kMaxTileRows, 16),
                     [&](int64_t n0, int64_t n1) { w4_gemv_rows(kern, acts, xp, M, op, n0, n1, out, ldo); });
   }
   release_scratch_above_cap(Slot::Activations);

@@ -16,7 +16,6 @@
 #include <cstdint>
 
 #include "checks.h"
-#include "cpu/arch/fp8_kernels.h"  // kMaxTileRows
 #include "cpu/arch/w4_kernels.h"
 
 namespace lowbit::cpu {
@@ -32,12 +31,9 @@ constexpr int64_t kW4GemmMinRows = 8;
 // has a bf16 tile that takes the weight -- the bf16 values themselves in its bf16 order.
 struct W4GemvActivations {
   bool bf16 = false;
-  bool amx = false;  // one row's products on AMX tiles (W4Kernels::gemv_rows_amx)
   int64_t K = 0;
   int64_t row_elems() const { return bf16 ? w4_bf16_padded(K) : w4_padded(K); }
   int64_t row_bytes() const { return row_elems() * (bf16 ? 2 : 4); }
-  // weight rows per scheduled chunk are a multiple of this: whole AMX tiles, or whole GEMV tiles
-  int64_t rows_multiple() const { return amx ? 16 : kMaxTileRows; }
 };
 template <typename T>
 W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op);

@@ -162,12 +162,6 @@ struct W4Kernels {
   // and up to n rounded up to kW4Bf16Chunk. Null in sets without amx_gemm (nothing calls it there).
   void (*decode_rows_bf16)(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, int terms,
                            uint16_t* dst, int64_t ldd, int64_t term_stride) = nullptr;
-  // gemv_tile_bf16's sums for one activation row and weight rows [n0, n1) (sums[n - n0]), the products on AMX
-  // tiles, where gemv_amx_takes(op): gemv_bf16_takes's weights with whole steps per group, on a CPU whose AMX tiles
-  // this process may use. It loads its own tile configuration; the caller releases the tile state afterwards
-  // (AmxTileScope), since torch's brgemm keeps its own per thread. Null in sets without it.
-  bool (*gemv_amx_takes)(const W4Operand& op) = nullptr;
-  void (*gemv_rows_amx)(const uint16_t* x, const W4Operand& op, int64_t n0, int64_t n1, float* sums) = nullptr;
 };
 
 // The portable kernels: every set's fallback for group sizes its vector loops do not take.

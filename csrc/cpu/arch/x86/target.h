@@ -13,7 +13,3 @@
 // byte permutes (table decode) and bf16 dot products
 #define LOWBIT_TARGET_AVX512BF16 \
   __attribute__((target("avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16")))
-// AMX tiles with bf16 products, beside the bf16 decode
-#define LOWBIT_TARGET_AMXBF16                                                                                    \
-  __attribute__((target("avx2,fma,f16c,avxvnni,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16,amx-tile," \
-                        "amx-bf16")))

@@ -12,10 +12,7 @@
 #include "cpu/arch/kernel_set.h"
 #include "cpu/arch/x86/target.h"
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include "cpu/gemv_prefetch.h"
 
 namespace lowbit::cpu {
@@ -422,137 +419,6 @@ void gemv_tile_bf16(int mr, int nr, const uint16_t* x, int64_t ldx, const W4Oper
   pick_gemv_tile<W4GemvBf16Fn, Bf16Tiles>(op.G > 1 && op.group < kW4Bf16Step, mr, nr)(x, ldx, op, n0, sums);
 }
 
-// ---- one activation row on AMX tiles ----
-// On Sapphire Rapids vdpbf16ps runs about one per two cycles beside the decode's shifts and permutes, which bounds
-// gemv_tile_bf16 below the memory's bandwidth on few threads; the tile unit's tdpbf16ps takes the products off the
-// vector ports, which then only decode. A tile of 16 weight rows x one step (128 codes) decodes into four A tiles
-// (16 rows x 32 bf16, the step's bf16 order), each times the matching 32 packed activations as a one-column B tile
-// (16 pairs of 2) into the C tile of its group; a group's C is scaled once, as gemv_tile_bf16 scales its sums.
-// Four groups are in flight in C tiles 0, 1, 6 and 7 and stored only after all four are issued, so that no store
-// waits on the product just issued. Tiles 2, 3 hold A and 4, 5 B.
-struct alignas(64) AmxTileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Whether this CPU has AMX tiles with bf16 products and Linux lets this process use them (the request for the
-// tile data state is granted once per process; oneDNN asks for it the same way).
-bool amx_tiles_usable() {
-  static const bool usable = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return usable;
-}
-
-LOWBIT_TARGET_AVX512 bool gemv_amx_takes(const W4Operand& op) {
-  return gemv_bf16_takes(op) && (op.G <= 1 || op.group % kW4Bf16Step == 0) && amx_tiles_usable();
-}
-
-// Steps [s0, s1) of a tile's rows into C tile CT: decode (rows past `rows` stay zero in the buffer), then four products.
-template <int CT>
-LOWBIT_TARGET_AMXBF16 inline __attribute__((always_inline)) void amx_group_steps(
-    const uint16_t* x, const uint8_t* w, int64_t rb, int rows, int64_t s0, int64_t s1, int64_t full, int64_t K,
-    __m512i table, uint16_t (&a)[4][16][32]) {
-  for (int64_t s = s0; s < s1; s++) {
-    const int64_t k = s * kW4Bf16Step;
-    for (int r = 0; r < rows; r++) {
-      __m512i d[4];
-      if (s < full) decode_step_bf16<true>(w + r * rb + k / 2, kW4Bf16Step, table, d);
-      else decode_step_bf16<false>(w + r * rb + k / 2, K - k, table, d);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; j++) _mm512_store_si512(a[j][r], d[j]);
-    }
-// the tile intrinsics take tile numbers as literals (the assembler's register names)
-#define LOWBIT_AMX_STEP_PRODUCTS(C)  \
-  _tile_loadd(2, a[0], 64);          \
-  _tile_loadd(4, x + k, 4);          \
-  _tile_dpbf16ps(C, 2, 4);           \
-  _tile_loadd(3, a[1], 64);          \
-  _tile_loadd(5, x + k + 32, 4);     \
-  _tile_dpbf16ps(C, 3, 5);           \
-  _tile_loadd(2, a[2], 64);          \
-  _tile_loadd(4, x + k + 64, 4);     \
-  _tile_dpbf16ps(C, 2, 4);           \
-  _tile_loadd(3, a[3], 64);          \
-  _tile_loadd(5, x + k + 96, 4);     \
-  _tile_dpbf16ps(C, 3, 5);
-    if constexpr (CT == 0) {
-      LOWBIT_AMX_STEP_PRODUCTS(0)
-    } else if constexpr (CT == 1) {
-      LOWBIT_AMX_STEP_PRODUCTS(1)
-    } else if constexpr (CT == 6) {
-      LOWBIT_AMX_STEP_PRODUCTS(6)
-    } else {
-      static_assert(CT == 7, "C tiles are 0, 1, 6 and 7");
-      LOWBIT_AMX_STEP_PRODUCTS(7)
-    }
-#undef LOWBIT_AMX_STEP_PRODUCTS
-  }
-}
-
-LOWBIT_TARGET_AMXBF16 void gemv_rows_amx(const uint16_t* x, const W4Operand& op, int64_t n0, int64_t n1, float* sums) {
-  AmxTileConfig cfg;
-  for (int t : {0, 1, 4, 5, 6, 7}) {  // C tiles: 16 rows x one fp32; B tiles: 16 pairs x one column
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 4;
-  }
-  for (int t : {2, 3}) {  // A tiles: 16 rows x 32 bf16
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-  const int64_t K = op.K, rb = op.row_bytes(), steps = w4_bf16_padded(K) / kW4Bf16Step, full = K / kW4Bf16Step;
-  const int64_t groups = op.G <= 1 ? 1 : op.G, per = op.G <= 1 ? steps : op.group / kW4Bf16Step;
-  const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(op.values)), 16));
-  const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
-  alignas(64) uint16_t a[4][16][32];
-  alignas(64) float c[4][16], sc[16][16];  // sc[r]: row r's scales of groups base .. base + 15
-  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
-  for (int64_t t0 = n0; t0 < n1; t0 += 16) {
-    const int rows = int(std::min<int64_t>(16, n1 - t0));
-    if (rows < 16) {
-      std::memset(a, 0, sizeof(a));
-      std::memset(sc, 0, sizeof(sc));
-    }
-    const uint8_t* w = op.codes + t0 * rb;
-    __m512 acc = _mm512_setzero_ps();
-    int64_t base = -16;
-    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-      const int count = int(std::min<int64_t>(4, groups - g0));
-      if (g0 + count > base + 16) {
-        base = g0;
-        const int64_t n = std::min<int64_t>(16, groups - base);
-        for (int r = 0; r < rows; r++)
-          _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (t0 + r) * op.G + base, n));
-      }
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(6);
-      _tile_zero(7);
-      const auto span = [&](int q) { return std::min(steps, (g0 + q) * per); };
-      amx_group_steps<0>(x, w, rb, rows, span(0), span(1), full, K, table, a);
-      if (count > 1) amx_group_steps<1>(x, w, rb, rows, span(1), span(2), full, K, table, a);
-      if (count > 2) amx_group_steps<6>(x, w, rb, rows, span(2), span(3), full, K, table, a);
-      if (count > 3) amx_group_steps<7>(x, w, rb, rows, span(3), span(4), full, K, table, a);
-      _tile_stored(0, c[0], 4);
-      _tile_stored(1, c[1], 4);
-      _tile_stored(6, c[2], 4);
-      _tile_stored(7, c[3], 4);
-      for (int q = 0; q < count; q++) {  // row r's scale of group g0 + q: sc[r][g0 + q - base]
-        const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(int(g0 + q - base))), &sc[0][0], 4);
-        acc = _mm512_fmadd_ps(_mm512_load_ps(c[q]), s, acc);
-      }
-    }
-    _mm512_mask_storeu_ps(sums + (t0 - n0), __mmask16((1u << rows) - 1), acc);
-  }
-}
-
 // Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row `row` (p: its first position relative to k0).
 template <typename F>
 LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void for_each_chunk(const W4Operand& op, int64_t row,
@@ -663,7 +529,7 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
 
 }  // namespace
 
-extern const W4Kernels kW4KernelsAvx512{&gemv_tile,        &decode_rows,    &dequantize_rows, &gemv_bf16_takes,
-                                         &gemv_tile_bf16,   &decode_rows_bf16, &gemv_amx_takes, &gemv_rows_amx};
+extern const W4Kernels kW4KernelsAvx512{&gemv_tile, &decode_rows, &dequantize_rows, &gemv_bf16_takes, &gemv_tile_bf16,
+                                         &decode_rows_bf16};
 
 }  // namespace lowbit::cpu
