@@ -88,20 +88,21 @@ def test_w4_mm_bf16_gemv(isa, M, group, K):
 
 
 @pytest.mark.parametrize("M", [1, 3])
-def test_w4_mm_bf16_gemv_nonfinite(isa, M):
+@pytest.mark.parametrize("group", [32, 128])  # 128: several whole 128-code steps per group
+def test_w4_mm_bf16_gemv_nonfinite(isa, M, group):
     # NaN / inf activations reach their row; a NaN scale its column; an inf scale makes its column nonfinite
     # (inf or NaN: the scaled group sum is inf where the float64 sum of infinite terms of both signs is NaN)
     g = torch.Generator().manual_seed(7)
     N, K = 13, 256
     for fmt in ["nvfp4", "mxfp4", "int4"]:
-        codes, scale, off, gs = random_w4(fmt, N, K, 32, g, scale_dtype=torch.float32)
+        codes, scale, off, gs = random_w4(fmt, N, K, group, g, scale_dtype=torch.float32)
         if fmt == "int4":
             scale[5, 1] = math.inf
-        scale[3, 2] = {"nvfp4": 0x7F, "mxfp4": 0xFF}.get(fmt, math.nan)
+        scale[3, -1] = {"nvfp4": 0x7F, "mxfp4": 0xFF}.get(fmt, math.nan)
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
         x[M - 1, 40] = math.nan if M > 1 else 0.0
-        out = ops.w4_mm(x, codes, scale, fmt, 32, off, gs)
-        ref, absref = ref_w4_mm(x, fmt, codes, scale, 32, off, gs)
+        out = ops.w4_mm(x, codes, scale, fmt, group, off, gs)
+        ref, absref = ref_w4_mm(x, fmt, codes, scale, group, off, gs)
         assert torch.isnan(out[:, 3]).all()
         if M > 1:
             assert torch.isnan(out[M - 1]).all()
