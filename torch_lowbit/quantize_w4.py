@@ -42,8 +42,6 @@ UINT4_RULES = ("mlx", "minmax")
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 _FLOAT_SCALE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# e2m1 magnitudes of codes 0..7 and the midpoints between neighbours
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 class W4Quantized(NamedTuple):
@@ -66,13 +64,12 @@ def pack_w4_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _round_half_even_e2m1(r: torch.Tensor) -> torch.Tensor:
-    """float32 ratios -> e2m1 codes (sign bit 8), nearest value with ties to the even code, saturating at +-6."""
+    """float32 ratios -> uint8 e2m1 codes (sign bit 8), nearest value with ties to the even code, saturating at +-6.
+    The e2m1 magnitudes are steps of 0.5 below 2, of 1 in [2, 4) and of 2 from 4, and an even code is an even
+    multiple of its step: torch.round (half to even) of a / step, offset to the code, is the format's rounding."""
     a = r.abs().clamp(max=E2M1_MAX)
-    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=r.device)
-    idx = torch.bucketize(a, mid)  # ties go down, to code j at midpoint j
-    at_mid = (idx < len(_E2M1_MIDPOINTS)) & (a == mid[idx.clamp(max=len(_E2M1_MIDPOINTS) - 1)])
-    idx = idx + (at_mid & (idx % 2 == 1)).to(idx.dtype)  # a tie between odd code j and j + 1 goes up, to the even one
-    return idx | torch.where(torch.signbit(r), 8, 0)
+    code = torch.where(a < 2, torch.round(a * 2), torch.where(a < 4, torch.round(a) + 2, torch.round(a * 0.5) + 4))
+    return code.to(torch.uint8) | torch.signbit(r).to(torch.uint8) << 3
 
 
 def _round_half_away(x: torch.Tensor) -> torch.Tensor:
@@ -99,23 +96,24 @@ def _e4m3_as_f32(s: torch.Tensor) -> torch.Tensor:
     return s.cpu().view(FP8).to(torch.float32).to(s.device)
 
 
-def _groups(w32: torch.Tensor, group_size: int):
-    """w [..., N, K] -> [..., N, G, group_size] padded with NaN (ignored by the nan-reductions below), and G."""
-    K = w32.shape[-1]
+def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w [..., N, K] -> [..., N, G, group_size]; a partial last group is padded with copies of its last value, which
+    change neither its min nor its max, and whose codes _ungroup drops."""
+    K = w.shape[-1]
     G = -(-K // group_size)
-    padded = torch.nn.functional.pad(w32, (0, G * group_size - K), value=float("nan"))
-    return padded.view(*w32.shape[:-1], G, group_size), G
+    if G * group_size != K:
+        w = torch.nn.functional.pad(w.unsqueeze(0) if w.dim() == 2 else w, (0, G * group_size - K),
+                                    mode="replicate").view(*w.shape[:-1], G * group_size)
+    return w.reshape(*w.shape[:-1], G, group_size)
 
 
-def _expand(t: torch.Tensor, group_size: int, K: int) -> torch.Tensor:
-    return t.repeat_interleave(group_size, dim=-1)[..., :K]
+def _ungroup(grouped: torch.Tensor, K: int) -> torch.Tensor:
+    return grouped.flatten(-2)[..., :K]
 
 
-def _group_min_max(grouped: torch.Tensor):
-    finite = ~torch.isnan(grouped)
-    lo = torch.where(finite, grouped, torch.full_like(grouped, float("inf"))).amin(dim=-1)
-    hi = torch.where(finite, grouped, torch.full_like(grouped, float("-inf"))).amax(dim=-1)
-    return lo, hi
+def _per_group(t: torch.Tensor) -> torch.Tensor:
+    """a value per group [..., N, G] broadcast over its group's K values in _groups' layout"""
+    return t.unsqueeze(-1)
 
 
 def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, symmetric: bool = True, *,
@@ -156,9 +154,11 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
     w32 = wc.to(torch.float32)
     if w32.device.type != "meta" and not bool(torch.isfinite(w32).all()):
         raise ValueError(f"{fn}: w contains NaN or inf; no finite scale can represent it")
-    grouped, G = _groups(w32, group_size)
-    lo, hi = _group_min_max(grouped)
-    if not K:
+    G = -(-K // group_size)
+    grouped = _groups(w32, group_size)
+    if K:
+        lo, hi = torch.aminmax(grouped, dim=-1)
+    else:
         lo = hi = w32.new_zeros(*lead, N, G)
     amax = torch.maximum(lo.abs(), hi.abs())
     offset = global_mult = None
@@ -169,14 +169,14 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
         if symmetric:
             scale = (amax.to(cd) / 7.5).to(scale_dtype)
             s_c = _safe(scale.to(cd))
-            q = torch.round(wc / _expand(s_c, group_size, K)).clamp(-8, 7)
+            q = torch.round(_groups(wc, group_size) / _per_group(s_c)).clamp(-8, 7)
         else:
             scale = ((hi0 - lo0) / 15).to(scale_dtype)
             s_c = _safe(scale.to(cd))
             zp = torch.round(torch.clamp(-8 - lo0 / s_c, -8, 7))
-            q = torch.round(wc / _expand(s_c, group_size, K) + _expand(zp, group_size, K)).clamp(-8, 7)
+            q = torch.round(_groups(wc, group_size) / _per_group(s_c) + _per_group(zp)).clamp(-8, 7)
             offset = zp.to(torch.int8)
-        codes = (q + 8).to(torch.int64)
+        codes = _ungroup(q + 8, K).to(torch.uint8)
     elif format == "uint4":  # float32 arithmetic (MLX's kernels; torchao's min/max rule)
         if rule == "mlx":
             hi = torch.clamp(hi, min=0)  # MLX's Metal kernel starts its max at 0
@@ -187,13 +187,13 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
             q0 = _round_half_away(edge / s)
             s = torch.where(q0 != 0, edge / torch.where(q0 != 0, q0, torch.ones_like(q0)), s)
             b = torch.where(q0 != 0, edge, torch.zeros_like(edge))
-            q = _round_half_away((w32 - _expand(b, group_size, K)) / _expand(s, group_size, K))
+            q = _round_half_away((grouped - _per_group(b)) / _per_group(s))
             scale, offset = s.to(scale_dtype), b.to(scale_dtype)
         else:
             scale, offset = ((hi - lo) / 15).to(scale_dtype), lo.to(scale_dtype)
             s32, b32 = _safe(scale.to(torch.float32)), offset.to(torch.float32)
-            q = torch.round((w32 - _expand(b32, group_size, K)) / _expand(s32, group_size, K))
-        codes = q.clamp(0, 15).to(torch.int64)
+            q = torch.round((grouped - _per_group(b32)) / _per_group(s32))
+        codes = _ungroup(q.clamp(0, 15), K).to(torch.uint8)
     elif format == "nvfp4":
         # compressed-tensors: the divisor 2688 / amax and amax_g / 6 in the weight's dtype, their product, the e4m3
         # cast and the values' quotient in float32
@@ -203,7 +203,7 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
                          torch.ones_like(tensor_amax)).to(torch.float32)  # an all-zero weight: 1, no global scaling
         scale = _to_e4m3(gs * (amax.to(cd) / E2M1_MAX).to(torch.float32))
         eff = _safe(_e4m3_as_f32(scale) / gs)
-        codes = _round_half_even_e2m1(w32 / _expand(eff, group_size, K))
+        codes = _ungroup(_round_half_even_e2m1(grouped / _per_group(eff)), K)
         global_mult = (1.0 / gs).reshape(lead or (1,)).to(torch.float32)
     else:  # mxfp4
         mant, exp = torch.frexp(amax)  # amax = mant * 2^exp, mant in [0.5, 1)
@@ -211,6 +211,6 @@ def quantize_w4(w: torch.Tensor, format: str, group_size: Optional[int] = None, 
         biased = torch.where(amax > 0, e - 2 + 127, torch.zeros_like(e)).clamp(0, 254)
         scale = biased.to(torch.uint8)
         s32 = torch.pow(2.0, (biased - 127).to(torch.float32))
-        codes = _round_half_even_e2m1(w32 / _expand(s32, group_size, K))
+        codes = _ungroup(_round_half_even_e2m1(grouped / _per_group(s32)), K)
     return W4Quantized(pack_w4_codes(codes), scale.contiguous(), None if offset is None else offset.contiguous(),
                        global_mult)
