@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import torch_lowbit
 import torch_lowbit.nn as tlnn
 from reference import fp8_bits_to_f64, random_fp8_bits
 from torch_lowbit.nn.experts import Fp8Experts
@@ -471,3 +472,40 @@ def test_save_quantized_writes_int8_experts_per_expert_and_reloads_them(tmp_path
     assert isinstance(back.model.layers[1].mlp.experts, Int8Experts)
     with torch.no_grad():
         assert torch.equal(back(IDS).logits, model(IDS).logits)
+
+
+# ---- dequantize_model: fused fp8 experts become dense experts
+@pytest.mark.parametrize("granularity, block", [("tensor", None), ("channel", None), ("block", (32, 16))])
+def test_dequantize_is_fp8_times_scale_rounded_once(granularity, block):
+    from torch_lowbit.dequantize import DenseSwiGLUExperts
+    layer, gu, down = _layer(3, 40, 24, granularity, block, seed=4)  # 48 rows, 40 columns: partial blocks
+    for dtype in (torch.float32, torch.bfloat16):
+        got_gu, got_down = layer.dequantize(dtype)
+        assert got_gu.dtype == dtype and torch.equal(got_gu, gu.to(dtype)) and torch.equal(got_down, down.to(dtype))
+    dense = torch_lowbit.dequantize_model(torch.nn.Sequential(layer), dtype=torch.float32)[0]
+    assert type(dense) is DenseSwiGLUExperts and torch.equal(dense.down_proj, down.float())
+    ids, w = _routing(7, 2, 3, seed=2, skip_frac=0.2)
+    x = torch.randn(7, 40)
+    with torch.no_grad():
+        out = dense(x, ids, w).double()
+    want = ref_experts(x, ids, w, gu, down)
+    assert (out - want).abs().max() <= 1e-5 * want.abs().max()
+    empty = Fp8Experts(0, 40, 24)
+    assert [tuple(t.shape) for t in empty.dequantize(torch.float32)] == [(0, 48, 40), (0, 40, 24)]
+
+
+def test_dequantize_model_gives_back_the_models_own_dense_fp8_experts():
+    import hf_writers as W
+    from test_quantize import MOE_IDS
+    model = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Fp8WeightOnly())
+    copy_ = torch_lowbit.dequantize_model(model, dtype=torch.float32)
+    fqn = "model.layers.0.mlp.experts"
+    got, layer = copy_.get_submodule(fqn), model.get_submodule(fqn)
+    assert type(got) is type(W.tiny_model("qwen3_moe").get_submodule(fqn)) and isinstance(layer, Fp8Experts)
+    assert torch.equal(got.gate_up_proj.double(), _dequant(layer.gate_up.view(torch.uint8),
+                                                           layer.gate_up_scale.reshape(layer.num_experts, -1),
+                                                           None).float().double())
+    assert not any(isinstance(m, Fp8Experts) for m in copy_.modules())
+    with torch.no_grad():
+        out, want = copy_(MOE_IDS).logits, model(MOE_IDS).logits
+    assert (out - want).abs().max() <= 1e-5 * want.abs().max()  # W8A16: the dequantized model up to fp32 sums

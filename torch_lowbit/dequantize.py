@@ -31,13 +31,12 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
     dtype: of the dense weights and biases (bfloat16, float16 or float32); default: the dtype holding most of the
     model's floating-point parameters (embeddings, norms: what ``model.to(dtype)`` set), bfloat16 if it has none.
     The weights stay frozen (requires_grad=False, as they were); each bias keeps its requires_grad.
-    Fused 4-bit experts (``W4Experts``) become dense fused experts holding their dequantized ``gate_up_proj
-    [E, 2I, H]`` / ``down_proj [E, H, I]`` (``W4Experts.dequantize``): the model's own experts module where
+    Fused experts (``Fp8Experts``, ``W4Experts``) become dense fused experts holding their dequantized ``gate_up_proj
+    [E, 2I, H]`` / ``down_proj [E, H, I]`` (the layer's ``dequantize``): the model's own experts module where
     ``quantize_`` made them (Qwen3MoeExperts, MixtralExperts, ...), else :class:`DenseSwiGLUExperts`.
-    experts: fused ``Fp8Experts`` and 4-bit experts with their own arithmetic (gpt-oss's ``GptOssW4Experts``) have no
-    dense counterpart here: ``"refuse"`` (default) raises naming them,
-    ``"keep"`` copies every fused experts layer as it is (fp8, 4-bit; LoRA adapters on the linear layers merge all
-    the same).
+    experts: 4-bit experts with their own arithmetic (gpt-oss's ``GptOssW4Experts``: clamped SwiGLU, biases) have no
+    dense counterpart here: ``"refuse"`` (default) raises naming them, ``"keep"`` copies every fused experts layer
+    as it is (fp8, 4-bit; LoRA adapters on the linear layers merge all the same).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"dequantize_model: model must be an nn.Module, got {type(model).__name__}")
@@ -50,16 +49,13 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
     for name, module in model.named_modules():
         if isinstance(module, (Fp8Linear, Int8Linear, W4Linear)):
             memo[id(module)] = _dense_linear(module, dtype)
-        elif isinstance(module, W4Experts) and experts != "keep":
-            if module.activation == "swiglu" and module.gate_up_bias is None:
+        elif isinstance(module, (W4Experts, Fp8Experts)) and experts != "keep":
+            if isinstance(module, Fp8Experts) or (module.activation == "swiglu" and module.gate_up_bias is None):
                 memo[id(module)] = _dense_experts(module, dtype)
             else:
                 raise ValueError(f"dequantize_model: {name} is a {type(module).__name__} with its own arithmetic "
                                  f"(activation {module.activation!r}, biases), which has no dense counterpart here; "
                                  "pass experts='keep' to keep them 4-bit in the copy")
-        elif isinstance(module, Fp8Experts) and experts == "refuse":
-            raise ValueError(f"dequantize_model: {name} is an Fp8Experts (fused fp8 experts), which has no dense "
-                             "counterpart here; pass experts='keep' to keep them fp8 in the copy")
     # deepcopy takes each low-bit module's entry in memo as its copy: the dense layer, wherever it is referenced
     return copy.deepcopy(model, memo)
 
@@ -110,7 +106,7 @@ class DenseSwiGLUExperts(nn.Module):
         return out.reshape(hidden.shape)
 
 
-def _dense_experts(layer: W4Experts, dtype: torch.dtype) -> nn.Module:
+def _dense_experts(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
     gate_up, down = layer.dequantize(dtype)
     template = getattr(layer, "_dense_template", None)
     if template is None:

@@ -7,6 +7,7 @@ first, then the up rows.
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import NamedTuple, Optional, Sequence, Tuple
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._ops import fp8_grouped_mm
+from .._ops import fp8_dequantize, fp8_grouped_mm
 from .._storage import as_fp8_dtype, fp8_storage_dtype, to_fp8_storage
 from ..granularity import Granularity, GranularityLike, PerBlock, as_granularity, granularity_with_block_hint
 from ..quantize import Fp8WeightOnly, quantize_fp8, register_quantize_experts_handler
@@ -37,6 +38,16 @@ def check_inputs(layer: nn.Module, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          f"{tuple(topk_weights.shape)}")
     if not topk_weights.is_floating_point():
         raise ValueError(f"{what}: topk_weights must be a floating tensor, got {topk_weights.dtype}")
+
+
+def attach_dense_template(layer: nn.Module, experts: nn.Module) -> nn.Module:
+    """Keep the model's own experts module, its two tensors on the meta device, outside ``layer``'s module tree (no
+    state, not walked): what ``torch_lowbit.dequantize_model`` rebuilds with ``layer.dequantize()``, so that the
+    dense copy has the class the model expects. Returns ``layer``."""
+    memo = {id(t): (nn.Parameter(t.detach().to("meta"), requires_grad=False) if isinstance(t, nn.Parameter)
+                    else t.detach().to("meta")) for t in (experts.gate_up_proj, experts.down_proj)}
+    object.__setattr__(layer, "_dense_template", copy.deepcopy(experts, memo))
+    return layer
 
 
 class Routing(NamedTuple):
@@ -220,6 +231,15 @@ class Fp8Experts(FormatBuffers):
                            self.down_granularity.block_size)
         return combine(y, topk_weights, r, hidden)
 
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The dense ``(gate_up [E, 2I, H], down [E, H, I])``: ``fp8_dequantize`` of each expert's weight and scales
+        (exact products, rounded once to ``dtype``, default the layer's ``dtype``)."""
+        dtype = dtype or self.dtype
+        return tuple(torch.stack([fp8_dequantize(w[e], s[e], g.block_size, dtype) for e in range(self.num_experts)])
+                     if self.num_experts else torch.empty(w.shape, dtype=dtype, device=w.device)
+                     for w, s, g in ((self.gate_up, self.gate_up_scale, self.gate_up_granularity),
+                                     (self.down, self.down_scale, self.down_granularity)))
+
     def extra_repr(self) -> str:
         gran = f"gate_up {self.gate_up_granularity.kind}, down {self.down_granularity.kind}"
         bs = f", block_size={self.block_size}" if self.block_size is not None else ""
@@ -235,5 +255,5 @@ class Fp8Experts(FormatBuffers):
 
 @register_quantize_experts_handler(Fp8WeightOnly)
 def _quantize_fp8_experts(experts: nn.Module, config: Fp8WeightOnly) -> Fp8Experts:
-    return Fp8Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach(), config.granularity,
-                                 config.block_size)
+    return attach_dense_template(Fp8Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach(),
+                                                       config.granularity, config.block_size), experts)

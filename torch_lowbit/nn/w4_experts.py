@@ -3,7 +3,6 @@
 (``forward(hidden, topk_ids, topk_weights)``, gate rows then up rows in ``gate_up``)."""
 from __future__ import annotations
 
-import copy
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -15,7 +14,7 @@ from ..quantize import (AffineWeightOnly, Int4WeightOnly, Mxfp4WeightOnly, Nvfp4
                         register_quantize_experts_handler)
 from ..quantize_w4 import W4_DEFAULT_GROUP, quantize_w4
 from ._format_buffers import FormatBuffers
-from .experts import combine, route
+from .experts import attach_dense_template, combine, route
 from .w4_linear import W4_OFFSETS, W4_SCALE_DTYPES, check_w4_options
 
 _PROJECTIONS = ("gate_up", "down")
@@ -216,13 +215,8 @@ class W4Experts(FormatBuffers):
 
 
 def _from_experts(experts: nn.Module, format: str, group_size: Optional[int], **kw) -> W4Experts:
-    layer = W4Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach(), format, group_size, **kw)
-    # the model's own experts module with its two tensors on the meta device, outside the module tree (no state,
-    # not walked): what torch_lowbit.dequantize_model rebuilds, so the dense copy has the class the model expects
-    memo = {id(t): (nn.Parameter(t.detach().to("meta"), requires_grad=False) if isinstance(t, nn.Parameter)
-                    else t.detach().to("meta")) for t in (experts.gate_up_proj, experts.down_proj)}
-    object.__setattr__(layer, "_dense_template", copy.deepcopy(experts, memo))
-    return layer
+    return attach_dense_template(W4Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach(),
+                                                      format, group_size, **kw), experts)
 
 
 @register_quantize_experts_handler(Int4WeightOnly)
