@@ -13,6 +13,8 @@
 #include <cstring>
 #include <limits>
 
+#include "fp8_e4m3.h"
+
 namespace lowbit {
 
 // How a group scale is stored.
@@ -85,14 +87,8 @@ inline float w4_scale_to_float(W4Scale enc, const void* scales, int64_t i) {
       }
       break;
     }
-    case W4Scale::E4M3: {
-      const uint8_t b = static_cast<const uint8_t*>(scales)[i];
-      if ((b & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
-      const int e = (b >> 3) & 0xF, m = b & 7;
-      // subnormal m * 2^-9, normal (8 + m) * 2^(e - 10): both exact products of powers of two
-      float f = e == 0 ? float(m) * (1.f / 512.f) : float(8 + m) * float(1 << e) * (1.f / 1024.f);
-      return (b & 0x80) ? -f : f;
-    }
+    case W4Scale::E4M3:
+      return fp8_e4m3_value(static_cast<const uint8_t*>(scales)[i]);
     case W4Scale::E8M0: {
       const uint8_t b = static_cast<const uint8_t*>(scales)[i];
       if (b == 0xFF) return std::numeric_limits<float>::quiet_NaN();

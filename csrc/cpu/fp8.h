@@ -5,18 +5,9 @@
 #include <cstdint>
 #include <limits>
 
-namespace lowbit::cpu {
+#include "fp8_e4m3.h"
 
-constexpr float fp8_e4m3_value(uint8_t b) {
-  const int e = (b >> 3) & 0xF, m = b & 7;
-  if ((b & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
-  // subnormal: m * 2^-9; normal: (8 + m) * 2^(e - 10)
-  float v = e == 0 ? float(m) : float(8 + m);
-  int p = e == 0 ? -9 : e - 10;
-  for (; p < 0; p++) v *= 0.5f;
-  for (; p > 0; p--) v *= 2.0f;
-  return (b & 0x80) ? -v : v;
-}
+namespace lowbit::cpu {
 
 constexpr std::array<float, 256> make_fp8_e4m3_table() {
   std::array<float, 256> t{};
