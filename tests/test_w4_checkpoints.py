@@ -23,28 +23,20 @@ W4_FORMAT = {"W4A16": "int4", "W4A16_ASYM": "int4", "GPTQ": "int4", "NVFP4A16": 
 
 @pytest.fixture(scope="session")
 def dense_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("w4-dense")
-    return {arch: W4.write_dense(arch, root / arch) for arch in W4.ARCHS}
+    return W4.write_dense_archs(tmp_path_factory.mktemp("w4-dense"), W4.ARCHS)
 
 
 @pytest.fixture(scope="session")
 def llmc_written(tmp_path_factory, dense_dirs):
     """Every (arch, scheme) written by llmcompressor once per session, in one subprocess."""
-    root = tmp_path_factory.mktemp("w4-llmc")
-    paths = {(arch, scheme): root / f"{arch}-{scheme}" for arch, scheme in LLMC_CASES}
-    W4.write_llmcompressor([(dense_dirs[arch], path, scheme) for (arch, scheme), path in paths.items()])
-    return paths
+    return W4.write_llmcompressor_cases(tmp_path_factory.mktemp("w4-llmc"), dense_dirs, LLMC_CASES)
 
 
 @pytest.fixture(scope="session")
 def mlx_written(tmp_path_factory, dense_dirs):
     """(checkpoint, mlx's own dequantized reference) for each MLX case, once per session."""
-    root = tmp_path_factory.mktemp("w4-mlx")
-    cases = MLX_CASES + [("llama", "mixed-3-4")]
-    paths = {c: (root / f"{c[0]}-{c[1]}", root / f"{c[0]}-{c[1]}-ref") for c in cases}
-    W4.write_mlx([(dense_dirs[arch], out, W4.MLX_CASES[case], None if case == "mixed-3-4" else ref)
-                  for (arch, case), (out, ref) in paths.items()])
-    return paths
+    return W4.write_mlx_cases(tmp_path_factory.mktemp("w4-mlx"), dense_dirs, MLX_CASES + [("llama", "mixed-3-4")],
+                              without_reference=("mixed-3-4",))
 
 
 def _ours(path):

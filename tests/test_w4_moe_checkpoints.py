@@ -27,25 +27,20 @@ LEAVES = {"mixtral": ("w1", "w3", "w2")}
 
 @pytest.fixture(scope="session")
 def moe_dense_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("w4-moe-dense")
-    return {arch: W4.write_dense(arch, root / arch) for arch in W4.MOE_ARCHS}
+    return W4.write_dense_archs(tmp_path_factory.mktemp("w4-moe-dense"), W4.MOE_ARCHS)
 
 
 @pytest.fixture(scope="session")
 def moe_llmc_written(tmp_path_factory, moe_dense_dirs):
-    root = tmp_path_factory.mktemp("w4-moe-llmc")
-    paths = {(arch, scheme): root / f"{arch}-{scheme}" for arch, scheme in LLMC_CASES}
-    W4.write_llmcompressor([(moe_dense_dirs[arch], path, scheme) for (arch, scheme), path in paths.items()])
-    return paths
+    return W4.write_llmcompressor_cases(tmp_path_factory.mktemp("w4-moe-llmc"), moe_dense_dirs, LLMC_CASES)
 
 
 @pytest.fixture(scope="session")
 def moe_mlx_written(tmp_path_factory, moe_dense_dirs):
     """(checkpoint, mlx's own dequantized reference) per MoE architecture, MLX affine with groups of 64."""
-    root = tmp_path_factory.mktemp("w4-moe-mlx")
-    paths = {arch: (root / arch, root / f"{arch}-ref") for arch in W4.MOE_ARCHS}
-    W4.write_mlx([(moe_dense_dirs[arch], out, W4.MLX_CASES["affine-g64"], ref) for arch, (out, ref) in paths.items()])
-    return paths
+    paths = W4.write_mlx_cases(tmp_path_factory.mktemp("w4-moe-mlx"), moe_dense_dirs,
+                               [(arch, "affine-g64") for arch in W4.MOE_ARCHS])
+    return {arch: paths[arch, "affine-g64"] for arch in W4.MOE_ARCHS}
 
 
 def _ours(path):

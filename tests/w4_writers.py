@@ -153,6 +153,18 @@ def write_llmcompressor(jobs):
     run_with("llmcompressor", _LLMC_SCRIPT, json.dumps([[str(a) for a in j] for j in jobs]))
 
 
+def write_dense_archs(root, archs):
+    """{arch: dense dir} for each architecture, under root."""
+    return {arch: write_dense(arch, root / arch) for arch in archs}
+
+
+def write_llmcompressor_cases(root, dense_dirs, cases):
+    """{(arch, scheme): checkpoint dir} of each case written by llmcompressor under root, in one subprocess."""
+    paths = {(arch, scheme): root / f"{arch}-{scheme}" for arch, scheme in cases}
+    write_llmcompressor([(dense_dirs[arch], path, scheme) for (arch, scheme), path in paths.items()])
+    return paths
+
+
 def ct_float64_reference(path, out):
     """The compressed-tensors checkpoint at `path` dequantized in float64 by the writer's formula (its own unpack
     helpers), rounded once to fp32, saved dense at `out` (no quantization_config)."""
@@ -258,6 +270,15 @@ _MLX_SCRIPT = """
 def write_mlx(jobs):
     """jobs: [(dense dir, out dir, convert kwargs, reference dir or None)], in one subprocess."""
     run_with("mlx", _MLX_SCRIPT, json.dumps([[str(d), str(o), kw, str(r) if r else None] for d, o, kw, r in jobs]))
+
+
+def write_mlx_cases(root, dense_dirs, cases, without_reference=()):
+    """{(arch, case): (checkpoint dir, mlx's own dequantized reference dir or None)} of each MLX_CASES case written
+    by mlx_lm.convert under root, in one subprocess; the cases in without_reference get no reference."""
+    paths = {(arch, case): (root / f"{arch}-{case}", None if case in without_reference else root / f"{arch}-{case}-ref")
+             for arch, case in cases}
+    write_mlx([(dense_dirs[arch], out, MLX_CASES[case], ref) for (arch, case), (out, ref) in paths.items()])
+    return paths
 
 
 # ------------------------------------------------------------------------------------------------- comparisons
