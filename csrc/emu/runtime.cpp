@@ -239,7 +239,16 @@ void block_tg_collective(Resolver r, const void* in, void* out, const std::sourc
   block(AT_BARRIER);
 }
 unsigned long tg_epoch() { return tl_worker ? tl_worker->epoch : 0; }
-void (*tg_rendezvous_hook)(int) = nullptr;
+static void (*g_rendezvous_hooks[256])(int);
+static std::atomic<int> g_nrendezvous_hooks{0};
+void add_tg_rendezvous_hook(void (*hook)(int)) {  // at static initialisation, one per kernel translation unit
+  const int i = g_nrendezvous_hooks.fetch_add(1);
+  if (i < 256) g_rendezvous_hooks[i] = hook;
+}
+static void tg_rendezvous(int kind) {
+  const int n = std::min(g_nrendezvous_hooks.load(), 256);
+  for (int i = 0; i < n; i++) g_rendezvous_hooks[i](kind);
+}
 // The tensor-op model's switches (msl_emu_set_tensor_ops): the cooperative-tensor layout and the float sum order
 static std::atomic<int> g_tensor_layout{0}, g_tensor_sum_order{0};
 static std::atomic<unsigned> g_tensor_seed{1};
@@ -397,20 +406,20 @@ static void run_threadgroup(Worker& w, Launch& L, u3 tg) {
       tl_cur = nullptr;
     }
     if (first && first->resolver) {  // a tensor op's rendezvous (block_tg_collective)
-      if (tg_rendezvous_hook) tg_rendezvous_hook(1);
+      tg_rendezvous(1);
       std::vector<ThreadCtx*> all;
       for (uint32_t t = 0; t < T; t++)
         if (w.ctx[t].state == AT_BARRIER) all.push_back(&w.ctx[t]);
       tl_cur = first;
       first->resolver(int(all.size()), all.data());
       tl_cur = nullptr;
-    } else if (tg_rendezvous_hook) {
-      tg_rendezvous_hook(0);
+    } else {
+      tg_rendezvous(0);
     }
     for (uint32_t t = 0; t < T; t++)
       if (w.ctx[t].state == AT_BARRIER) w.ctx[t].state = RUNNABLE;
   }
-  if (tg_rendezvous_hook) tg_rendezvous_hook(2);  // results still pending reach memory when the threadgroup ends
+  tg_rendezvous(2);  // results still pending reach memory when the threadgroup ends
   w.in_tg = false;
 }
 

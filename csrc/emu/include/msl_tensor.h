@@ -55,7 +55,9 @@ namespace msl::rt {
 // runtime.cpp: the threadgroup-wide rendezvous of a tensor op, and the hook called at every rendezvous
 void block_tg_collective(Resolver r, const void* in, void* out, const std::source_location& loc);
 unsigned long tg_epoch();                      // unique per threadgroup run (a new one per threadgroup)
-extern void (*tg_rendezvous_hook)(int kind);   // kind: 0 barrier release, 1 tensor-op release, 2 threadgroup end
+// every translation unit of tensor-op kernels adds its hook, called at each rendezvous of a threadgroup with
+// kind 0 (a barrier releases), 1 (a tensor op releases, before its resolver), 2 (the threadgroup ends)
+void add_tg_rendezvous_hook(void (*hook)(int kind));
 int tensor_layout();                           // 0 plausible M5 layout, 1 seeded permutation
 int tensor_sum_order();                        // 0 k ascending, 1 k descending, 2 8-wide partial sums
 unsigned tensor_seed();
@@ -247,7 +249,7 @@ struct Layout {
   unsigned seed = 0;
   std::vector<int> elem;  // [thread * cap + slot] = row * n + col, or -1
 };
-inline const Layout& layout_for(int m, int n, int threads, int cap) {
+static const Layout& layout_for(int m, int n, int threads, int cap) {
   static thread_local std::vector<Layout> cache;  // per worker thread: a handful of shapes per process
   const int mode = msl::rt::tensor_layout();
   const unsigned seed = msl::rt::tensor_seed();
@@ -282,8 +284,11 @@ inline const Layout& layout_for(int m, int n, int threads, int cap) {
   return cache.back();
 }
 
+// The model's state is per translation unit (internal linkage): g++ gives inline variables process-wide
+// STB_GNU_UNIQUE binding, which would tie the shipped emulator, its traffic build and the tests' planted-kernel
+// libraries, loaded into one process, to one copy.
 struct Run;  // one pending run of a threadgroup (the first arrival's view of the operands)
-inline thread_local Run* tl_pending_run = nullptr;
+static thread_local Run* tl_pending_run = nullptr;
 }  // namespace emu
 
 // A destination owned by the execution scope, `Cap` elements per thread (see Layout).
@@ -364,12 +369,12 @@ struct Deferred {
   const char* what = "";
   unsigned line = 0;
 };
-inline thread_local std::vector<Deferred>* tl_deferred = nullptr;
-inline std::vector<Deferred>& deferred() {
+static thread_local std::vector<Deferred>* tl_deferred = nullptr;
+static std::vector<Deferred>& deferred() {
   if (!tl_deferred) tl_deferred = new std::vector<Deferred>();  // per worker thread, never freed (a few bytes)
   return *tl_deferred;
 }
-inline void on_rendezvous(int kind) {
+static void on_rendezvous(int kind) {
   std::vector<Deferred>& d = deferred();
   const unsigned long ep = msl::rt::tg_epoch();
   std::vector<Deferred> keep;
@@ -388,9 +393,9 @@ inline void on_rendezvous(int kind) {
   d = std::move(keep);
 }
 struct HookInstaller {
-  HookInstaller() { msl::rt::tg_rendezvous_hook = &on_rendezvous; }
+  HookInstaller() { msl::rt::add_tg_rendezvous_hook(&on_rendezvous); }
 };
-inline HookInstaller hook_installer;
+static HookInstaller hook_installer;
 
 // Gather the rows x cols logical matrix an operand supplies (a transposed view stores it cols x rows: logical
 // (r, c) is element (x = r, y = c)); elements outside the view's extents read as 0. Records each element's
