@@ -113,6 +113,12 @@ LOWBIT_CONSTANT uint kInt8GemmBM = 32;
 LOWBIT_CONSTANT uint kInt8GemmBN = 64;
 LOWBIT_CONSTANT uint kInt8GemmBK = 32;
 LOWBIT_CONSTANT uint kInt8GemmThreads = 128;
+// int8_gemm_mpp (M5, metal/int8_gemm_apple10.metal): a kInt8MppBM x kInt8MppBN tile per threadgroup of 4
+// simdgroups on Metal 4's matmul2d, K advancing kInt8MppBK per run (the seed's 64 x 64 tile of 4 simdgroups)
+LOWBIT_CONSTANT uint kInt8MppBM = 64;
+LOWBIT_CONSTANT uint kInt8MppBN = 64;
+LOWBIT_CONSTANT uint kInt8MppBK = 64;
+LOWBIT_CONSTANT uint kInt8MppThreads = 128;
 
 struct Int8QuantizeParams {
   uint M, K;
