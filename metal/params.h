@@ -44,6 +44,12 @@ LOWBIT_CONSTANT uint kFp8GemvRows = 8;            // multi-row GEMVs: activation
 LOWBIT_CONSTANT uint kFp8GemvRowsSimdgroups = 8;
 LOWBIT_CONSTANT uint kFp8GemmTile = 32;           // tiled GEMM: BM = BN = BK
 LOWBIT_CONSTANT uint kFp8GemmThreads = 128;       // tiled GEMM: 4 simdgroups, 2 x 2 over the output tile
+// M5 (metal/fp8_gemm_mpp.h): matmul2d on 4 simdgroups, a kFp8MppBM x kFp8MppBN tile (MLX's quantized NAX GEMM
+// tile), K advancing kFp8MppBK per run; the grouped kernel keeps the portable tile table's kFp8GemmTile rows
+LOWBIT_CONSTANT uint kFp8MppBM = 64;
+LOWBIT_CONSTANT uint kFp8MppBN = 64;
+LOWBIT_CONSTANT uint kFp8MppBK = 64;
+LOWBIT_CONSTANT uint kFp8MppThreads = 128;
 
 // The dtype of a buffer the kernel reads in its own type (a bias): bias_dtype fields
 enum LowbitDtype : uint {

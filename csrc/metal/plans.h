@@ -121,7 +121,8 @@ bool empty_product(at::Tensor& out, const std::optional<at::Tensor>& bias, int64
 
 // The kernel (host_name) each plan picks, exposed to Python (torch_lowbit._C) so tests pin the thresholds.
 std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype, const DeviceCaps& device);
-std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype);
+std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype,
+                                       const DeviceCaps& device = kPortableDevice);
 
 // ---- one function per op; each lives in plan_<op>.cpp ----
 at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
