@@ -87,6 +87,11 @@ def test_missing_zero_initialisation_fails(lib, layout):
     assert "the destination was not zeroed" in text
 
 
+def test_int32_overflow_of_the_destination_is_an_error(lib):
+    text, _, _ = run_int8(lib, 7)
+    assert "int32 destination overflows" in text
+
+
 def test_multiply_mode_inside_a_k_loop_keeps_only_the_last_step(lib):
     text, out, ref = run_int8(lib, 3)
     assert errors(text) == []

@@ -14,6 +14,7 @@ constant constexpr int kStep = 16;
 //   1 the epilogue assumes a lane layout (8x8 fragments in simdgroup_matrix order, dealt round-robin)
 //   2 the destination is not zeroed    3 `multiply` mode inside the K loop    4 is_valid_element skipped
 //   5 the last simdgroups skip the last run (divergence)    6 each simdgroup passes its own operand slice
+//   7 the destination starts near INT_MAX, so the int32 sum overflows
 kernel void mm_int8(device char* a [[buffer(0)]], device char* b [[buffer(1)]], device int* out [[buffer(2)]],
                     constant uint4& p [[buffer(3)]], uint tid [[thread_index_in_threadgroup]],
                     uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
@@ -31,7 +32,7 @@ kernel void mm_int8(device char* a [[buffer(0)]], device char* b [[buffer(1)]], 
   if (bug != 2) {
     for (uint16_t i = 0; i < c.get_capacity(); ++i) {
       if (c.is_valid_element(i)) {
-        c[i] = 0;
+        c[i] = bug == 7 ? 2147483000 : 0;
       }
     }
   }
