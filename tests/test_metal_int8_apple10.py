@@ -122,3 +122,10 @@ def test_m5_gemm_views_at_odd_storage_offsets():
     args = (xq, torch.ones(M), wq, torch.ones(N), None)
     _, acc = ref_int8_mm(xq, torch.ones(M), wq, torch.ones(N))
     assert torch.equal(_mm(args, torch.float32, M5, layout="permuted").double(), acc.double())
+
+
+def test_m5_bench_suite_compares_both_paths_through_the_emulator(capsys):
+    from torch_lowbit.bench import __main__ as bench_main
+    assert bench_main.main(["--suite", "m5", "--device", "emu", "--shapes", "70,40,65", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "int8_mm" in out and "fp8_mm bf16" in out and "70x40x65" in out and " NO" not in out

@@ -410,10 +410,11 @@ void gather(const V& t, bool transpose, int rows, int cols, std::vector<Out>& ou
       const long x = transpose ? r : c, y = transpose ? c : r;
       if (!t.contains(x, y)) continue;
       T* p = t.at(x, y);
-      if constexpr (std::is_same_v<Out, double>) out[size_t(r) * cols + c] = to_f64(*p);
-      else out[size_t(r) * cols + c] = to_i64(*p);
-      unsigned char* b = reinterpret_cast<unsigned char*>(p);
-      where.push_back(b);
+      const T v = *p;  // the one read of the element (the traffic build counts each)
+      if constexpr (std::is_same_v<Out, double>) out[size_t(r) * cols + c] = to_f64(v);
+      else out[size_t(r) * cols + c] = to_i64(v);
+      where.push_back(reinterpret_cast<unsigned char*>(p));
+      const unsigned char* b = reinterpret_cast<const unsigned char*>(&v);
       bytes.insert(bytes.end(), b, b + sizeof(T));
     }
 }
