@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(E.compiler() is None, reason="needs g++ to build
 TENSOR_OPS = os.path.join(E.PLANTED, "tensor_ops.metal")
 BAD_TYPES = os.path.join(E.PLANTED, "tensor_ops_bad_types.metal")
 RELAXED = os.path.join(E.PLANTED, "tensor_ops_relaxed.metal")
+BFLOAT_OS26_0 = os.path.join(E.PLANTED, "tensor_ops_bfloat_os26_0.metal")
 
 PLAUSIBLE, PERMUTED = 0, 1
 
@@ -154,7 +155,8 @@ def test_reading_a_tensor_destination_before_the_barrier_reads_poison(lib):
 
 
 @pytest.mark.parametrize("path,message", [(BAD_TYPES, "not in Apple's table"),
-                                          (RELAXED, "relaxed_precision = true")])
+                                          (RELAXED, "relaxed_precision = true"),
+                                          (BFLOAT_OS26_0, "not in Apple's table")])
 def test_refused_at_compile_time(path, message):
     with pytest.raises(RuntimeError, match=message):
         E.build([path])

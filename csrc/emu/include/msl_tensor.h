@@ -192,18 +192,17 @@ template <class T> constexpr Kind kind_of() {
 }
 constexpr bool is_int(Kind k) { return k == Kind::i8 || k == Kind::u8 || k == Kind::i32; }
 constexpr bool is_8bit(Kind k) { return k == Kind::i8 || k == Kind::u8; }
-// Apple's table (MPPTensorOpsMatMul2d.h) for the element types the emulator knows; bfloat from OS 26.1
+// Apple's table (MPPTensorOpsMatMul2d.h, macOS 26.2 SDK) for the element types the emulator knows: int8 x int8
+// and uint8 x uint8 give int32 only; with a float operand the destination is float; otherwise (half, bfloat and
+// 8-bit operands) float, or half where an operand is half, or bfloat where an operand is bfloat. bfloat from 26.1.
 constexpr bool supported(Kind l, Kind r, Kind d) {
-  const bool bf = l == Kind::bf16 || r == Kind::bf16 || d == Kind::bf16;
-  if (bf && MSL_EMU_TENSOR_OS < 2601) return false;
-  if (is_8bit(l) && is_8bit(r)) return l == r && d == Kind::i32;  // int8 x int8 (or uint8 x uint8) -> int32 only
-  if (d == Kind::i32 || d == Kind::i8 || d == Kind::u8 || d == Kind::other) return false;
   if (l == Kind::other || r == Kind::other || l == Kind::i32 || r == Kind::i32) return false;
-  const bool has_f32 = l == Kind::f32 || r == Kind::f32;
-  if (has_f32) return d == Kind::f32;  // float with anything: float only
-  if (d == Kind::f32) return true;     // half / bfloat / 8-bit pairs -> float
-  if (d == Kind::f16) return (l == Kind::f16 || r == Kind::f16) && l != Kind::bf16 ? true : (l == Kind::bf16) != (r == Kind::bf16) && (l == Kind::f16 || r == Kind::f16);
-  return d == Kind::bf16 && (l == Kind::bf16 || r == Kind::bf16);
+  if ((l == Kind::bf16 || r == Kind::bf16 || d == Kind::bf16) && MSL_EMU_TENSOR_OS < 2601) return false;
+  if (is_8bit(l) && is_8bit(r)) return l == r && d == Kind::i32;
+  if (l == Kind::f32 || r == Kind::f32 || d == Kind::f32) return d == Kind::f32;
+  if (d == Kind::f16) return l == Kind::f16 || r == Kind::f16;
+  if (d == Kind::bf16) return l == Kind::bf16 || r == Kind::bf16;
+  return false;
 }
 template <class T> inline double to_f64(const T& v) {
   if constexpr (std::is_same_v<std::remove_cv_t<T>, char>) return double((signed char)v);
@@ -344,7 +343,6 @@ namespace emu {
 struct RunIn {
   void* dest;
   ViewKey left, right, dest_view;
-  const void* site;  // the matmul2d instantiation's identity (its resolver)
 };
 
 struct Run {
@@ -489,7 +487,7 @@ template <matmul2d_descriptor D, class Scope, class... Args> class matmul2d {
       msl::rt::report_error("matmul2d::run (line %u): the threads of the execution scope pass different operands "
                             "(every thread must pass the same left and right tensors)", loc.line());
     }
-    emu::RunIn in{&dst, emu::key_of(left), emu::key_of(right), {}, reinterpret_cast<const void*>(&resolve<L, R, Dst>)};
+    emu::RunIn in{&dst, emu::key_of(left), emu::key_of(right), {}};
     if constexpr (!is_cooperative_v<Dst>) in.dest_view = emu::key_of(dst);
     msl::rt::block_tg_collective(&resolve<L, R, Dst>, &in, nullptr, loc);
   }
