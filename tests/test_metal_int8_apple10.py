@@ -94,6 +94,14 @@ def test_m5_gemm_bit_identical_to_the_portable_kernel(M, N, K, layout, reverse):
     _same_bits(m5, _epilogue_bits(args, torch.float32))
 
 
+# grids of at least 8 x 8 tiles: whole Morton blocks (tile_order.h), then the strips right of and below them; a
+# tile walked twice or never shows as a wrong or poisoned output element
+@pytest.mark.parametrize("M,N,K", [(520, 520, 16), (1100, 600, 8), (512, 1030, 3)])
+def test_m5_gemm_walks_every_tile_once_in_morton_order(M, N, K):
+    args = _case(M, N, K, _gen("morton", M, N, K), bias_dtype=torch.float16)
+    _same_bits(_mm(args, torch.float32, M5, layout="permuted"), _epilogue_bits(args, torch.float32))
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("per_channel", [True, False])
