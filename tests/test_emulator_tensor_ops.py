@@ -64,6 +64,13 @@ def test_int8_matmul2d_exact_in_every_layout_and_order(lib, layout, reverse):
     np.testing.assert_array_equal(out, ref)
 
 
+@pytest.mark.parametrize("layout", [PLAUSIBLE, PERMUTED])
+def test_cooperative_store_writes_each_element_inside_the_extents(lib, layout):
+    text, out, ref = run_int8(lib, 8, layout=layout)
+    assert errors(text) == []
+    np.testing.assert_array_equal(out, ref)
+
+
 def test_int8_matmul2d_sums_minus_128_squares_exactly(lib):
     M = N = 64
     K = 496  # -128 * -128 everywhere: every product 2^14, no rounding anywhere

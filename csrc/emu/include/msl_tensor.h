@@ -312,7 +312,6 @@ template <class E, int M, int N, int Threads> struct cooperative_destination {
     return emu::layout_for(M, N, Threads, Cap).elem[size_t(thread_index()) * Cap + i];
   }
   bool is_valid_element(int i) const { return element(i) >= 0; }
-  bool get_mask(int i) const { return is_valid_element(i); }
   // (column, row) in the M x N destination, x first as Apple's indices are; an invalid slot answers (0, 0),
   // an element another thread owns, so a kernel that skips is_valid_element corrupts it
   metal::array<int, 2> get_multidimensional_index(int i) const {
@@ -326,12 +325,6 @@ template <class E, int M, int N, int Threads> struct cooperative_destination {
     for (int i = 0; i < Cap; i++) {
       const int e = element(i);
       if (e >= 0 && t.contains(e % N, e / N)) *t.at(e % N, e / N) = T(v[i]);
-    }
-  }
-  template <class T, class Ext, class Tag> void load(const metal::tensor<T, Ext, Tag>& t) {
-    for (int i = 0; i < Cap; i++) {
-      const int e = element(i);
-      if (e >= 0) v[i] = t.contains(e % N, e / N) ? E(*t.at(e % N, e / N)) : E(0);
     }
   }
 };
