@@ -126,8 +126,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return lowbit::metal::fp8_mm_kernel_name(M, dtype, lowbit::metal::emulator_device_caps());
       },
       "the Metal kernel fp8_mm runs for (M, x dtype) on the emulator's device");
-  m.def("_metal_fp8_grouped_mm_kernel", &lowbit::metal::fp8_grouped_mm_kernel_name,
-        "the Metal kernel fp8_grouped_mm runs for (T rows, G groups, x dtype)");
+  m.def(
+      "_metal_fp8_grouped_mm_kernel",
+      [](int64_t T, int64_t G, at::ScalarType dtype) {
+        return lowbit::metal::fp8_grouped_mm_kernel_name(T, G, dtype, lowbit::metal::emulator_device_caps());
+      },
+      "the Metal kernel fp8_grouped_mm runs for (T rows, G groups, x dtype) on the emulator's device");
   m.def("_dry_run_take", &dry_run_take, "the dispatches torch.ops.lowbit_dryrun recorded since the last call");
   m.def(
       "_metal_check_launch_limits",

@@ -44,6 +44,12 @@ LOWBIT_CONSTANT uint kFp8GemvRows = 8;            // multi-row GEMVs: activation
 LOWBIT_CONSTANT uint kFp8GemvRowsSimdgroups = 8;
 LOWBIT_CONSTANT uint kFp8GemmTile = 32;           // tiled GEMM: BM = BN = BK
 LOWBIT_CONSTANT uint kFp8GemmThreads = 128;       // tiled GEMM: 4 simdgroups, 2 x 2 over the output tile
+// M5 (metal/fp8_gemm_mpp.h): matmul2d on 4 simdgroups, a kFp8MppBM x kFp8MppBN tile (MLX's quantized NAX GEMM
+// tile), K advancing kFp8MppBK per run; the grouped kernel keeps the portable tile table's kFp8GemmTile rows
+LOWBIT_CONSTANT uint kFp8MppBM = 64;
+LOWBIT_CONSTANT uint kFp8MppBN = 64;
+LOWBIT_CONSTANT uint kFp8MppBK = 64;
+LOWBIT_CONSTANT uint kFp8MppThreads = 128;
 
 // The dtype of a buffer the kernel reads in its own type (a bias): bias_dtype fields
 enum LowbitDtype : uint {
@@ -113,6 +119,12 @@ LOWBIT_CONSTANT uint kInt8GemmBM = 32;
 LOWBIT_CONSTANT uint kInt8GemmBN = 64;
 LOWBIT_CONSTANT uint kInt8GemmBK = 32;
 LOWBIT_CONSTANT uint kInt8GemmThreads = 128;
+// int8_gemm_mpp (M5, metal/int8_gemm_apple10.metal): a kInt8MppBM x kInt8MppBN tile per threadgroup of 4
+// simdgroups on Metal 4's matmul2d, K advancing kInt8MppBK per run (the seed's 64 x 64 tile of 4 simdgroups)
+LOWBIT_CONSTANT uint kInt8MppBM = 64;
+LOWBIT_CONSTANT uint kInt8MppBN = 64;
+LOWBIT_CONSTANT uint kInt8MppBK = 64;
+LOWBIT_CONSTANT uint kInt8MppThreads = 128;
 
 struct Int8QuantizeParams {
   uint M, K;

@@ -39,7 +39,7 @@ def compiler():
 
 def _headers():
     inc = os.path.join(EMU, "include")
-    return [os.path.join(inc, f) for f in sorted(os.listdir(inc))] + [
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(inc) for f in fs) + [
         os.path.join(ROOT, "metal", f) for f in sorted(os.listdir(os.path.join(ROOT, "metal"))) if f.endswith(".h")]
 
 

@@ -21,7 +21,8 @@ import metallib  # noqa: E402
 
 # A stand-in for Apple's xcrun: appends its argv to $FAKE_XCRUN_LOG (one JSON list a line); `metal -c F -o O`
 # fails with a clang-style error when F holds PLANTED_ERROR, else writes O; `metallib ... -o O` writes O.
-# FAKE_XCRUN_NO_METAL=1 makes `metal` fail as Xcode 26 does without its Metal toolchain component.
+# FAKE_XCRUN_NO_METAL=1 makes `metal` fail as Xcode 26 does without its Metal toolchain component;
+# FAKE_XCRUN_NO_TENSOR=1 makes it fail on Metal 4 tensor-op sources, as an SDK before macOS 26 does.
 FAKE_XCRUN = textwrap.dedent("""\
     #!{python}
     import json, os, sys
@@ -39,6 +40,9 @@ FAKE_XCRUN = textwrap.dedent("""\
     out = args[args.index("-o") + 1]
     if args[0] == "metal":
         src = args[args.index("-c") + 1]
+        if os.environ.get("FAKE_XCRUN_NO_TENSOR") == "1" and "MetalPerformancePrimitives" in open(src).read():
+            print(src + ":3:10: fatal error: 'MetalPerformancePrimitives/MetalPerformancePrimitives.h' file not found")
+            sys.exit(1)
         if "PLANTED_ERROR" in open(src).read():
             print(src + ":2:1: error: unknown type name 'PLANTED_ERROR'"); sys.exit(1)
         print(src + ":1:1: warning: a warning the build must show")
@@ -103,20 +107,39 @@ def test_xcode26_without_metal_component_falls_back_to_source(fake_xcrun, monkey
 
 
 # ---- what it runs ----
-def test_every_kernel_compiled_as_msl31_into_one_metallib(fake_xcrun, tmp_path, capsys):
+def test_every_kernel_compiled_into_the_portable_or_the_m5_library(fake_xcrun, tmp_path, capsys):
     out = tmp_path / "pkg"
     built = metallib.build_metallibs(ROOT, str(out), str(tmp_path / "air"))
-    assert built == [str(out / "lowbit.metallib")] and (out / "lowbit.metallib").exists()
+    assert built == [str(out / "lowbit.metallib"), str(out / "lowbit_apple10.metallib")]
     calls = fake_xcrun()
-    compiles = [c for c in calls if c[2] == "metal"]
+    compiles = [c for c in calls if c[2] == "metal" and "-probe.metal" not in c[c.index("-c") + 1]]
     sources = sorted(os.path.relpath(c[c.index("-c") + 1], ROOT) for c in compiles)
     assert sources == metallib.metal_files(ROOT) and len(sources) >= 7
     for c in compiles:
-        assert {"-std=metal3.1", "-mmacosx-version-min=14.0", "-fno-fast-math", "-Wall"} <= set(c), c
-    link = calls[-1]
-    assert link[2] == "metallib" and link[-2:] == ["-o", str(out / "lowbit.metallib")]
-    assert sorted(link[3:-2]) == sorted(c[c.index("-o") + 1] for c in compiles)
+        if os.path.basename(c[c.index("-c") + 1]).endswith("_apple10.metal"):
+            assert {"-std=metal4.0", "-mmacosx-version-min=26.2", "-fno-fast-math", "-Wall"} <= set(c), c
+        else:
+            assert {"-std=metal3.1", "-mmacosx-version-min=14.0", "-fno-fast-math", "-Wall"} <= set(c), c
+    links = [c for c in calls if c[2] == "metallib"]
+    assert [link[-1] for link in links] == built
+    for link in links:
+        lib = "lowbit_apple10" if link[-1].endswith("lowbit_apple10.metallib") else "lowbit"
+        assert sorted(link[3:-2]) == sorted(c[c.index("-o") + 1] for c in compiles
+                                            if os.path.basename(c[c.index("-o") + 1]).startswith(lib + "-"))
     assert "a warning the build must show" in capsys.readouterr().out
+
+
+def test_sdk_without_tensor_ops_skips_the_m5_library_with_a_message(fake_xcrun, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_XCRUN_NO_TENSOR", "1")
+    out = tmp_path / "pkg"
+    out.mkdir()
+    (out / "lowbit_apple10.metallib").write_text("stale")  # from a build with a newer SDK
+    built = metallib.build_metallibs(ROOT, str(out), str(tmp_path / "air"))
+    assert built == [str(out / "lowbit.metallib")]
+    assert not (out / "lowbit_apple10.metallib").exists()
+    text = capsys.readouterr().out
+    assert "not building lowbit_apple10.metallib (metal4.0)" in text and "file not found" in text
+    assert not any("_apple10.metal" in " ".join(c) for c in fake_xcrun() if c[2] == "metal")
 
 
 def test_kernel_that_does_not_compile_fails_the_build_with_its_message(fake_xcrun, tmp_path):
@@ -150,7 +173,8 @@ def test_stale_metallib_removed_when_not_built(tmp_path):
 # ---- the libraries: one portable, variants in one list ----
 def test_embedded_source_holds_every_kernel():
     header = metallib.libraries_header(ROOT)
-    assert '{"lowbit", 301, 7, 14, kLowbitMetalSource_lowbit}' in header
+    assert '{"lowbit", 301, 7, 14, kLowbitMetalSource_lowbit, 0}' in header
+    assert '{"lowbit_apple10", 400, 10, 26, kLowbitMetalSource_lowbit_apple10, 2}' in header  # macOS 26.2
     for f in metallib.metal_files(ROOT):
         for line in open(os.path.join(ROOT, f), encoding="ascii"):
             if line.startswith("kernel void") or "[[host_name(" in line:
@@ -164,7 +188,7 @@ def test_variant_library_gets_its_language_version_and_its_files(monkeypatch, tm
     monkeypatch.setattr(metallib, "VARIANTS", (variant,))
     assert claimed not in metallib.library_files(metallib.PORTABLE, ROOT)
     header = metallib.libraries_header(ROOT)
-    assert '{"lowbit_apple10", 400, 10, 26, kLowbitMetalSource_lowbit_apple10}' in header
+    assert '{"lowbit_apple10", 400, 10, 26, kLowbitMetalSource_lowbit_apple10, 0}' in header
     assert header.index('"lowbit", 301') < header.index('"lowbit_apple10", 400')  # portable first
     metallib.build_metallibs(ROOT, str(tmp_path / "out"), str(tmp_path / "air"))
     variant_compiles = [c for c in fake_xcrun() if c[2] == "metal" and "-std=metal4.0" in c]

@@ -37,12 +37,27 @@ def test_mps_lines_name_gpu_family_and_library(monkeypatch):
     info = {"gpu": "Apple M3 Max", "apple_family": 9, "msl_version": 301,
             "libraries": ["lowbit: metallib /site/torch_lowbit/lowbit.metallib"]}
     monkeypatch.setattr(env._C, "_mps_info", lambda: info, raising=False)
-    assert env._mps_lines() == ["mps GPU: Apple M3 Max (MTLGPUFamilyApple9, kernels MSL 3.1)",
-                                "metal library lowbit: metallib /site/torch_lowbit/lowbit.metallib"]
+    assert env._mps_lines()[:2] == ["mps GPU: Apple M3 Max (MTLGPUFamilyApple9, kernels MSL 3.1)",
+                                    "metal library lowbit: metallib /site/torch_lowbit/lowbit.metallib"]
     monkeypatch.setattr(env._C, "_mps_info", lambda: None, raising=False)
     assert "without its Metal launcher" in env._mps_lines()[0]
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert "no Metal device is available" in env._mps_lines()[0]
+
+
+@pytest.mark.parametrize("msl,libraries,expect", [
+    (400, ["lowbit: source (MSL 3.1)", "lowbit_apple10: source (MSL 4.0)"], "M5 tensor-op kernels: on"),
+    (301, ["lowbit: source (MSL 3.1)", "lowbit_apple10: not loaded (needs MTLGPUFamilyApple10, this GPU is Apple9)"],
+     "off, the portable kernels run (not loaded (needs MTLGPUFamilyApple10, this GPU is Apple9))"),
+    (301, ["lowbit: source (MSL 3.1)", "lowbit_apple10: not loaded (TORCH_LOWBIT_NO_MPP=1)"], "TORCH_LOWBIT_NO_MPP=1"),
+    (301, ["lowbit: source (MSL 3.1)"], "this build has no lowbit_apple10 library"),
+])
+def test_mps_lines_say_whether_the_m5_kernels_run_and_why_not(monkeypatch, msl, libraries, expect):
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    info = {"gpu": "Apple M5", "apple_family": 10, "msl_version": msl, "libraries": libraries}
+    monkeypatch.setattr(env._C, "_mps_info", lambda: info, raising=False)
+    assert expect in env._mps_lines()[-1]
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS builds the mps launcher")

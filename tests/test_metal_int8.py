@@ -280,8 +280,8 @@ def test_mm_kernel_follows_the_device_caps():
     xq, wq = _int8((33, 32), g), _int8((5, 32), g)
     run = lambda: torch.ops.lowbit_emu.int8_mm(xq, torch.ones(33), wq, torch.ones(5), None,  # noqa: E731
                                                torch.float32)
-    with torch_lowbit.emulator.device_caps(apple_family=10, msl_version=400):  # an M5: nothing of ours needs it yet
-        assert pick(33, 5, 32) == "int8_gemm"
+    with torch_lowbit.emulator.device_caps(apple_family=10, msl_version=400):  # an M5: test_metal_int8_apple10.py
+        assert pick(33, 5, 32) == "int8_gemm_mpp"
     with torch_lowbit.emulator.device_caps(apple_family=1000, msl_version=9900):
         assert pick(33, 5, 32) == "int8_gemm_probe"
         assert pick(8, 5, 32) == "int8_gemv"  # a class without a variant keeps its portable kernel

@@ -14,14 +14,15 @@ import torch
 
 import torch_lowbit
 from torch_lowbit import _C
-from torch_lowbit.emulator import dry_run
+from torch_lowbit.emulator import device_caps, dry_run
 
 META = torch.device("meta")
 POSITIONS = 2 ** 32  # thread_position_in_grid is a 32-bit uint
 
 # Output tile (rows of x, columns of out) each threadgroup of a kernel computes, by kernel name prefix: the
 # kernels' geometry (metal/*.metal), written out here so a plan that sizes a grid wrongly fails.
-TILES = {"fp8_gemv_rows_": (8, 16), "fp8_gemv_": (1, 4), "fp8_gemm_": (32, 32), "int8_gemv_": (4, 4),
+TILES = {"fp8_gemm_mpp_": (64, 64), "int8_gemm_mpp_": (64, 64),  # M5 (matmul2d), before their prefixes
+         "fp8_gemv_rows_": (8, 16), "fp8_gemv_": (1, 4), "fp8_gemm_": (32, 32), "int8_gemv_": (4, 4),
          "int8_gemm_": (32, 64)}
 # the transposed products (out [M, K]): rows of grad_out, columns of out
 for _op in ("fp8_mm_t_", "int8_weight_mm_t_"):
@@ -200,6 +201,27 @@ def test_w4_vector_loads_need_aligned_buffers(x_off, c_off, flags):
     assert w4_params(r)[6] == flags
 
 
+M5 = dict(apple_family=10, msl_version=400)
+
+
+@pytest.mark.parametrize("M", [9, 4096])
+@pytest.mark.parametrize("K,N", LLAMA_70B)
+def test_m5_grids_at_llama_70b_sizes(M, K, N):
+    """Under M5 caps the prefill GEMMs are the tensor-op kernels: 64 x 64 tiles of 128 threads, Morton-walked
+    inside the same (N tiles, M tiles) grid, within Metal's limits (run() checks them)."""
+    w, s, block = fp8_weight(N, K)
+    x = torch.empty(M, K, dtype=torch.bfloat16, device=META)
+    wq = torch.empty(N, K, dtype=torch.int8, device=META)
+    with device_caps(**M5):
+        _, fp8 = run("fp8_mm", x, w, s, None, block)
+        _, i8 = run("int8_mm", torch.empty(M, K, dtype=torch.int8, device=META), torch.empty(M, device=META), wq,
+                    torch.empty(N, device=META), None, None)
+    for (r,), name in ((fp8, "fp8_gemm_mpp_bfloat"), (i8, "int8_gemm_mpp_bfloat")):
+        assert r["kernel"] == name and r["threads"] == (128, 1, 1)
+        assert r["grid"] == (math.ceil(N / 64), math.ceil(M / 64), 1)
+    assert u32s(i8[0], 3) == (M, N, K)
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 MOE = {  # hidden, expert intermediate, experts, top-k
     "deepseek_v3": (7168, 2048, 256, 8),
@@ -234,6 +256,18 @@ def test_grouped_prefill_tiles_only_the_rows_that_exist(model, proj):
     assert math.prod(gemm["grid"]) < 1.3 * math.ceil(N / 32) * math.ceil(T / 32)
     assert u32s(gemm, 5) == (T, N, K, E, E)
     assert gemm["buffers"]["weight"]["nbytes"] == E * N * K  # > 2^32 for DeepSeek: 64-bit expert offsets
+
+
+@pytest.mark.parametrize("model", list(MOE))
+@pytest.mark.parametrize("proj", ["gate_up", "down"])
+def test_m5_grouped_prefill_over_the_same_tile_table(model, proj):
+    T = 32768
+    with device_caps(**M5):
+        recs, N, K, E = grouped(model, proj, T)
+    layout, gemm = recs
+    assert layout["kernel"] == "fp8_grouped_tiles"
+    assert gemm["kernel"] == "fp8_grouped_gemm_mpp_bfloat" and gemm["threads"] == (128, 1, 1)
+    assert gemm["grid"] == (math.ceil(N / 64), math.ceil(T / 32) + E + 1, 1)  # 32-row tiles of the table
 
 
 @pytest.mark.parametrize("model", list(MOE))

@@ -147,3 +147,20 @@ def test_w4_grouped_decode_reads_the_chosen_experts_once():
             assert [r["kernel"] for r in m.launches] == ["w4_grouped_gemv_bfloat_" + variant]
             assert m.read_ratio == pytest.approx(1.0, abs=0.005), case.label
             assert m.line_use >= MT.LINE_USE_GOAL, case.label
+
+
+def test_m5_gemms_meet_the_tile_ideal():
+    """int8_mm and fp8_mm prefill on M5 (matmul2d, 64 x 64 tiles): each weight byte read once per row tile of x,
+    each activation byte loaded once per column tile of the weight -- 1.0x the tile ideal, past K and N tails."""
+    if not torch_lowbit.emulator.trace_available():
+        pytest.skip("no traffic build of the emulator in this install")
+    chosen = [c for c in MT.cases(130, 200, prefill=70) if c.caps]
+    assert [c.op for c in chosen] == ["int8_mm", "fp8_mm"]
+    with torch_lowbit.emulator.traced() as trace:
+        for case in chosen:
+            m = MT.measure(case, trace)
+            assert {r["kernel"] for r in m.launches} == {"int8_gemm_mpp_bfloat" if case.op == "int8_mm" else
+                                                         "fp8_gemm_mpp_bfloat"}
+            w_limit, x_limit = m.tile_limits
+            assert w_limit == 2 * 130 * 200 and x_limit == 3 * 70 * 200 * (1 if case.op == "int8_mm" else 2)
+            assert MT.tile_ok(m), (m.weight_read, m.activation_loaded, m.tile_limits)

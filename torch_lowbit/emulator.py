@@ -80,6 +80,37 @@ def device_caps(apple_family=None, msl_version=None):
         _C._emu_set_device_caps(*before)
 
 
+TENSOR_LAYOUTS = {"m5": 0, "permuted": 1}
+SUM_ORDERS = {"ascending": 0, "descending": 1, "blocks8": 2}
+
+
+@contextlib.contextmanager
+def tensor_ops(layout="m5", sum_order="ascending", seed=1):
+    """Inside this block the emulator's Metal 4 tensor ops (matmul2d on M5, csrc/emu/include/msl_tensor.h) use
+    this cooperative-tensor lane layout and float summation order.
+
+    ``layout``: "m5", a plausible M5 layout (8x8 fragments in simdgroup-matrix order), or "permuted", a random
+    permutation drawn from ``seed``; the hardware's layout is implementation-defined, so a kernel must give the
+    same result under both. ``sum_order``: "ascending" / "descending" in k, or "blocks8" (8-wide partial sums):
+    float results may differ between them in the last bits, integer results never.
+    """
+    if layout not in TENSOR_LAYOUTS:
+        raise ValueError(f"tensor_ops: layout={layout!r}; expected one of {sorted(TENSOR_LAYOUTS)}")
+    if sum_order not in SUM_ORDERS:
+        raise ValueError(f"tensor_ops: sum_order={sum_order!r}; expected one of {sorted(SUM_ORDERS)}")
+    import ctypes
+    path = _library("_msl_emu")
+    if not available() or path is None:
+        raise RuntimeError("torch_lowbit: the Metal emulator is not built into this install")
+    setter = ctypes.CDLL(path).msl_emu_set_tensor_ops  # the library the ops already run (dlopen: one instance)
+    setter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint]
+    setter(TENSOR_LAYOUTS[layout], SUM_ORDERS[sum_order], int(seed))
+    try:
+        yield
+    finally:
+        setter(0, 0, 1)
+
+
 # ---------------------------------------------------------------------------------------------- traffic build
 def _library(stem):
     import glob

@@ -32,7 +32,17 @@ def _mps_lines():
     fam, msl = info["apple_family"], info["msl_version"]
     lines = [f"mps GPU: {info['gpu']} (MTLGPUFamilyApple{fam}, kernels MSL {msl // 100}.{msl % 100})"]
     lines += [f"metal library {how}" for how in info["libraries"]]
+    lines.append(_m5_line(msl, info["libraries"]))
     return lines
+
+
+def _m5_line(msl, libraries):
+    """Whether the M5 tensor-op kernels (the lowbit_apple10 library, MSL 4.0) run, and if not, why."""
+    if msl >= 400:
+        return "M5 tensor-op kernels: on (int8_mm, fp8_mm, fp8_grouped_mm prefill)"
+    why = next((how.split(": ", 1)[1] for how in libraries if how.startswith("lowbit_apple10:")),
+               "this build has no lowbit_apple10 library")
+    return f"M5 tensor-op kernels: off, the portable kernels run ({why})"
 
 
 def report():

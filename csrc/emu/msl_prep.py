@@ -10,6 +10,8 @@
      template [[host_name("NAME")]] [[kernel]] decltype(FUNC<ARGS>) FUNC<ARGS>;
    are blanked (default arguments are illegal in explicit instantiations) and registered as NAME calling
    FUNC<ARGS>() instead. Instantiations produced by a macro are not seen: write them out.
+5. a file that includes <MetalPerformancePrimitives/...> is MSL 4.0 with tensors (the M5 variant library):
+   __METAL_VERSION__ 400 and __HAVE_TENSOR__ are defined before it, as Apple's compiler defines them.
 Line numbers are preserved (a #line directive points diagnostics at the original file).
 """
 import re
@@ -107,6 +109,8 @@ def prep(src, path):
     for s, e, r in sorted(edits, key=lambda x: x[0], reverse=True):
         out = out[:s] + r + out[e:]
     head = f'#line 1 "{path}"\n'
+    if re.search(r"^\s*#\s*include\s*<MetalPerformancePrimitives/", masked, re.M):
+        head = "#define __METAL_VERSION__ 400\n#define __HAVE_TENSOR__ 1\n" + head
     tail = "\n#include \"msl_undef.h\"\n" + "".join(
         f"static ::msl::rt::Registrar msl_reg_{k}(\"{k}\", +[] {{ {k}(); }});\n" for k in kernels) + "".join(
         f"static ::msl::rt::Registrar msl_reg_{n}(\"{n}\", +[] {{ {f}(); }});\n" for n, f in instances)

@@ -224,9 +224,37 @@ void block_collective(Resolver r, const void* in, void* out, const std::source_l
 }
 void block_barrier(const std::source_location& loc) {
   ThreadCtx* c = tl_cur;
+  c->resolver = nullptr;  // a plain barrier (a tensor op's rendezvous sets its resolver: block_tg_collective)
   c->site_line = loc.line(), c->site_col = loc.column(), c->site_file = loc.file_name();
   block(AT_BARRIER);
 }
+
+// A collective of the whole threadgroup (a Metal 4 tensor op on execution_simdgroups<N>, msl_tensor.h): it waits
+// like a threadgroup_barrier, and when every live thread has arrived at the same call site the scheduler calls
+// `r` once with all of them.
+void block_tg_collective(Resolver r, const void* in, void* out, const std::source_location& loc) {
+  ThreadCtx* c = tl_cur;
+  c->resolver = r, c->in = in, c->out = out;
+  c->site_line = loc.line(), c->site_col = loc.column(), c->site_file = loc.file_name();
+  block(AT_BARRIER);
+}
+unsigned long tg_epoch() { return tl_worker ? tl_worker->epoch : 0; }
+static void (*g_rendezvous_hooks[256])(int);
+static std::atomic<int> g_nrendezvous_hooks{0};
+void add_tg_rendezvous_hook(void (*hook)(int)) {  // at static initialisation, one per kernel translation unit
+  const int i = g_nrendezvous_hooks.fetch_add(1);
+  if (i < 256) g_rendezvous_hooks[i] = hook;
+}
+static void tg_rendezvous(int kind) {
+  const int n = std::min(g_nrendezvous_hooks.load(), 256);
+  for (int i = 0; i < n; i++) g_rendezvous_hooks[i](kind);
+}
+// The tensor-op model's switches (msl_emu_set_tensor_ops): the cooperative-tensor layout and the float sum order
+static std::atomic<int> g_tensor_layout{0}, g_tensor_sum_order{0};
+static std::atomic<unsigned> g_tensor_seed{1};
+int tensor_layout() { return g_tensor_layout.load(); }
+int tensor_sum_order() { return g_tensor_sum_order.load(); }
+unsigned tensor_seed() { return g_tensor_seed.load(); }
 
 // ---------------------------------------------------------------------------------------------- scheduler
 static void fiber_entry() {
@@ -377,9 +405,21 @@ static void run_threadgroup(Worker& w, Launch& L, u3 tg) {
                    ndone, first->site_line);
       tl_cur = nullptr;
     }
+    if (first && first->resolver) {  // a tensor op's rendezvous (block_tg_collective)
+      tg_rendezvous(1);
+      std::vector<ThreadCtx*> all;
+      for (uint32_t t = 0; t < T; t++)
+        if (w.ctx[t].state == AT_BARRIER) all.push_back(&w.ctx[t]);
+      tl_cur = first;
+      first->resolver(int(all.size()), all.data());
+      tl_cur = nullptr;
+    } else {
+      tg_rendezvous(0);
+    }
     for (uint32_t t = 0; t < T; t++)
       if (w.ctx[t].state == AT_BARRIER) w.ctx[t].state = RUNNABLE;
   }
+  tg_rendezvous(2);  // results still pending reach memory when the threadgroup ends
   w.in_tg = false;
 }
 
@@ -611,5 +651,10 @@ int msl_emu_run(const char* kernel, int nbuf, void** host, const size_t* sizes, 
   return ne;
 }
 void msl_emu_set_reverse(int on) { msl::rt::g_reverse = on != 0; }
+// layout: 0 a plausible M5 cooperative-tensor layout, 1 a permutation drawn from seed; sum_order: 0 k ascending,
+// 1 k descending, 2 8-wide partial sums (msl_tensor.h)
+void msl_emu_set_tensor_ops(int layout, int sum_order, unsigned seed) {
+  msl::rt::g_tensor_layout = layout, msl::rt::g_tensor_sum_order = sum_order, msl::rt::g_tensor_seed = seed;
+}
 int msl_emu_has_kernel(const char* kernel) { return msl::rt::find_kernel(kernel) != nullptr; }
 }

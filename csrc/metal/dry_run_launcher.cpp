@@ -4,6 +4,7 @@
 
 #include <mutex>
 
+#include "metal/emu_launcher.h"
 #include "metal/planned_ops.h"
 
 namespace lowbit::metal {
@@ -13,6 +14,8 @@ std::mutex g_mu;
 std::vector<RecordedDispatch> g_records;
 
 }  // namespace
+
+DeviceCaps DryRunLauncher::caps() const { return emulator_device_caps(); }
 
 void DryRunLauncher::run(const Dispatch& d) {
   RecordedDispatch r;

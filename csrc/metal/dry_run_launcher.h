@@ -30,6 +30,8 @@ struct RecordedDispatch {
 class DryRunLauncher final : public Launcher {
  public:
   void run(const Dispatch& d) override;
+  // the device of emulator.device_caps (the portable floor unless a test sets another): plans at real sizes on M5
+  DeviceCaps caps() const override;
 };
 
 // The dispatches recorded since the last call, oldest first.

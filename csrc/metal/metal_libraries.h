@@ -13,6 +13,7 @@ struct MetalLibrary {
   uint32_t apple_family;  // the lowest N of MTLGPUFamilyAppleN it may run on
   uint32_t macos;         // the lowest macOS (major version) that takes msl_version
   const char* source;     // its metal/*.metal files, local includes inlined
+  uint32_t macos_minor;   // with macos: the lowest macOS major.minor (lowbit_apple10: 26.2)
 };
 
 }  // namespace lowbit::metal

@@ -24,6 +24,9 @@ class Library:
     apple_family: int    # the lowest N of MTLGPUFamilyAppleN it may run on
     macos: int           # the lowest macOS (major) whose Metal compiler takes msl_version
     files: tuple = field(default=())  # metal/*.metal paths (repo-relative); () = every file no variant claims
+    macos_minor: int = 0  # with macos: the lowest macOS major.minor it is loaded on
+    # a source that must compile before the library is built: an SDK without the library's headers skips it
+    probe: str = ""
 
     @property
     def std(self):
@@ -31,8 +34,32 @@ class Library:
 
 
 PORTABLE = Library("lowbit", msl_version=301, apple_family=7, macos=14)
-# Newer-GPU variants, e.g. Library("lowbit_apple10", 400, 10, 26, ("metal/fp8_gemm_apple10.metal",)).
-VARIANTS = ()
+
+# Apple M5: Metal 4 tensor ops (mpp::tensor_ops::matmul2d), MSL 4.0, headers guarded by __HAVE_TENSOR__.
+# Loaded from macOS 26.2: MLX gates its tensor-op ("NAX") kernels the same way (mlx/backend/metal/device.cpp,
+# is_nax_available: macOS >= 26.2 and GPU architecture generation >= 17), and no public source says which
+# earlier 26.x first accepts int8 operands (Apple's type table lists bfloat pairs from 26.1), so we stay at the
+# release the largest user of these units ships on.
+TENSOR_OPS_PROBE = """#include <metal_stdlib>
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+#if !defined(__HAVE_TENSOR__)
+#error "no Metal 4 tensors in this SDK"
+#endif
+using namespace metal;
+using namespace mpp::tensor_ops;
+kernel void lowbit_tensor_ops_probe(device char* a [[buffer(0)]], device int* c [[buffer(1)]]) {
+  auto t = tensor<device char, dextents<int32_t, 2>, tensor_inline>(a, dextents<int32_t, 2>(64, 64));
+  auto d = tensor<device int, dextents<int32_t, 2>, tensor_inline>(c, dextents<int32_t, 2>(64, 64));
+  constexpr auto desc = matmul2d_descriptor(64, 64, 64, false, true, false);
+  matmul2d<desc, execution_simdgroups<4>> op;
+  op.run(t, t, d);
+}
+"""
+APPLE10 = Library("lowbit_apple10", msl_version=400, apple_family=10, macos=26, macos_minor=2,
+                  files=("metal/int8_gemm_apple10.metal", "metal/fp8_gemm_apple10.metal",
+                         "metal/fp8_grouped_mm_apple10.metal"), probe=TENSOR_OPS_PROBE)
+VARIANTS = (APPLE10,)
 
 
 def libraries():
@@ -86,7 +113,7 @@ def libraries_header(root):
         assert ")" + delim not in src
         parts.append(f"static const char kLowbitMetalSource_{lib.name}[] = R\"{delim}(\n{src}){delim}\";\n")
         rows.append(f"    {{\"{lib.name}\", {lib.msl_version}, {lib.apple_family}, {lib.macos}, "
-                    f"kLowbitMetalSource_{lib.name}}},\n")
+                    f"kLowbitMetalSource_{lib.name}, {lib.macos_minor}}},\n")
     parts.append("static const lowbit::metal::MetalLibrary kLowbitMetalLibraries[] = {\n" + "".join(rows) + "};\n")
     return "".join(parts)
 
@@ -138,7 +165,7 @@ def compile_commands(lib, root, tmp, out_dir):
         air = os.path.join(tmp, lib.name + "-" + os.path.splitext(os.path.basename(f))[0] + ".air")
         # -fno-fast-math: IEEE arithmetic and the precise math functions, as the source path asks for at run
         # time (NaN fp8 codes must propagate; the emulator that checks the kernels is strict IEEE)
-        cmds.append(xcrun_command("metal", f"-std={lib.std}", f"-mmacosx-version-min={lib.macos}.0",
+        cmds.append(xcrun_command("metal", f"-std={lib.std}", f"-mmacosx-version-min={lib.macos}.{lib.macos_minor}",
                                   "-fno-fast-math", "-Wall", "-I", os.path.join(root, "metal"),
                                   "-c", os.path.join(root, f), "-o", air))
         airs.append(air)
@@ -153,6 +180,14 @@ def build_metallibs(root, out_dir, tmp, run=subprocess.run, log=print):
     os.makedirs(tmp, exist_ok=True)
     built = []
     for lib in libraries():
+        why_not = probe_error(lib, tmp, run)
+        if why_not:
+            log(f"torch_lowbit: not building {lib.name}.metallib ({lib.std}): this SDK cannot compile its probe; "
+                f"the portable kernels run instead.\n{why_not}")
+            p = os.path.join(out_dir, lib.name + ".metallib")
+            if os.path.exists(p):
+                os.remove(p)
+            continue
         for cmd in compile_commands(lib, root, tmp, out_dir):
             r = run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if r.stdout.strip():
@@ -162,6 +197,19 @@ def build_metallibs(root, out_dir, tmp, run=subprocess.run, log=print):
                                       f"{' '.join(cmd)}\n{r.stdout}")
         built.append(os.path.join(out_dir, lib.name + ".metallib"))
     return built
+
+
+def probe_error(lib, tmp, run=subprocess.run):
+    """None when lib has no probe or Apple's compiler takes it (at lib's language version and OS), else why not."""
+    if not lib.probe:
+        return None
+    src = os.path.join(tmp, lib.name + "-probe.metal")
+    with open(src, "w", encoding="ascii") as f:
+        f.write(lib.probe)
+    cmd = xcrun_command("metal", f"-std={lib.std}", f"-mmacosx-version-min={lib.macos}.{lib.macos_minor}",
+                        "-c", src, "-o", os.path.join(tmp, lib.name + "-probe.air"))
+    r = run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return None if r.returncode == 0 else f"{' '.join(cmd)}\n{r.stdout}"
 
 
 def remove_metallibs(out_dir):

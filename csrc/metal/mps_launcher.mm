@@ -93,8 +93,8 @@ uint32_t apple_family(id<MTLDevice> device) {
   return 0;
 }
 
-bool macos_at_least(uint32_t major) {
-  NSOperatingSystemVersion v = {NSInteger(major), 0, 0};
+bool macos_at_least(uint32_t major, uint32_t minor = 0) {
+  NSOperatingSystemVersion v = {NSInteger(major), NSInteger(minor), 0};
   return [[NSProcessInfo processInfo] isOperatingSystemAtLeastVersion:v];
 }
 
@@ -196,15 +196,28 @@ class KernelCache {
         if (caps_.apple_family < lib.apple_family) {
           why_not = "needs MTLGPUFamilyApple" + std::to_string(lib.apple_family) + ", this GPU is Apple" +
                     std::to_string(caps_.apple_family);
-        } else if (!macos_at_least(lib.macos)) {
-          why_not = "needs macOS " + std::to_string(lib.macos) + " (" + msl_name(lib.msl_version) + ")";
+        } else if (!macos_at_least(lib.macos, lib.macos_minor)) {
+          why_not = "needs macOS " + std::to_string(lib.macos) + "." + std::to_string(lib.macos_minor) + " (" +
+                    msl_name(lib.msl_version) + ")";
+        } else if (lib.msl_version >= kTensorOpsDevice.msl_version && tensor_ops_disabled()) {
+          why_not = "TORCH_LOWBIT_NO_MPP=1";
         }
         TORCH_CHECK(!portable || why_not.empty(), "torch_lowbit mps: the Metal kernels cannot run here: ", why_not);
         if (!why_not.empty()) {
           how.push_back(std::string(lib.name) + ": not loaded (" + why_not + ")");
           continue;
         }
-        libs.push_back(load(lib, how));
+        if (portable) {
+          libs.push_back(load(lib, how));
+        } else {
+          // a variant that fails to build or load leaves the portable kernels running, and says why
+          try {
+            libs.push_back(load(lib, how));
+          } catch (const std::exception& e) {
+            how.push_back(std::string(lib.name) + ": failed, the portable kernels run instead (" + e.what() + ")");
+            continue;
+          }
+        }
         msl = std::max(msl, lib.msl_version);
       }
     } catch (...) {

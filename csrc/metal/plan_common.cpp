@@ -1,3 +1,5 @@
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "metal/limits.h"
@@ -42,6 +44,11 @@ ScaleParams scale_params(const ScaleLayout& l) {
     while ((1u << p.bk_shift) != p.bk) p.bk_shift++;
   }
   return p;
+}
+
+bool tensor_ops_disabled() {
+  const char* v = std::getenv("TORCH_LOWBIT_NO_MPP");
+  return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
 uint32_t checked_u32(const char* what, int64_t v) {

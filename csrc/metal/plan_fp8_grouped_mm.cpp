@@ -16,6 +16,26 @@ constexpr int64_t kDecodeMaxMeanRowsPerGroup = kFp8GemvRows;
 
 bool use_decode_kernel(int64_t T, int64_t G) { return T <= kDecodeMaxMeanRowsPerGroup * std::max<int64_t>(G, 1); }
 
+// The shape classes: decode, and prefill split by activation width (fp32 never goes through the tensor units).
+enum class Fp8GroupedClass { Decode, Prefill16, Prefill32 };
+
+Fp8GroupedClass fp8_grouped_class(int64_t T, int64_t G, at::ScalarType dtype) {
+  if (use_decode_kernel(T, G)) return Fp8GroupedClass::Decode;
+  return dtype == at::kFloat ? Fp8GroupedClass::Prefill32 : Fp8GroupedClass::Prefill16;
+}
+
+// The kernels of each class (plans.h KernelVariant). Every prefill kernel takes the tile table's 32-row tiles;
+// on M5 the bf16 / fp16 prefill runs Metal 4's matmul2d on 32 x 64 tiles (metal/fp8_grouped_mm_apple10.metal).
+constexpr TileGeometry kDecodeGeometry{0, kFp8GemvSimdgroups * kFp8GemvColsRows, kFp8GemvSimdgroups * 32, true};
+constexpr TileGeometry kPrefillGeometry{kFp8GemmTile, kFp8GemmTile, kFp8GemmThreads, true};
+constexpr KernelVariant<Fp8GroupedClass> kFp8GroupedKernels[] = {
+    {Fp8GroupedClass::Decode, "fp8_grouped_gemv", kPortableDevice, kDecodeGeometry},
+    {Fp8GroupedClass::Prefill16, "fp8_grouped_gemm_mpp", kTensorOpsDevice,
+     {kFp8GemmTile, kFp8MppBN, kFp8MppThreads, false}},
+    {Fp8GroupedClass::Prefill16, "fp8_grouped_gemm", kPortableDevice, kPrefillGeometry},
+    {Fp8GroupedClass::Prefill32, "fp8_grouped_gemm", kPortableDevice, kPrefillGeometry},
+};
+
 }  // namespace
 
 Fp8GroupedMmParams grouped_params(const Fp8GroupedMmArgs& a, uint32_t flags) {
@@ -71,8 +91,8 @@ void run_grouped(Target t, const std::string& kernel, const char* x_name, const 
   t.run(d);
 }
 
-std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype) {
-  return kernel_name(use_decode_kernel(T, G) ? "fp8_grouped_gemv" : "fp8_grouped_gemm", dtype);
+std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype, const DeviceCaps& device) {
+  return kernel_name(pick_kernel(kFp8GroupedKernels, fp8_grouped_class(T, G, dtype), device), dtype);
 }
 
 at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -89,10 +109,10 @@ at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& 
   const Fp8GroupedMmParams p =
       grouped_params(a, vector_access_ok(kFp8VecLoadBytes, K, {a.x, a.w.bits}) ? kFp8VecLoads : 0u);
 
-  const bool decode = use_decode_kernel(T, G);
-  const int64_t cols = decode ? kFp8GemvSimdgroups * kFp8GemvColsRows : kFp8GemmTile;
-  run_grouped(t, fp8_grouped_mm_kernel_name(T, G, a.x.scalar_type()), "x", a, p, out, decode, ceil_div(N, cols),
-              decode ? kFp8GemvSimdgroups * 32 : kFp8GemmThreads);
+  const Fp8GroupedClass cls = fp8_grouped_class(T, G, a.x.scalar_type());
+  const KernelVariant<Fp8GroupedClass>& v = pick_variant(kFp8GroupedKernels, cls, t.caps);
+  run_grouped(t, kernel_name(v.base, a.x.scalar_type()), "x", a, p, out, cls == Fp8GroupedClass::Decode,
+              ceil_div(N, v.tile.bn), v.tile.threads);
   return out;
 }
 

@@ -14,14 +14,17 @@ constexpr int64_t kInt8GemvMaxM = 8;
 // the _k16 kernels load int4 (16 bytes) from xq and wq rows
 constexpr int64_t kVectorLoadBytes = 16;
 
-// The kernels of each class (plans.h KernelVariant: newer-GPU variants go before the portable line). An M5
-// GEMM on Metal 4's int8 x int8 -> int32 matmul2d would be {Int8MmKernel::GemmHalf, "int8_gemm_mma", {10, 400}}
-// (with its own class if its tiles differ). The first line is test-only: no GPU reports kTestOnlyDevice and
-// no kernel int8_gemm_probe_* exists, so only a test under emulator.device_caps reaches it.
+// The kernels of each class (plans.h KernelVariant: newer-GPU variants go before the portable line). The first
+// line is test-only: no GPU reports kTestOnlyDevice and no kernel int8_gemm_probe_* exists, so only a test under
+// emulator.device_caps reaches it. On M5 the GEMM class runs Metal 4's int8 x int8 -> int32 matmul2d
+// (metal/int8_gemm_apple10.metal) on its own 64 x 64 tiles.
+constexpr TileGeometry kGemmHalfTile{kInt8GemmBM, kInt8GemmBN, kInt8GemmThreads, true};
+constexpr TileGeometry kGemmMppTile{kInt8MppBM, kInt8MppBN, kInt8MppThreads, false};
 constexpr KernelVariant<Int8MmKernel> kInt8MmKernels[] = {
-    {Int8MmKernel::GemmHalf, "int8_gemm_probe", kTestOnlyDevice},
+    {Int8MmKernel::GemmHalf, "int8_gemm_probe", kTestOnlyDevice, kGemmHalfTile},
+    {Int8MmKernel::GemmHalf, "int8_gemm_mpp", kTensorOpsDevice, kGemmMppTile},
     {Int8MmKernel::Gemv, "int8_gemv", kPortableDevice},
-    {Int8MmKernel::GemmHalf, "int8_gemm", kPortableDevice},
+    {Int8MmKernel::GemmHalf, "int8_gemm", kPortableDevice, kGemmHalfTile},
 };
 
 }  // namespace
@@ -50,8 +53,9 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
   p.bias_dtype = a.bias ? kernel_dtype_code(a.bias->scalar_type()) : kDtypeFloat;
 
   const Int8MmKernel kind = choose_int8_mm_kernel(a.M, a.N, a.K);
-  Dispatch d(kernel_name(int8_mm_kernel_base(a.M, a.N, a.K, t.caps), a.out_dtype,
-                         vector_access_ok(kVectorLoadBytes, a.K, {a.xq, a.wq}) ? "k16" : nullptr));
+  const KernelVariant<Int8MmKernel>& v = pick_variant(kInt8MmKernels, kind, t.caps);
+  const bool k16 = v.tile.vector_variants && vector_access_ok(kVectorLoadBytes, a.K, {a.xq, a.wq});
+  Dispatch d(kernel_name(v.base, a.out_dtype, k16 ? "k16" : nullptr));
   // without a bias the kernel never reads buffer 4; w_scale stands in so that every index is bound
   d.buffer("xq", a.xq).buffer("x_scale", a.x_scale).buffer("wq", a.wq).buffer("w_scale", a.w_scale);
   d.buffer("bias", a.bias.has_value() ? *a.bias : a.w_scale);
@@ -61,8 +65,8 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
             checked_u32("grid y", ceil_div(a.N, kInt8GemvSimdgroups * kInt8GemvRows)), 1},
            {kInt8GemvSimdgroups * 32, 1, 1});
   } else {
-    d.grid({checked_u32("grid x", ceil_div(a.N, kInt8GemmBN)), checked_u32("grid y", ceil_div(a.M, kInt8GemmBM)), 1},
-           {kInt8GemmThreads, 1, 1});
+    d.grid({checked_u32("grid x", ceil_div(a.N, v.tile.bn)), checked_u32("grid y", ceil_div(a.M, v.tile.bm)), 1},
+           {v.tile.threads, 1, 1});
   }
   t.run(d);
   return out.view(a.out_shape);

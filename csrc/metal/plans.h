@@ -43,31 +43,50 @@ const char* kernel_dtype_suffix(at::ScalarType t);
 std::string kernel_name(const char* base, at::ScalarType dtype, const char* variant = nullptr);
 
 // One line of an op's kernel table: the kernel (host_name base) that computes one of the op's shape classes,
-// and the least device it runs on. The op's thresholds pick the class; pick_kernel then takes the class's
-// first line the device runs. So a kernel for newer GPUs is one line, listed before the portable kernel of
-// its class (whose grid it shares), plus its .metal file and a test under emulator.device_caps.
+// the least device it runs on, and its tile geometry where lines of one class differ in it. The op's thresholds
+// pick the class; pick_variant then takes the class's first line the device runs. So a kernel for newer GPUs is
+// one line, listed before the portable kernel of its class, plus its .metal file and a test under
+// emulator.device_caps.
+struct TileGeometry {
+  uint32_t bm = 0, bn = 0;     // output rows (activations) and columns (weight rows) per threadgroup
+  uint32_t threads = 0;        // threads per threadgroup
+  bool vector_variants = true;  // the kernel has _k16-style aligned-load variants (the portable kernels)
+};
 template <class Class>
 struct KernelVariant {
   Class cls;
   const char* base;
   DeviceCaps needs;
+  TileGeometry tile{};
 };
 
 inline constexpr DeviceCaps kPortableDevice{};  // every Apple GPU from M1 (Apple7, MSL 3.1)
+// Apple M5 (MTLGPUFamilyApple10) with MSL 4.0: Metal 4 tensor ops (mpp::tensor_ops::matmul2d). The mps launcher
+// reports MSL 4.0 only where it loaded the lowbit_apple10 library (csrc/metal/metallib.py: macOS 26.2 and up).
+inline constexpr DeviceCaps kTensorOpsDevice{10, 400};
 // No Apple GPU reports this; the emulator's device_caps switch can, so that tests pin that plans run what the
 // device's capabilities select (see kInt8MmKernels).
 inline constexpr DeviceCaps kTestOnlyDevice{1000, 9900};
 
+// TORCH_LOWBIT_NO_MPP=1 keeps every plan off the tensor-op (MSL 4.0) kernels, on the mps device and in the
+// emulator alike (read at each choice, so a test can flip it).
+bool tensor_ops_disabled();
+
 inline bool runs_on(const DeviceCaps& device, const DeviceCaps& needs) {
+  if (needs.msl_version >= kTensorOpsDevice.msl_version && tensor_ops_disabled()) return false;
   return device.apple_family >= needs.apple_family && device.msl_version >= needs.msl_version;
 }
 
 template <class Class, size_t N>
-const char* pick_kernel(const KernelVariant<Class> (&table)[N], Class cls, const DeviceCaps& device) {
+const KernelVariant<Class>& pick_variant(const KernelVariant<Class> (&table)[N], Class cls, const DeviceCaps& device) {
   for (const KernelVariant<Class>& v : table)
-    if (v.cls == cls && runs_on(device, v.needs)) return v.base;
+    if (v.cls == cls && runs_on(device, v.needs)) return v;
   TORCH_CHECK(false, "torch_lowbit metal: no kernel for shape class ", int(cls), " on Apple GPU family ",
               device.apple_family, " with MSL ", device.msl_version);
+}
+template <class Class, size_t N>
+const char* pick_kernel(const KernelVariant<Class> (&table)[N], Class cls, const DeviceCaps& device) {
+  return pick_variant(table, cls, device).base;
 }
 
 // LowbitDtype (params.h) of a buffer a kernel reads in its own dtype: bf16 / fp16 / fp32
@@ -102,7 +121,8 @@ bool empty_product(at::Tensor& out, const std::optional<at::Tensor>& bias, int64
 
 // The kernel (host_name) each plan picks, exposed to Python (torch_lowbit._C) so tests pin the thresholds.
 std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype, const DeviceCaps& device);
-std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype);
+std::string fp8_grouped_mm_kernel_name(int64_t T, int64_t G, at::ScalarType dtype,
+                                       const DeviceCaps& device = kPortableDevice);
 
 // ---- one function per op; each lives in plan_<op>.cpp ----
 at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,

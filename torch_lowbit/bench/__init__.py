@@ -10,5 +10,6 @@ SUITES = {
     "e2e": "torch_lowbit.bench.e2e",                # a small generated model loaded from a checkpoint
     "train": "torch_lowbit.bench.train",            # a LoRA training step on fp8 / int8 bases vs bf16
     "diffusion": "torch_lowbit.bench.diffusion",    # one denoising step of a FLUX.1-dev-shaped transformer
+    "m5": "torch_lowbit.bench.m5",                  # M5 tensor-op kernels vs the portable ones (mps on an M5)
 }
 DEFAULT_SUITE = "layer"

@@ -19,11 +19,15 @@ GPU thread and groups them into SIMD instructions. Per op call and shape it prin
 
 Goals for the decode kernels (M = 1 fp8 GEMV, grouped decode (fp8, 4-bit), int8 GEMV, 4-bit GEMV): read <= 1.02 x ideal, line use
 >= 90% and >= 4 threadgroups per core (also at N = 1024, a Llama-3-8B k/v projection); for the multi-row fp8
-GEMV (M = 8): act/w <= 1 (pass/fail columns). Ops whose Metal kernel does not exist yet are listed and skipped.
+GEMV (M = 8): act/w <= 1 (pass/fail columns). For the M5 tensor-op GEMMs (run under emulator.device_caps of an
+M5): weight bytes read <= ceil(M / BM) x the weight and activation bytes loaded <= ceil(N / BN) x the activations,
+the ideal of BM x BN output tiles (tile<=1x; weights within 1.02x, counted in sectors). Ops whose Metal kernel does not exist yet are listed and skipped.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import shutil
 import subprocess
@@ -49,6 +53,8 @@ class Case:
     ideal: Callable[[tuple], int]  # args -> ideal bytes read
     decode: bool                   # the decode goals apply (read, line use, threadgroups per core)
     act_goal: bool = False         # the activation-reuse goal applies (multi-row GEMV)
+    caps: Optional[dict] = None    # emulator.device_caps to run under (the M5 cases)
+    tile: Optional[tuple] = None   # (BM, BN): the tile ideal applies (weight and activations reread per tile)
 
 
 @dataclass
@@ -61,6 +67,8 @@ class Measured:
     weight_line_bytes: int = 0
     weight_used_bytes: int = 0
     weight_loaded: int = 0      # bytes the lanes requested, every load instruction counted
+    weight_read: int = 0        # weight bytes read, per threadgroup (32 B sectors)
+    tile_limits: Optional[tuple] = None  # (weight, activation) bytes of the tile ideal
     activation_loaded: int = 0
     threadgroups: int = 0
     skipped: Optional[str] = None
@@ -92,8 +100,26 @@ def buffer_read_bytes(buf: dict) -> int:
     return sectors * SECTOR
 
 
+def tile_limits(case: Case, args: tuple) -> Optional[tuple]:
+    """(weight, activation) bytes of BM x BN output tiles: each weight row once per row tile of x, each
+    activation row once per column tile of the weight."""
+    if case.tile is None:
+        return None
+    bm, bn = case.tile
+    x, w = args[0], args[2] if case.op == "int8_mm" else args[1]
+    M, N = x.shape[0], w.shape[-2]
+    return math.ceil(M / bm) * nbytes(w), math.ceil(N / bn) * nbytes(x)
+
+
+def tile_ok(m: Measured) -> bool:
+    """Weights within READ_GOAL of the tile ideal (reads count whole 32 B sectors, and rows of K bytes need not
+    start on one); activations (bytes the lanes load) at most the tile ideal."""
+    w_limit, x_limit = m.tile_limits
+    return m.weight_read <= READ_GOAL * w_limit and m.activation_loaded <= x_limit
+
+
 def summarize(case: Case, args: tuple, launches: List[dict]) -> Measured:
-    m = Measured(case, launches, ideal=case.ideal(args))
+    m = Measured(case, launches, ideal=case.ideal(args), tile_limits=tile_limits(case, args))
     for rec in launches:
         gx, gy, gz = rec["grid"]
         m.threadgroups += gx * gy * gz
@@ -104,6 +130,8 @@ def summarize(case: Case, args: tuple, launches: List[dict]) -> Measured:
                 elif buf["name"] in ACTIVATION_ARGS:
                     m.activation_loaded += buf["read"]["requested"]
             m.read += buffer_read_bytes(buf)
+            if buf["name"] in WEIGHT_ARGS:
+                m.weight_read += buffer_read_bytes(buf)
             if buf["kind"] != "value":
                 m.written += buf["write"]["sectors"] * SECTOR
             if buf["name"] in WEIGHT_ARGS:
@@ -119,7 +147,11 @@ def _fp8(shape, gen):
     return b
 
 
-def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024, rows: int = 8) -> List[Case]:
+M5 = dict(apple_family=10, msl_version=400)
+
+
+def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024, rows: int = 8,
+          prefill: int = 128) -> List[Case]:
     gen = torch.Generator().manual_seed(0)
     bn = bk = 128
 
@@ -222,13 +254,24 @@ def cases(N: int, K: int, experts: int = 8, tokens: int = 4, small_N: int = 1024
         Case(f"fp8_dequantize N={N} K={K} per-channel -> bf16", "fp8_dequantize",
              lambda: (_fp8((N, K), gen), torch.rand(N, generator=gen) + 0.5, None, torch.bfloat16), dequant_ideal,
              False),
+        # prefill on M5's tensor units (matmul2d, 64 x 64 tiles): the tile ideal
+        Case(f"int8_mm M={prefill} N={N} K={K} M5", "int8_mm",
+             lambda: (torch.randint(-127, 128, (prefill, K), dtype=torch.int8, generator=gen),
+                      torch.rand(prefill) + 0.5, torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen),
+                      torch.rand(N, generator=gen) + 0.5, None, torch.bfloat16), int8_ideal, False,
+             caps=M5, tile=(64, 64)),
+        Case(f"fp8_mm M={prefill} N={N} K={K} block {bn}x{bk} bf16 M5", "fp8_mm",
+             lambda: (x(prefill), _fp8((N, K), gen), torch.rand(*blocks(N, K), generator=gen) + 0.5, None, [bn, bk]),
+             fp8_mm_ideal, False, caps=M5, tile=(64, 64)),
     ]
 
 
 def measure(case: Case, trace) -> Measured:
+    from .. import emulator
     args = case.make()
     try:
-        getattr(torch.ops.lowbit_emu, case.op)(*args)
+        with emulator.device_caps(**case.caps) if case.caps else contextlib.nullcontext():
+            getattr(torch.ops.lowbit_emu, case.op)(*args)
     except NotImplementedError as e:
         trace.take()
         m = Measured(case)
@@ -250,7 +293,7 @@ def format_table(rows: List[Measured], bandwidth_gbs: float, efficiency: float, 
     bw = bandwidth_gbs * 1e9 * efficiency
     head = (f"{'op call':<56} {'kernels':<28} {'read MB':>9} {'ideal MB':>9} {'x ideal':>8} {'line use':>9} "
             f"{'write MB':>9} {'time us':>8} {'tg/core':>8} {'act/w':>6} {'read<=1.02x':>11} {'lines>=90%':>10} "
-            f"{'tg/core>=4':>10} {'act/w<=1':>8}")
+            f"{'tg/core>=4':>10} {'act/w<=1':>8} {'tile<=1x':>8}")
     out = [head, "-" * len(head)]
     for m in rows:
         if m.skipped:
@@ -266,12 +309,14 @@ def format_table(rows: List[Measured], bandwidth_gbs: float, efficiency: float, 
         if m.case.act_goal:
             ok_act = _goal(m.act_per_weight <= ACT_PER_WEIGHT_GOAL)
         act = f"{m.act_per_weight:.2f}" if m.activation_loaded else "-"
+        ok_tile = _goal(tile_ok(m)) if m.tile_limits else "-"
         out.append(f"{m.case.label:<56} {kernels:<28} {_mb(m.read):>9} {_mb(m.ideal):>9} {m.read_ratio:>8.3f} "
                    f"{100 * m.line_use:>8.1f}% {_mb(m.written):>9} {time_us:>8.1f} {m.tg_per_core(cores):>8.1f} "
-                   f"{act:>6} {ok_read:>11} {ok_lines:>10} {ok_tg:>10} {ok_act:>8}")
+                   f"{act:>6} {ok_read:>11} {ok_lines:>10} {ok_tg:>10} {ok_act:>8} {ok_tile:>8}")
     out.append(f"time: (read + written) / ({bandwidth_gbs:g} GB/s x {efficiency:.0%}); read counts 32 B sectors, "
                f"the weight per threadgroup, other buffers once per launch; tg/core: threadgroups / {cores} cores; "
-               f"act/w: activation / weight bytes loaded by the lanes")
+               f"act/w: activation / weight bytes loaded by the lanes; tile<=1x: weight read <= ceil(M / BM) x weight "
+               f"and activations loaded <= ceil(N / BN) x activations")
     return "\n".join(out)
 
 
@@ -311,6 +356,7 @@ def run(argv) -> int:
     p.add_argument("--small-N", type=int, default=1024,
                    help="output features of the small decode cases (default 1024, a Llama-3-8B k/v projection)")
     p.add_argument("--rows", type=int, default=8, help="activation rows of the multi-row fp8 case (default 8)")
+    p.add_argument("--prefill", type=int, default=128, help="activation rows of the M5 prefill cases (default 128)")
     p.add_argument("--cores", type=int, default=40, help="GPU cores for tg/core (default 40)")
     p.add_argument("--bandwidth", type=float, default=400.0, help="GB/s (default 400)")
     p.add_argument("--efficiency", type=float, default=0.85, help="share of peak bandwidth reached (default 0.85)")
@@ -323,7 +369,7 @@ def run(argv) -> int:
         return 0
     rows = []
     with emulator.traced() as trace:
-        for case in cases(a.N, a.K, a.experts, a.tokens, a.small_N, a.rows):
+        for case in cases(a.N, a.K, a.experts, a.tokens, a.small_N, a.rows, a.prefill):
             if a.only and a.only not in case.label:
                 continue
             m = measure(case, trace)
