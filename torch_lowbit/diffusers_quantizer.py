@@ -202,22 +202,71 @@ def _build_saved_layers(model, files):
 
 # ------------------------------------------------------------------------------------------------ single files
 def _from_single_file_call():
-    """(model class, the file as the caller named it) of the ``from_single_file`` call under way, read from its frame
-    (the quantizer is handed only the file's tensors); (None, None) where there is none."""
+    """(its locals, the file as the caller named it) of the ``from_single_file`` call under way, read from its frame
+    (the quantizer is handed only the file's tensors); ({}, None) where there is none."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "from_single_file" and "pretrained_model_link_or_path_or_dict" in frame.f_locals:
             where = frame.f_locals["pretrained_model_link_or_path_or_dict"]
-            return frame.f_locals.get("cls"), (os.fspath(where) if isinstance(where, (str, os.PathLike)) else None)
+            return dict(frame.f_locals), (os.fspath(where) if isinstance(where, (str, os.PathLike)) else None)
         frame = frame.f_back
-    return None, None
+    return {}, None
+
+
+def _check_conversion(call: dict, lazy: "_LazyCheckpoint"):
+    """Run diffusers' conversion for the model class being loaded on a copy of the lazy tensors (nothing is read):
+    where it fails, and the file is not already in the model's own names (which diffusers loads unconverted), the
+    error names the file and the tensors it holds, not a bare IndexError from inside the conversion."""
+    from diffusers.loaders import single_file_model as sfm
+
+    cls = call.get("cls")
+    mapping = sfm._get_single_file_loadable_mapping_class(cls) if isinstance(cls, type) else None
+    if mapping is None:
+        return
+    config = _model_config(cls, call)
+    try:
+        sfm.SINGLE_FILE_LOADABLE_CLASSES[mapping]["checkpoint_mapping_fn"](
+            config=config, checkpoint=_LazyCheckpoint(lazy, where=lazy.where, model=lazy.model))
+        return
+    except _MissingTensor:
+        raise
+    except Exception as e:  # the conversion's own failure on tensors that are not its model's
+        failure = e
+    if _model_keys(cls, config) == set(lazy):
+        return
+    raise CheckpointError(f"{lazy.where}: its tensors ({', '.join(repr(k) for k in list(lazy)[:3])}, ...) match no "
+                          f"layout diffusers converts to {cls.__name__} (its conversion failed: "
+                          f"{type(failure).__name__}: {failure})")
+
+
+def _model_config(cls, call: dict):
+    """The diffusers config the caller named (``config=``), as from_single_file reads it; None without one."""
+    try:
+        return cls.load_config(call["config"], subfolder=call.get("subfolder"),
+                               local_files_only=call.get("local_files_only"), token=call.get("token"),
+                               revision=call.get("config_revision"))
+    except Exception:
+        return None
+
+
+def _model_keys(cls, config) -> set:
+    """The state-dict keys of `cls` built from `config` (on meta), or an empty set."""
+    try:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            return set(cls.from_config(config).state_dict())
+    except Exception:
+        return set()
 
 
 class _LazyCheckpoint(dict):
     """The file's tensors as diffusers' conversion sees them: a tensor it asks for and the file lacks is an error
     naming the file and the tensor."""
-    where = "the checkpoint"
-    model = "the model"
+
+    def __init__(self, items=(), where="the checkpoint", model="the model"):
+        super().__init__(items)
+        self.where, self.model = where, model
 
     def _missing(self, key):
         return _MissingTensor(f"{self.where} has no tensor {key!r}, which diffusers needs to build {self.model} from "
@@ -247,17 +296,17 @@ class _SingleFile:
     def __init__(self, checkpoint, config: TorchLowbitConfig):
         from .formats.diffusion import FORMAT, check_dtypes
 
-        cls, path = _from_single_file_call()
+        call, path = _from_single_file_call()
+        cls = call.get("cls")
         self.config = config
         self.src: Source = _file_source(path, checkpoint) or StateDictSource(checkpoint)
         self.where = path if path is not None else "the state dict passed to from_single_file"
         check_dtypes(self.src, self.where)
         self.fmt = FORMAT.from_tensors(self.src)  # None: no fp8 tensor (a dense file: quantized like from_pretrained)
-        self.lazy = _LazyCheckpoint((k, LazyTensor.leaf(k, self.src.dtype(k), self.src.shape(k)))
-                                    for k in self.src.keys())
-        self.lazy.where = self.where
-        if cls is not None:
-            self.lazy.model = cls.__name__
+        self.lazy = _LazyCheckpoint(((k, LazyTensor.leaf(k, self.src.dtype(k), self.src.shape(k)))
+                                     for k in self.src.keys()), self.where,
+                                    cls.__name__ if isinstance(cls, type) else "the model")
+        _check_conversion(call, self.lazy)
         self._scale_keys = set()
         if self.fmt is not None:
             suffixes = (f".{self.fmt.scale_key}",) + tuple(f".{e}" for e in self.fmt.extra_keys)
