@@ -108,7 +108,8 @@ def test_modules_to_not_convert_replaces_the_diffusion_rule(saved_dense):
 
 def test_4bit_weights_are_refused_by_name(saved_dense):
     dense, path = saved_dense["flux"]
-    with pytest.raises(ValueError, match=r"TorchLowbitConfig\(weights='int4'\) in diffusers: .*torch_lowbit\.quantize_\(model, torch_lowbit\.Int4WeightOnly"):
+    with pytest.raises(ValueError, match=r"TorchLowbitConfig\(weights='int4'\) in diffusers: .*"
+                                         r"torch_lowbit\.quantize_\(model, torch_lowbit\.Int4WeightOnly"):
         dense.from_pretrained(path, quantization_config=torch_lowbit.TorchLowbitConfig("int4"))
 
 
@@ -168,7 +169,7 @@ def flux_layout(double=1, single=1, in_channels=4, text_dim=32, pooled_dim=32, h
     return out
 
 
-def write_flux_fp8(path, layout: str, seed: int = 0, drop=()):
+def write_flux_fp8(path, layout: str, seed: int = 0):
     """A FLUX FP8 file: every linear weight float8_e4m3fn (random codes of |w| <= 0.234, never NaN), biases and norm
     scales bf16. "raw": no scales (Kijai's e4m3fn repacks); "comfy": ComfyUI's scaled fp8 -- a ``scale_weight`` per
     weight (powers of two and thirds, [1] or 0-d), ``scale_input`` on some, the ``scaled_fp8`` marker."""
@@ -188,21 +189,25 @@ def write_flux_fp8(path, layout: str, seed: int = 0, drop=()):
             sd[key] = (torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16)
     if layout == "comfy":
         sd["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
-    for key in drop:
-        del sd[key]
     save_file(sd, str(path))
     return os.path.getsize(path)
 
 
 @pytest.fixture(scope="module")
-def flux_files(tmp_path_factory):
-    """Raw and ComfyUI-scaled FLUX FP8 files of one double and one single block (about 500 MB each), written once,
-    and a directory holding the diffusers config."""
-    root = tmp_path_factory.mktemp("flux-fp8")
-    config_dir = root / "config"
-    os.makedirs(config_dir)
+def flux_config_dir(tmp_path_factory):
+    """A directory holding the diffusers config of the FLUX files below (from_single_file's config=)."""
+    config_dir = tmp_path_factory.mktemp("flux-config")
     with open(config_dir / "config.json", "w") as f:
         json.dump(dict(FLUX_CONFIG, _class_name="FluxTransformer2DModel"), f)
+    return config_dir
+
+
+@pytest.fixture(scope="module")
+def flux_files(tmp_path_factory, flux_config_dir):
+    """Raw and ComfyUI-scaled FLUX FP8 files of one double and one single block (about 500 MB each), written once,
+    and the directory holding their diffusers config."""
+    root = tmp_path_factory.mktemp("flux-fp8")
+    config_dir = flux_config_dir
     files = {layout: root / f"flux-{layout}.safetensors" for layout in ("raw", "comfy")}
     for layout, path in files.items():
         write_flux_fp8(path, layout)
@@ -228,7 +233,7 @@ def _dequantized_file(path):
             t = f.get_tensor(k)
             if t.dtype == torch.float8_e4m3fn:
                 skey = k[:-len("weight")] + "scale_weight"
-                t = t.double() * (f.get_tensor(skey).double() if skey in keys else 1.0)
+                t = t.float() * (f.get_tensor(skey).float() if skey in keys else 1.0)  # rounded once
             out[k] = t.float()
     return out
 
@@ -270,9 +275,18 @@ def test_single_fp8_file_loads_within_its_size(flux_files, layout, tmp_path):
     assert size >= 200e6
     load = ("model = diffusers.FluxTransformer2DModel.from_single_file(sys.argv[1], config=sys.argv[2], "
             "quantization_config=torch_lowbit.TorchLowbitConfig('fp8'))")
+    warmup = """
+        import torch, diffusers, torch_lowbit
+        from safetensors.torch import save_file
+        save_file({"img_in.weight": torch.ones(2, 2).to(torch.float8_e4m3fn)}, "warmup.safetensors")
+        try:  # refused (no FLUX layout): pays the imports and diffusers' single-file machinery
+            diffusers.FluxTransformer2DModel.from_single_file("warmup.safetensors", config=sys.argv[2],
+                                                              quantization_config=torch_lowbit.TorchLowbitConfig("fp8"))
+        except torch_lowbit.formats.CheckpointError:
+            pass"""
     growth, (held,) = peak_growth(
-        tmp_path, warmup=f"import torch, diffusers, torch_lowbit\n{load}\ndel model",  # the same load: its caches
-        load=load, report=["sum(b.numel() for n, b in model.named_buffers() if n.endswith('.weight'))"],
+        tmp_path, warmup=warmup, load=load,
+        report=["sum(b.numel() for n, b in model.named_buffers() if n.endswith('.weight'))"],
         args=(files[layout], config_dir))
     assert held >= 0.95 * size  # the model holds the fp8 weights as stored
     assert growth <= 1.1 * size, f"loading peaked {growth / 1e6:.0f} MB above the baseline for a " \
@@ -285,28 +299,36 @@ def _single(path, config_dir):
                                                              quantization_config=CONFIG["fp8"]())
 
 
-def test_single_file_of_another_model_is_refused_naming_file_and_tensors(flux_files, tmp_path):
+def test_single_file_of_another_model_is_refused_naming_file_and_tensors(flux_config_dir, tmp_path):
     path = tmp_path / "unet.safetensors"
     save_file({"down.0.conv.weight": torch.ones(4, 4, 3, 3).to(torch.float8_e4m3fn), "down.0.conv.bias": torch.ones(4)},
               str(path))
     with pytest.raises(CheckpointError, match=rf"{path}: its tensors \('down.0.conv.bias', 'down.0.conv.weight'.* "
                                               r"match no layout diffusers converts to FluxTransformer2DModel"):
-        _single(path, flux_files[1])
+        _single(path, flux_config_dir)
 
 
-def test_single_file_mixing_fp8_formats_is_refused_naming_the_tensor(flux_files, tmp_path):
+def test_single_file_mixing_fp8_formats_is_refused_naming_the_tensor(flux_config_dir, tmp_path):
     path = tmp_path / "mixed.safetensors"
     save_file({"img_in.weight": torch.ones(H, 4).to(torch.float8_e4m3fn),
                "txt_in.weight": torch.ones(H, 32).to(torch.float8_e5m2)}, str(path))
     with pytest.raises(CheckpointError, match=rf"{path}: tensor 'txt_in.weight' is torch.float8_e5m2 beside "
                                               r"float8_e4m3fn tensors \(a mixed-dtype file\)"):
-        _single(path, flux_files[1])
+        _single(path, flux_config_dir)
 
 
-def test_scaled_single_file_missing_a_scale_is_refused_naming_the_tensor(flux_files, tmp_path):
+@pytest.mark.parametrize("marker", [True, False])
+def test_scaled_single_file_missing_a_scale_is_refused_naming_the_tensor(flux_config_dir, tmp_path, marker):
+    """Refused before anything is read: one missing scale in a scaled file (one holding scales, or ComfyUI's marker)
+    is never a silent scale of 1."""
     path = tmp_path / "comfy-missing.safetensors"
-    write_flux_fp8(path, "comfy", drop=["double_blocks.0.img_attn.qkv.scale_weight"])
+    codes = torch.ones(8, 4).to(torch.float8_e4m3fn)
+    sd = {"img_in.weight": codes.clone(), "img_in.scale_weight": torch.tensor(0.5),
+          "double_blocks.0.img_attn.qkv.weight": codes}
+    if marker:
+        sd = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn), "double_blocks.0.img_attn.qkv.weight": codes}
+    save_file(sd, str(path))
     with pytest.raises(CheckpointError, match=rf"{path}: tensor 'double_blocks.0.img_attn.qkv.weight' is "
                                               r"float8_e4m3fn but its scale 'double_blocks.0.img_attn.qkv.scale_weight' "
                                               r"is missing"):
-        _single(path, flux_files[1])
+        _single(path, flux_config_dir)

@@ -294,7 +294,7 @@ class _SingleFile:
     path, else from the tensors it passed), its diffusion FP8 format and the lazy stand-ins diffusers converts."""
 
     def __init__(self, checkpoint, config: TorchLowbitConfig):
-        from .formats.diffusion import FORMAT, check_dtypes
+        from .formats.diffusion import FORMAT, check_dtypes, check_scales
 
         call, path = _from_single_file_call()
         cls = call.get("cls")
@@ -303,6 +303,8 @@ class _SingleFile:
         self.where = path if path is not None else "the state dict passed to from_single_file"
         check_dtypes(self.src, self.where)
         self.fmt = FORMAT.from_tensors(self.src)  # None: no fp8 tensor (a dense file: quantized like from_pretrained)
+        if self.fmt is not None:
+            check_scales(self.src, self.fmt, self.where)
         self.lazy = _LazyCheckpoint(((k, LazyTensor.leaf(k, self.src.dtype(k), self.src.shape(k)))
                                      for k in self.src.keys()), self.where,
                                     cls.__name__ if isinstance(cls, type) else "the model")

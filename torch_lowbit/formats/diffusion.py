@@ -55,12 +55,8 @@ def weight_scale(src: Source, fmt: QuantFormat, key: str, where: str) -> torch.T
     ``scale_weight`` / ``weight_scale`` tensor, ``[1]`` (per tensor) or ``[N]`` (per row); 1 in a raw e4m3 file.
     In a scaled file (one holding such scales or ComfyUI's ``scaled_fp8`` marker) every fp8 weight has its scale:
     a missing one is an error naming the file and the tensor, never a silent scale of 1."""
-    skey = key.rsplit(".", 1)[0] + "." + fmt.scale_key
-    if skey not in src:
-        if fmt.details.get("kind") != "raw e4m3 (scale 1)":
-            raise CheckpointError(f"{where}: tensor {key!r} is float8_e4m3fn but its scale {skey!r} is missing, and "
-                                  f"this is a scaled fp8 file ({fmt.details.get('kind')}): each fp8 weight needs its "
-                                  f"scale")
+    skey = _scale_key(src, fmt, key, where)
+    if skey is None:
         return torch.ones(1)
     scale = src.get(skey)
     rows = src.shape(key)[0] if src.shape(key) else 1
@@ -68,3 +64,22 @@ def weight_scale(src: Source, fmt: QuantFormat, key: str, where: str) -> torch.T
         raise CheckpointError(f"{where}: {skey!r} must be a floating-point scale of one value or one per row "
                               f"({rows}) of {key!r}, got {scale.dtype} of shape {list(scale.shape)}")
     return scale.to(torch.float32).reshape(-1)
+
+
+def _scale_key(src: Source, fmt: QuantFormat, key: str, where: str):
+    """The key of `key`'s scale, None in a raw file; in a scaled file a missing one is an error."""
+    skey = key.rsplit(".", 1)[0] + "." + fmt.scale_key
+    if skey not in src:
+        if fmt.details.get("kind") != "raw e4m3 (scale 1)":
+            raise CheckpointError(f"{where}: tensor {key!r} is float8_e4m3fn but its scale {skey!r} is missing, and "
+                                  f"this is a scaled fp8 file ({fmt.details.get('kind')}): each fp8 weight needs its "
+                                  f"scale")
+        return None
+    return skey
+
+
+def check_scales(src: Source, fmt: QuantFormat, where: str):
+    """Every float8_e4m3fn weight of a scaled file has its scale (before anything is read)."""
+    for k in src.keys():
+        if k.endswith(".weight") and src.dtype(k) == torch.float8_e4m3fn:
+            _scale_key(src, fmt, k, where)
