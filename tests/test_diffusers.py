@@ -98,6 +98,34 @@ def test_save_pretrained_then_reload(saved_dense, model, scheme, tmp_path):
     assert _rel(_run(again, x), _run(q, x)) < 1e-6
 
 
+def test_reload_in_a_fresh_process(saved_dense, tmp_path):
+    """A user's reflex: save, then reload in a new Python that imports diffusers and torch_lowbit (no config made):
+    the same layers, the same output."""
+    import subprocess
+    import sys
+
+    dense, path = saved_dense["flux"]
+    q = _load(type(dense), path, "fp8")
+    q.save_pretrained(tmp_path / "saved")
+    x = MODELS["flux"][1](torch.Generator().manual_seed(1))
+    save_file({**{k: v.contiguous() for k, v in x.items()}, "expected": _run(q, x)}, str(tmp_path / "io.safetensors"))
+    script = """if True:
+        import sys, torch, diffusers, torch_lowbit
+        from safetensors.torch import load_file, save_file
+        io = load_file(sys.argv[2])
+        expected = io.pop("expected")
+        model = diffusers.FluxTransformer2DModel.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+        assert isinstance(model.transformer_blocks[0].attn.to_q, torch_lowbit.nn.Fp8Linear)
+        with torch.no_grad():
+            y = model(**io, return_dict=False)[0]
+        print(float((y - expected).abs().max() / expected.abs().max()))"""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(torch_lowbit.__file__)))
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "saved"), str(tmp_path / "io.safetensors")],
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < 1e-6
+
+
 def test_modules_to_not_convert_replaces_the_diffusion_rule(saved_dense):
     dense, path = saved_dense["flux"]
     q = dense.from_pretrained(path, quantization_config=torch_lowbit.TorchLowbitConfig(
