@@ -48,8 +48,8 @@ class LazyTensor(torch.Tensor):
         return out  # shapes, dtypes, numbers
 
     def __repr__(self):
-        return f"LazyTensor({self._recipe[1] if self._recipe[0] == 'leaf' else self._recipe[1]}, " \
-               f"{self.dtype}, {list(self.shape)})"
+        made = self._recipe[1] if self._recipe[0] == "leaf" else getattr(self._recipe[1], "__name__", "op")
+        return f"LazyTensor({made}, {self.dtype}, {list(self.shape)})"
 
 
 def _made(out: torch.Tensor, func, args, kwargs, index) -> LazyTensor:
@@ -82,15 +82,50 @@ def evaluate(t: LazyTensor, leaf_value: Callable[[str], torch.Tensor]) -> torch.
     return out if index is None else out[index]
 
 
-def row_runs(t: LazyTensor, leaf_shape: Callable[[str], Tuple[int, ...]]) -> Optional[List[Tuple[str, int, int]]]:
-    """If every row of the 2-D `t` is a whole row of a 2-D checkpoint tensor of the same width, the runs
-    ``(key, start, stop)`` of consecutive rows they are, in `t`'s order; else None (``t`` is made some other way:
-    a transpose, a reshape, a dtype conversion, a cut along dim 1, arithmetic).
+# the ops that take whole rows (along dim 0) of 2-D tensors: func -> (position of its dim argument, its default)
+_DIM_ARG = {torch.chunk: (2, 0), torch.Tensor.chunk: (2, 0), torch.split: (2, 0), torch.Tensor.split: (2, 0),
+            torch.narrow: (1, None), torch.Tensor.narrow: (1, None), torch.cat: (1, 0), torch.concat: (1, 0),
+            torch.concatenate: (1, 0)}
+_NO_DIM = (torch.Tensor.contiguous, torch.Tensor.clone, torch.Tensor.detach)
 
-    Found by replaying `t`'s ops on tensors of row numbers (``[rows, 1]`` int64 per leaf): ops that select or
-    reorder rows carry them through, anything else fails or changes their dtype or shape."""
+
+def _takes_rows(func, args, kwargs) -> bool:
+    """Does this op (on 2-D tensors) only take or reorder whole rows?"""
+    if func in _NO_DIM:
+        return not kwargs or set(kwargs) <= {"memory_format"}
+    if func is torch.Tensor.__getitem__:
+        index = args[1]
+        rest = index[1:] if isinstance(index, tuple) else ()
+        first = index[0] if isinstance(index, tuple) and index else index
+        return (first is not Ellipsis and first is not None and not isinstance(first, bool)
+                and all(isinstance(r, slice) and r == slice(None) for r in rest))
+    if func not in _DIM_ARG:
+        return False
+    pos, default = _DIM_ARG[func]
+    dim = kwargs.get("dim", kwargs.get("axis", args[pos] if len(args) > pos else default))
+    return dim in (0, -2)
+
+
+def _only_rows(t: LazyTensor) -> bool:
+    if t._recipe[0] == "leaf":
+        return True
+    _, func, args, kwargs, _ = t._recipe
+    return _takes_rows(func, args, kwargs) and all(_only_rows(a) for a in _flat(args, kwargs)
+                                                   if isinstance(a, LazyTensor))
+
+
+def row_runs(t: LazyTensor, leaf_shape: Callable[[str], Tuple[int, ...]]) -> Optional[List[Tuple[str, int, int]]]:
+    """If `t` (2-D) is made of whole rows of 2-D checkpoint tensors of its width -- by renames, ``chunk`` /
+    ``split`` / ``narrow`` / indexing along dim 0 and ``cat`` along dim 0 --, the runs ``(key, start, stop)`` of
+    consecutive rows it takes, in its order; else None (a transpose, a reshape, a dtype conversion, a cut along
+    dim 1, arithmetic, ...).
+
+    Every op must be one of those (checked by name and dim), and which rows it takes is found by replaying them on
+    tensors of row numbers (``[rows, 1]`` int64 per leaf)."""
     keys = sorted(leaves(t))
     if t.dim() != 2 or any(len(leaf_shape(k)) != 2 or leaf_shape(k)[1] != t.shape[1] for k in keys):
+        return None
+    if not _only_rows(t):
         return None
     number = {k: i for i, k in enumerate(keys)}
 
