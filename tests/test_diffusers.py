@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import torch_lowbit
 from peak_memory import linux_only, peak_growth
@@ -20,7 +20,8 @@ from torch_lowbit.formats import CheckpointError
 from torch_lowbit.nn import Fp8Linear
 
 diffusers = pytest.importorskip("diffusers")
-from test_diffusion import LAYER, MODEL_ERR, MODELS, _image, _rel, _with_transformer, tiny_flux_pipeline  # noqa: E402,F401
+from test_diffusion import (LAYER, MODEL_ERR, MODELS, _image, _rel, _with_transformer,  # noqa: E402
+                            tiny_flux_pipeline)  # noqa: F401  (the fixture)
 
 CONFIG = {"fp8": lambda: torch_lowbit.TorchLowbitConfig("fp8"), "int8": lambda: torch_lowbit.TorchLowbitConfig("int8")}
 
@@ -169,7 +170,7 @@ def flux_layout(double=1, single=1, in_channels=4, text_dim=32, pooled_dim=32, h
         out.extend([(f"{name}.weight", (n, k), True), (f"{name}.bias", (n,), False)])
 
     def qk_norm(prefix):
-        out.extend([(f"{prefix}.query_norm.scale", (head_dim,), False), (f"{prefix}.key_norm.scale", (head_dim,), False)])
+        out.extend([(f"{prefix}.{norm}.scale", (head_dim,), False) for norm in ("query_norm", "key_norm")])
 
     linear("img_in", H, in_channels)
     linear("time_in.in_layer", H, 256)
@@ -244,25 +245,23 @@ def flux_files(tmp_path_factory, flux_config_dir):
 
 def _flux_inputs(g):
     S, T = 8, 4
-    return dict(hidden_states=torch.randn(1, S, 4, generator=g), encoder_hidden_states=torch.randn(1, T, 32, generator=g),
+    return dict(hidden_states=torch.randn(1, S, 4, generator=g),
+                encoder_hidden_states=torch.randn(1, T, 32, generator=g),
                 pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
                 img_ids=torch.randn(S, 3, generator=g), txt_ids=torch.randn(T, 3, generator=g))
 
 
-def _dequantized_file(path):
-    """The file as a dense float32 state dict, each fp8 weight times its scale (independent of torch_lowbit), and
+def _dequantized(tensors, scale_key="scale_weight"):
+    """A FLUX FP8 state dict as a dense float32 one, each fp8 weight times its scale (independent of torch_lowbit),
     without the scale tensors: what diffusers' own upcast load computes with for a scaled file."""
     out = {}
-    with safe_open(str(path), "pt") as f:
-        keys = set(f.keys())
-        for k in keys:
-            if k.endswith(("scale_weight", "scale_input", "scaled_fp8")):
-                continue
-            t = f.get_tensor(k)
-            if t.dtype == torch.float8_e4m3fn:
-                skey = k[:-len("weight")] + "scale_weight"
-                t = t.float() * (f.get_tensor(skey).float() if skey in keys else 1.0)  # rounded once
-            out[k] = t.float()
+    for k, t in tensors.items():
+        if k.endswith((scale_key, "scale_input", "scaled_fp8")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = tensors.get(k[:-len("weight")] + scale_key)
+            t = t.float() * (1.0 if scale is None else scale.float().reshape(-1, *[1] * (t.dim() - 1)))
+        out[k] = t.float()  # rounded once
     return out
 
 
@@ -287,10 +286,36 @@ def test_single_fp8_file_keeps_its_codes_and_matches_diffusers_upcast(flux_files
         ref = diffusers.FluxTransformer2DModel.from_single_file(str(files[layout]), config=str(config_dir),
                                                                 torch_dtype=torch.float32)
     else:  # diffusers ignores ComfyUI's scales: its load of the file with each weight times its scale
-        ref = diffusers.FluxTransformer2DModel.from_single_file(_dequantized_file(files[layout]),
+        ref = diffusers.FluxTransformer2DModel.from_single_file(_dequantized(load_file(str(files[layout]))),
                                                                 config=str(config_dir), torch_dtype=torch.float32)
     y_ref = _run(ref, x)
     assert torch.isfinite(y_ref).all() and _rel(y, y_ref) < 1e-5
+
+
+def test_single_fp8_state_dict_with_per_row_weight_scales(flux_files):
+    """``weight_scale`` layouts, here per row ([N]) on every other weight: a weight split by diffusers' conversion
+    keeps the scales of its own rows; a state dict (not a file) is read from the tensors given."""
+    files, config_dir = flux_files
+    sd = load_file(str(files["raw"]))
+    g = torch.Generator().manual_seed(2)
+    for i, k in enumerate([k for k, t in sd.items() if t.dtype == torch.float8_e4m3fn]):
+        rows = sd[k].shape[0] if i % 2 else 1
+        sd[k[:-len("weight")] + "weight_scale"] = 2.0 ** -torch.randint(0, 4, (rows,), generator=g).float()
+    model = diffusers.FluxTransformer2DModel.from_single_file(sd, config=str(config_dir), torch_dtype=torch.float32,
+                                                              quantization_config=CONFIG["fp8"]())
+    split = {"double_blocks.0.img_attn.qkv": model.transformer_blocks[0].attn.to_k,
+             "single_blocks.0.linear1": model.single_transformer_blocks[0].attn.to_k}
+    for key, layer in split.items():
+        scale = sd[f"{key}.weight_scale"]
+        assert torch.equal(layer.weight_scale, scale[H:2 * H] if scale.numel() > 1 else scale)
+        assert torch.equal(layer.weight.view(torch.uint8), sd[f"{key}.weight"].view(torch.uint8)[H:2 * H])
+    assert any(layer.weight_scale.numel() == H for layer in split.values())
+    x = _flux_inputs(torch.Generator().manual_seed(1))
+    y = _run(model, x)
+    del model
+    ref = diffusers.FluxTransformer2DModel.from_single_file(_dequantized(sd, "weight_scale"), config=str(config_dir),
+                                                            torch_dtype=torch.float32)
+    assert _rel(y, _run(ref, x)) < 1e-5
 
 
 @linux_only
@@ -305,7 +330,7 @@ def test_single_fp8_file_loads_within_its_size(flux_files, layout, tmp_path):
             "quantization_config=torch_lowbit.TorchLowbitConfig('fp8'))")
     warmup = """
         import torch, diffusers, torch_lowbit
-        from safetensors.torch import save_file
+        from safetensors.torch import load_file, save_file
         save_file({"img_in.weight": torch.ones(2, 2).to(torch.float8_e4m3fn)}, "warmup.safetensors")
         try:  # refused (no FLUX layout): pays the imports and diffusers' single-file machinery
             diffusers.FluxTransformer2DModel.from_single_file("warmup.safetensors", config=sys.argv[2],
@@ -357,6 +382,6 @@ def test_scaled_single_file_missing_a_scale_is_refused_naming_the_tensor(flux_co
         sd = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn), "double_blocks.0.img_attn.qkv.weight": codes}
     save_file(sd, str(path))
     with pytest.raises(CheckpointError, match=rf"{path}: tensor 'double_blocks.0.img_attn.qkv.weight' is "
-                                              r"float8_e4m3fn but its scale 'double_blocks.0.img_attn.qkv.scale_weight' "
-                                              r"is missing"):
+                                              r"float8_e4m3fn but its scale "
+                                              r"'double_blocks.0.img_attn.qkv.scale_weight' is missing"):
         _single(path, flux_config_dir)

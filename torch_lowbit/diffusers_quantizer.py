@@ -63,9 +63,10 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
     def validate_environment(self, *args, **kwargs):
         weights = self.quantization_config.weights
         if weights not in DIFFUSERS_WEIGHTS:
+            w4 = type(self.quantization_config.quantize_config()).__name__
             raise ValueError(f"TorchLowbitConfig(weights={weights!r}) in diffusers: its loader makes "
                              f"{' / '.join(DIFFUSERS_WEIGHTS)} layers; quantize a loaded diffusers model to 4 bits "
-                             f"with torch_lowbit.quantize_(model, torch_lowbit.{self.quantization_config.quantize_config().__class__.__name__}(...))")
+                             f"with torch_lowbit.quantize_(model, torch_lowbit.{w4}(...))")
 
     def update_torch_dtype(self, torch_dtype):
         return torch.bfloat16 if torch_dtype is None else torch_dtype
@@ -294,7 +295,7 @@ class _SingleFile:
     path, else from the tensors it passed), its diffusion FP8 format and the lazy stand-ins diffusers converts."""
 
     def __init__(self, checkpoint, config: TorchLowbitConfig):
-        from .formats.diffusion import FORMAT, check_dtypes, check_scales
+        from .formats.diffusion import FORMAT, MARKER, check_dtypes, check_scales
 
         call, path = _from_single_file_call()
         cls = call.get("cls")
@@ -312,7 +313,7 @@ class _SingleFile:
         self._scale_keys = set()
         if self.fmt is not None:
             suffixes = (f".{self.fmt.scale_key}",) + tuple(f".{e}" for e in self.fmt.extra_keys)
-            self._scale_keys = {k for k in self.src.keys() if k.endswith(suffixes) or k.rsplit(".", 1)[-1] == "scaled_fp8"}
+            self._scale_keys = {k for k in self.src.keys() if k.endswith(suffixes) or k.rsplit(".", 1)[-1] == MARKER}
 
     def consume_scales(self, converted):
         """Drop from diffusers' converted dict what only the fp8 weights use (scales, ComfyUI's marker and input
