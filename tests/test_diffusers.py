@@ -295,6 +295,15 @@ def test_single_fp8_file_keeps_its_codes_and_matches_diffusers_upcast(flux_files
                                                                 config=str(config_dir), torch_dtype=torch.float32)
     y_ref = _run(ref, x)
     assert torch.isfinite(y_ref).all() and _rel(y, y_ref) < 1e-5
+    if layout == "raw":  # the same file in diffusers' own names (no conversion runs): the same model
+        linear = {f"{n}.weight" for n, m in ref.named_modules() if isinstance(m, nn.Linear)}
+        own = {k: v.to(torch.float8_e4m3fn) if k in linear else v for k, v in ref.state_dict().items()}
+        del ref
+        model = diffusers.FluxTransformer2DModel.from_single_file(own, config=str(config_dir),
+                                                                  quantization_config=CONFIG["fp8"](),
+                                                                  torch_dtype=torch.float32)
+        assert isinstance(model.single_transformer_blocks[0].attn.to_k, Fp8Linear)
+        assert _rel(_run(model, x), y) < 1e-6
 
 
 def test_single_fp8_state_dict_with_per_row_weight_scales(flux_files):
@@ -392,4 +401,13 @@ def test_scaled_single_file_missing_a_scale_is_refused_naming_the_tensor(flux_co
     with pytest.raises(CheckpointError, match=rf"{path}: tensor 'double_blocks.0.img_attn.qkv.weight' is "
                                               r"float8_e4m3fn but its scale "
                                               r"'double_blocks.0.img_attn.qkv.scale_weight' is missing"):
+        _single(path, flux_config_dir)
+
+
+def test_single_file_of_a_near_miss_is_refused_naming_the_missing_tensor(flux_config_dir, tmp_path):
+    """A FLUX-like file lacking a tensor diffusers' conversion needs: the error names the file and that tensor."""
+    path = tmp_path / "partial.safetensors"
+    save_file({k: torch.zeros(1) for k, _, _ in flux_layout() if k != "vector_in.out_layer.weight"}, str(path))
+    with pytest.raises(CheckpointError, match=rf"{path} has no tensor 'vector_in.out_layer.weight', which diffusers "
+                                              r"needs to build FluxTransformer2DModel from it"):
         _single(path, flux_config_dir)

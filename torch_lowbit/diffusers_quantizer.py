@@ -138,8 +138,8 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
         linear = model.get_submodule(name)
         dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         dense.weight = nn.Parameter(weight, requires_grad=False)
-        layer = _handler_for(self.quantization_config.quantize_config())(dense, self.quantization_config
-                                                                        .quantize_config())
+        config = self.quantization_config.quantize_config()
+        layer = _handler_for(config)(dense, config)
         if linear.bias is not None:
             layer.bias = linear.bias if linear.bias.is_meta else frozen_bias(linear.bias.detach().to(weight.device))
         model.set_submodule(name, layer)
@@ -192,7 +192,7 @@ def _build_saved_layers(model, files):
             if layer_cls is Fp8Linear:
                 g = infer_granularity(src.shape(key), N, K, None, what=key)
                 layer = Fp8Linear(K, N, bias, granularity=g, block_size=g.block_size, device="meta")
-                if src.dtype(key) != torch.float32 or tuple(src.shape(key)) != tuple(layer.weight_scale.shape):
+                if tuple(src.shape(key)) != tuple(layer.weight_scale.shape):  # [N, 1] or 0-d, as stored
                     layer.weight_scale = torch.empty(src.shape(key), device="meta")
             else:
                 layer = Int8Linear(K, N, bias, device="meta")
@@ -229,12 +229,12 @@ def _check_conversion(call: dict, lazy: "_LazyCheckpoint"):
         sfm.SINGLE_FILE_LOADABLE_CLASSES[mapping]["checkpoint_mapping_fn"](
             config=config, checkpoint=_LazyCheckpoint(lazy, where=lazy.where, model=lazy.model))
         return
-    except _MissingTensor:
-        raise
     except Exception as e:  # the conversion's own failure on tensors that are not its model's
         failure = e
     if _model_keys(cls, config) == set(lazy):
         return
+    if isinstance(failure, _MissingTensor):  # names the file and the tensor the conversion asked for
+        raise failure
     raise CheckpointError(f"{lazy.where}: its tensors ({', '.join(repr(k) for k in list(lazy)[:3])}, ...) match no "
                           f"layout diffusers converts to {cls.__name__} (its conversion failed: "
                           f"{type(failure).__name__}: {failure})")
