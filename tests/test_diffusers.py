@@ -411,3 +411,34 @@ def test_single_file_of_a_near_miss_is_refused_naming_the_missing_tensor(flux_co
     with pytest.raises(CheckpointError, match=rf"{path} has no tensor 'vector_in.out_layer.weight', which diffusers "
                                               r"needs to build FluxTransformer2DModel from it"):
         _single(path, flux_config_dir)
+
+
+def test_without_diffusers_the_config_still_works_with_transformers():
+    import subprocess
+    import sys
+
+    script = """if True:
+        import sys
+        sys.modules["diffusers"] = None  # as if not installed
+        import torch_lowbit
+        config = torch_lowbit.TorchLowbitConfig("fp8")
+        from transformers.quantizers import AutoQuantizationConfig
+        assert type(AutoQuantizationConfig.from_dict(config.to_dict())) is type(config)
+        assert "torch_lowbit.diffusers_quantizer" not in sys.modules
+        print("ok")"""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(torch_lowbit.__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "ok", done.stderr[-3000:]
+
+
+def test_quant_method_is_one_value_for_both_libraries():
+    from diffusers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING as TF_CONFIGS
+
+    config = torch_lowbit.TorchLowbitConfig("int8")
+    method = config.quant_method
+    assert method == "torch_lowbit" and method.value == "torch_lowbit" and str(method) == "torch_lowbit"
+    assert json.loads(json.dumps(config.to_dict()))["quant_method"] == "torch_lowbit"
+    assert AUTO_QUANTIZATION_CONFIG_MAPPING[method] is TF_CONFIGS[method] is type(config)
+    assert AUTO_QUANTIZER_MAPPING["torch_lowbit"].__name__ == "TorchLowbitDiffusersQuantizer"

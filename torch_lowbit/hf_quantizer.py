@@ -176,11 +176,19 @@ class TorchLowbitHfQuantizer(HfQuantizer):
 
 
 def _register_with_diffusers():
-    """diffusers, where installed, takes the same config (its registration lives in diffusers_quantizer)."""
-    import importlib.util
-
-    if importlib.util.find_spec("diffusers") is not None:
+    """diffusers, where installed, takes the same config (its registration lives in diffusers_quantizer); where it
+    is absent, or too old to import it from, transformers' registration stands alone and a warning says why."""
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        return
+    try:
         from . import diffusers_quantizer  # noqa: F401
+    except ImportError as e:
+        import warnings
+
+        warnings.warn(f"torch_lowbit: TorchLowbitConfig is not registered with diffusers {diffusers.__version__}: {e}",
+                      stacklevel=2)
 
 
 _register_with_diffusers()
