@@ -6,6 +6,9 @@ bad files are refused naming the file and the tensor."""
 import copy
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -24,6 +27,15 @@ from test_diffusion import (LAYER, MODEL_ERR, MODELS, _image, _rel, _with_transf
                             tiny_flux_pipeline)  # noqa: F401  (the fixture)
 
 CONFIG = {"fp8": lambda: torch_lowbit.TorchLowbitConfig("fp8"), "int8": lambda: torch_lowbit.TorchLowbitConfig("int8")}
+
+
+def _python(script: str, *args) -> str:
+    """stdout of `script` run by a fresh Python (this torch_lowbit on its path); its stderr where it fails."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(torch_lowbit.__file__)))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def _load(cls, path, scheme, **kwargs):
@@ -102,15 +114,12 @@ def test_save_pretrained_then_reload(saved_dense, model, scheme, tmp_path):
 def test_reload_in_a_fresh_process(saved_dense, tmp_path):
     """A user's reflex: save, then reload in a new Python that imports diffusers and torch_lowbit (no config made):
     the same layers, the same output."""
-    import subprocess
-    import sys
-
     dense, path = saved_dense["flux"]
     q = _load(type(dense), path, "fp8")
     q.save_pretrained(tmp_path / "saved")
     x = MODELS["flux"][1](torch.Generator().manual_seed(1))
     save_file({**{k: v.contiguous() for k, v in x.items()}, "expected": _run(q, x)}, str(tmp_path / "io.safetensors"))
-    script = """if True:
+    out = _python("""
         import sys, torch, diffusers, torch_lowbit
         from safetensors.torch import load_file, save_file
         io = load_file(sys.argv[2])
@@ -119,12 +128,9 @@ def test_reload_in_a_fresh_process(saved_dense, tmp_path):
         assert isinstance(model.transformer_blocks[0].attn.to_q, torch_lowbit.nn.Fp8Linear)
         with torch.no_grad():
             y = model(**io, return_dict=False)[0]
-        print(float((y - expected).abs().max() / expected.abs().max()))"""
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(torch_lowbit.__file__)))
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "saved"), str(tmp_path / "io.safetensors")],
-                          capture_output=True, text=True, env=env, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.split()[-1]) < 1e-6
+        print(float((y - expected).abs().max() / expected.abs().max()))
+        """, tmp_path / "saved", tmp_path / "io.safetensors")
+    assert float(out.split()[-1]) < 1e-6
 
 
 def test_modules_to_not_convert_replaces_the_diffusion_rule(saved_dense):
@@ -414,10 +420,7 @@ def test_single_file_of_a_near_miss_is_refused_naming_the_missing_tensor(flux_co
 
 
 def test_without_diffusers_the_config_still_works_with_transformers():
-    import subprocess
-    import sys
-
-    script = """if True:
+    out = _python("""
         import sys
         sys.modules["diffusers"] = None  # as if not installed
         import torch_lowbit
@@ -425,11 +428,8 @@ def test_without_diffusers_the_config_still_works_with_transformers():
         from transformers.quantizers import AutoQuantizationConfig
         assert type(AutoQuantizationConfig.from_dict(config.to_dict())) is type(config)
         assert "torch_lowbit.diffusers_quantizer" not in sys.modules
-        print("ok")"""
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(torch_lowbit.__file__)))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert done.returncode == 0 and done.stdout.split()[-1] == "ok", done.stderr[-3000:]
+        print("ok")""")
+    assert out.split()[-1] == "ok"
 
 
 def test_quant_method_is_one_value_for_both_libraries():
