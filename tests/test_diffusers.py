@@ -360,10 +360,12 @@ def test_single_fp8_file_loads_within_its_size(flux_files, layout, tmp_path):
                                                               quantization_config=torch_lowbit.TorchLowbitConfig("fp8"))
         except torch_lowbit.formats.CheckpointError:
             pass"""
-    growth, (held,) = peak_growth(
+    growth, (held, not_bf16) = peak_growth(
         tmp_path, warmup=warmup, load=load,
-        report=["sum(b.numel() for n, b in model.named_buffers() if n.endswith('.weight'))"],
+        report=["sum(b.numel() for n, b in model.named_buffers() if n.endswith('.weight'))",
+                "sum(p.dtype != torch.bfloat16 for p in model.parameters())"],  # the default dtype, norms included
         args=(files[layout], config_dir))
+    assert not_bf16 == 0
     assert held >= 0.95 * size  # the model holds the fp8 weights as stored
     assert growth <= 1.1 * size, f"loading peaked {growth / 1e6:.0f} MB above the baseline for a " \
                                  f"{size / 1e6:.0f} MB file ({growth / size:.2f}x)"

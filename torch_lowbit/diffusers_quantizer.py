@@ -355,7 +355,7 @@ class _SingleFile:
             return _set_layer_tensor(module, attr, value, device)
         from accelerate.utils import set_module_tensor_to_device
 
-        set_module_tensor_to_device(model, name, device, value=value)
+        set_module_tensor_to_device(model, name, device, value=value, dtype=value.dtype)  # else: the meta dtype
 
     def _fp8_rows(self, name: str, lazy: LazyTensor):
         """(codes, fp32 scale [1] or [N]) of the fp8 linear weight `name`: its rows read as stored, each with the
