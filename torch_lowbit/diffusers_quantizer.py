@@ -369,7 +369,8 @@ class _SingleFile:
                                   f"something other than taking whole rows, which fp8 codes with their scales cannot "
                                   f"follow; pass modules_to_not_convert=[{name.rsplit('.', 1)[0]!r}] to upcast it")
         N, K = lazy.shape
-        codes = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+        # one run (a rename, one piece of a split): read as it is; several: each copied into place, one at a time
+        codes = None if len(runs) == 1 else torch.empty(N, K, dtype=torch.float8_e4m3fn)
         scales = torch.empty(N, dtype=torch.float32)
         row = 0
         for key, start, stop in runs:
@@ -377,7 +378,7 @@ class _SingleFile:
                 raise CheckpointError(f"{self.where}: the model's {name} joins float8_e4m3fn rows with rows of "
                                       f"{key!r}, which is {self.src.dtype(key)}")
             n = stop - start
-            if len(runs) == 1:
+            if codes is None:
                 codes = self.src.get_rows(key, start, stop)
             else:
                 codes[row:row + n] = self.src.get_rows(key, start, stop)
