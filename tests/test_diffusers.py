@@ -341,19 +341,34 @@ def test_single_fp8_state_dict_with_per_row_weight_scales(flux_files):
     assert _rel(y, _run(ref, x)) < 1e-5
 
 
+def _hub_cache(root, path, repo="someone/flux-fp8"):
+    """A Hugging Face cache holding `path` as the Hub download of ``{repo}/{name}`` would (refs/main -> a snapshot,
+    its file a link to the blob): (the link a user passes, the cache_dir)."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / ("0" * 40)
+    os.makedirs(folder / "refs")
+    os.makedirs(snapshot)
+    (folder / "refs" / "main").write_text(snapshot.name)
+    os.symlink(path, snapshot / path.name)
+    return f"https://huggingface.co/{repo}/blob/main/{path.name}", root
+
+
 @linux_only
 @pytest.mark.parametrize("layout", ["raw", "comfy"])
 def test_single_fp8_file_loads_within_its_size(flux_files, layout, tmp_path):
     """The peak resident growth of the load stays within 1.1x the file: fp8 weights are read as stored, one rows
-    range at a time, never upcast, and diffusers' memory map of the file is never touched."""
+    range at a time, never upcast, and diffusers' memory map of the file is never touched -- for a path, and
+    (the comfy case) for a Hub link, read from the copy in the cache."""
     files, config_dir = flux_files
     size = os.path.getsize(files[layout])
     assert size >= 200e6
+    name, cache_dir = (str(files[layout]), "") if layout == "raw" else _hub_cache(tmp_path / "hub", files[layout])
     load = ("model = diffusers.FluxTransformer2DModel.from_single_file(sys.argv[1], config=sys.argv[2], "
+            "cache_dir=sys.argv[3] or None, local_files_only=True, "
             "quantization_config=torch_lowbit.TorchLowbitConfig('fp8'))")
     warmup = """
         import torch, diffusers, torch_lowbit
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
         save_file({"img_in.weight": torch.ones(2, 2).to(torch.float8_e4m3fn)}, "warmup.safetensors")
         try:  # refused (no FLUX layout): pays the imports and diffusers' single-file machinery
             diffusers.FluxTransformer2DModel.from_single_file("warmup.safetensors", config=sys.argv[2],
@@ -364,7 +379,7 @@ def test_single_fp8_file_loads_within_its_size(flux_files, layout, tmp_path):
         tmp_path, warmup=warmup, load=load,
         report=["sum(b.numel() for n, b in model.named_buffers() if n.endswith('.weight'))",
                 "sum(p.dtype != torch.bfloat16 for p in model.parameters())"],  # the default dtype, norms included
-        args=(files[layout], config_dir))
+        args=(name, config_dir, cache_dir))
     assert not_bf16 == 0
     assert held >= 0.95 * size  # the model holds the fp8 weights as stored
     assert growth <= 1.1 * size, f"loading peaked {growth / 1e6:.0f} MB above the baseline for a " \

@@ -214,6 +214,22 @@ def _from_single_file_call():
     return {}, None
 
 
+def _local_file(where: Optional[str], call: dict) -> Optional[str]:
+    """The local file behind what the caller named: the path itself, or for a Hub link the copy diffusers has just
+    downloaded into the cache (found the way it found it, without the network); None otherwise."""
+    if where is None or os.path.isfile(where):
+        return where
+    try:
+        from diffusers.loaders.single_file_utils import _extract_repo_id_and_weights_name
+        from diffusers.utils.hub_utils import _get_model_file
+
+        repo_id, weights_name = _extract_repo_id_and_weights_name(where)
+        return _get_model_file(repo_id, weights_name=weights_name, cache_dir=call.get("cache_dir"),
+                               local_files_only=True, token=call.get("token"), revision=call.get("revision"))
+    except Exception:  # not a Hub link, or not in the cache: read from the tensors diffusers loaded
+        return None
+
+
 def _check_conversion(call: dict, lazy: "_LazyCheckpoint"):
     """Run diffusers' conversion for the model class being loaded on a copy of the lazy tensors (nothing is read):
     where it fails, and the file is not already in the model's own names (which diffusers loads unconverted), the
@@ -300,7 +316,7 @@ class _SingleFile:
         call, path = _from_single_file_call()
         cls = call.get("cls")
         self.config = config
-        self.src: Source = _file_source(path, checkpoint) or StateDictSource(checkpoint)
+        self.src: Source = _file_source(_local_file(path, call), checkpoint) or StateDictSource(checkpoint)
         self.where = path if path is not None else "the state dict passed to from_single_file"
         check_dtypes(self.src, self.where)
         self.fmt = FORMAT.from_tensors(self.src)  # None: no fp8 tensor (a dense file: quantized like from_pretrained)
