@@ -6,9 +6,6 @@ compressed-tensors Linear per expert and projection, which transformers and torc
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from torch_lowbit.formats import CheckpointError
 from torch_lowbit.nn.w4_experts import W4Experts
 
 import w4_writers as W4
+from peak_memory import linux_only, peak_growth
 
 LLMC_CASES = [(arch, scheme) for arch in W4.MOE_ARCHS for scheme in ("W4A16", "NVFP4A16")]
 W4_FORMAT = {"W4A16": "int4", "NVFP4A16": "nvfp4"}
@@ -250,41 +248,20 @@ def _write_synthetic_moe(path, experts=MEM_E):
     return os.path.getsize(os.path.join(path, "model.safetensors"))
 
 
-_MEASURE = """
-    import gc, sys, torch, torch_lowbit
-    def status(field):  # kB
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
-    # the same load of a small checkpoint first: imports, the ops' first calls, transformers' mappings are paid
-    # before the baseline, so what is measured grows with the checkpoint
-    torch_lowbit.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device="cpu")
-    gc.collect()
-    before = status("VmRSS")
-    # The peak is this process's own high-water mark, VmHWM, reset here to the current size (Linux >= 4.0).
-    # Not ru_maxrss: a child started by vfork + exec inherits its parent's peak there, so under a large pytest
-    # process it reported 2.7x for a load that peaks at 0.97x.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    model = torch_lowbit.from_pretrained(sys.argv[2], dtype=torch.bfloat16, device="cpu")
-    peak = status("VmHWM")
-    experts = sum(t.numel() * t.element_size() for n, t in model.named_buffers() if ".experts." in n)
-    print(peak - before, experts)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and clear_refs")
+@linux_only
 def test_loading_a_4bit_moe_checkpoint_peaks_near_its_file_size(tmp_path):
     """The load's peak resident growth (the process's high-water mark during the load minus its resident size
     before it) stays within 1.1x the file: experts are stacked one checkpoint tensor at a time, never dense."""
     _write_synthetic_moe(tmp_path / "small", experts=2)
     size = _write_synthetic_moe(tmp_path / "ckpt")
     assert size >= 200e6
-    env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LANG") if k in os.environ}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(torch_lowbit.__file__))
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_MEASURE), str(tmp_path / "small"),
-                           str(tmp_path / "ckpt")], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    growth, experts = map(int, done.stdout.split()[-2:])
+    growth, (experts,) = peak_growth(
+        tmp_path, warmup="""
+            import torch, torch_lowbit
+            torch_lowbit.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device="cpu")""",
+        load='model = torch_lowbit.from_pretrained(sys.argv[2], dtype=torch.bfloat16, device="cpu")',
+        report=['sum(t.numel() * t.element_size() for n, t in model.named_buffers() if ".experts." in n)'],
+        args=(tmp_path / "small", tmp_path / "ckpt"), timeout=120)
     assert experts >= 0.95 * size  # the model holds the experts as stored
     assert growth <= 1.1 * size, f"loading peaked {growth / 1e6:.0f} MB above the baseline for a " \
                                  f"{size / 1e6:.0f} MB checkpoint ({growth / size:.2f}x)"

@@ -15,6 +15,7 @@ Benchmarks: ``python -m torch_lowbit.bench``.
 """
 import glob as _glob
 import os as _os
+import sys as _sys
 
 import torch as _torch
 
@@ -51,6 +52,12 @@ from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F40
 from .hf import enable_save_pretrained, from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
 from .dequantize import dequantize_model  # noqa: E402,F401
 from ._version import __version__  # noqa: E402,F401
+
+
+if "diffusers" in _sys.modules:
+    # a diffusers user's fresh process (import diffusers, then torch_lowbit): from_pretrained of a directory
+    # save_pretrained wrote needs the method registered, before any TorchLowbitConfig is made
+    from . import hf_quantizer as _hf_quantizer  # noqa: E402,F401  (registers with transformers and diffusers)
 
 
 def __getattr__(name):

@@ -14,6 +14,7 @@ Importing this module imports transformers and registers the method ``torch_lowb
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import List, Optional, Sequence
 
 import torch
@@ -23,22 +24,35 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .granularity import as_granularity, normalize_block_size
 from .quantize import Fp8WeightOnly, Int8Dynamic, quantize_
 
-QUANT_METHOD = "torch_lowbit"
+
+
+class QuantMethod(str, Enum):
+    """``quant_method`` as both libraries take it: a str (transformers looks it up, config.json stores it) and an Enum
+    member (diffusers reads ``quant_method.value``). The member's name is its value, so it hashes as the string."""
+    torch_lowbit = "torch_lowbit"
+
+    __str__ = str.__str__
+
+
+QUANT_METHOD = QuantMethod.torch_lowbit
 WEIGHTS = ("fp8", "int8", "int4", "nvfp4", "mxfp4", "uint4")
 W4_CONFIGS = {"int4": "Int4WeightOnly", "nvfp4": "Nvfp4WeightOnly", "mxfp4": "Mxfp4WeightOnly",
               "uint4": "AffineWeightOnly"}  # 4-bit weights: the quantize_ config of each (torch_lowbit.quantize)
 W4_DEFAULT_GROUP = {"int4": 128, "uint4": 64}  # the writers' defaults (llmcompressor W4A16, mlx_lm)
 W4_FIXED_GROUP = {"nvfp4": 16, "mxfp4": 32}
+TRANSFORMERS_SKIPPED = ["lm_head"]  # modules_to_not_convert=None in transformers
 
 
-@register_quantization_config(QUANT_METHOD)
+@register_quantization_config(QUANT_METHOD.value)
 class TorchLowbitConfig(QuantizationConfigMixin):
     """weights: ``"fp8"`` (W8A16, Fp8Linear; fused MoE experts become Fp8Experts), ``"int8"`` (W8A8 dynamic,
     Int8Linear), or 4-bit W4A16 (W4Linear): ``"int4"`` (``Int4WeightOnly(group_size, symmetric)``), ``"nvfp4"``,
     ``"mxfp4"``, ``"uint4"`` (MLX affine, ``AffineWeightOnly(group_size)``). granularity / block_size: of the fp8
     scales (see ``Fp8WeightOnly``). group_size: of the int4 / uint4 scales (default 128 for int4, 64 for uint4;
     None: per channel, int4 only; nvfp4 and mxfp4 have theirs, 16 and 32). symmetric: int4 without zero points.
-    modules_to_not_convert: module names (or dotted name parts) kept in high precision; default ``["lm_head"]``."""
+    modules_to_not_convert: module names (or dotted name parts) kept in high precision; None (default): each library's
+    rule -- ``["lm_head"]`` in transformers, the diffusion rule (:mod:`torch_lowbit.diffusion`: embedders and the final
+    layer) in diffusers, where this config works too (``torch_lowbit.diffusers_quantizer``)."""
 
     def __init__(self, weights: str = "fp8", granularity: str = "channel", block_size: Sequence[int] = (128, 128),
                  modules_to_not_convert: Optional[List[str]] = None, group_size: Optional[int] = -1,
@@ -49,7 +63,7 @@ class TorchLowbitConfig(QuantizationConfigMixin):
             raise TypeError(f"TorchLowbitConfig got unexpected keyword arguments {sorted(kwargs)} (it takes weights, "
                             f"granularity, block_size, modules_to_not_convert, group_size, symmetric)")
         if method != QUANT_METHOD:
-            raise ValueError(f"TorchLowbitConfig: quant_method must be {QUANT_METHOD!r}, got {method!r}")
+            raise ValueError(f"TorchLowbitConfig: quant_method must be {QUANT_METHOD.value!r}, got {method!r}")
         if weights not in WEIGHTS:
             raise ValueError(f"TorchLowbitConfig: weights must be one of {WEIGHTS}, got {weights!r}")
         # kept as the alias string: transformers writes this config to config.json
@@ -100,12 +114,13 @@ def _w4_options(weights: str, group_size, symmetric):
     return group_size, symmetric
 
 
-def _module_names(names) -> List[str]:
-    """modules_to_not_convert as a list of names (a single string is one name, not its letters)."""
+def _module_names(names) -> Optional[List[str]]:
+    """modules_to_not_convert as a list of names (a single string is one name, not its letters); None stays None (the
+    library's default rule)."""
     from .formats.registry import pattern_problem
 
     if names is None:
-        return ["lm_head"]
+        return None
     items = [names] if isinstance(names, str) else names
     if not isinstance(items, (list, tuple)) or not all(isinstance(n, str) for n in items):
         raise TypeError(f"TorchLowbitConfig: modules_to_not_convert must be a list of module names, got "
@@ -117,7 +132,7 @@ def _module_names(names) -> List[str]:
     return list(items)
 
 
-@register_quantizer(QUANT_METHOD)
+@register_quantizer(QUANT_METHOD.value)
 class TorchLowbitHfQuantizer(HfQuantizer):
     requires_calibration = False
 
@@ -127,7 +142,8 @@ class TorchLowbitHfQuantizer(HfQuantizer):
     def _skipped(self, fqn: str) -> bool:
         from .formats.detect import matches  # the loader's ignore-list rule
 
-        return any(matches(fqn, p) for p in self.quantization_config.modules_to_not_convert)
+        names = self.quantization_config.modules_to_not_convert
+        return any(matches(fqn, p) for p in (TRANSFORMERS_SKIPPED if names is None else names))
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
@@ -157,3 +173,22 @@ class TorchLowbitHfQuantizer(HfQuantizer):
     def is_trainable(self):
         return False
 
+
+
+def _register_with_diffusers():
+    """diffusers, where installed, takes the same config (its registration lives in diffusers_quantizer); where it
+    is absent, or too old to import it from, transformers' registration stands alone and a warning says why."""
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        return
+    try:
+        from . import diffusers_quantizer  # noqa: F401
+    except ImportError as e:
+        import warnings
+
+        warnings.warn(f"torch_lowbit: TorchLowbitConfig is not registered with diffusers {diffusers.__version__}: {e}",
+                      stacklevel=2)
+
+
+_register_with_diffusers()

@@ -134,6 +134,11 @@ class Source:
     def get(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 0) of tensor `key`, as a tensor of their own; a file source reads only
+        those bytes."""
+        return self.get(key)[start:stop].clone()
+
     def close(self):
         pass
 
@@ -241,18 +246,35 @@ class SafetensorsSource(Source):
         self._count(key)
         if self._mmap:
             return self._handles[path].get_tensor(key)
+        shape = self._info(key)[1]
+        return self._pread(key, 0, shape[0] if shape else 1)
+
+    def get_rows(self, key, start, stop):
+        shape = self._info(key)[1]
+        if not shape or not 0 <= start <= stop <= shape[0]:
+            raise IndexError(f"get_rows: rows {start}:{stop} of tensor {key!r} of shape {list(shape)}")
+        self._count(key)
+        if self._mmap:
+            return self._handles[self._where[key]].get_slice(key)[start:stop]
+        return self._pread(key, start, stop)
+
+    def _pread(self, key, row_start, row_stop):
+        """Rows row_start:row_stop of `key` (all of a 0-d tensor) read (pread) into memory of our own."""
+        path = self._where[key]
         dtype, shape = self._info(key)
         if path not in self._offsets:
             self._offsets[path] = _data_offsets(path)
         start, end = self._offsets[path][key]
-        t = torch.empty(shape, dtype=dtype)
-        buf = t.reshape(-1).view(torch.uint8)
-        if end - start != buf.numel():
+        numel = torch.Size(shape).numel()
+        if end - start != numel * dtype.itemsize:
             raise CheckpointError(f"{path}: tensor {key!r} ({dtype}, {list(shape)}) spans {end - start} bytes, "
-                                  f"expected {buf.numel()}")
+                                  f"expected {numel * dtype.itemsize}")
+        row_bytes = (numel // shape[0] if shape and shape[0] else 0) * dtype.itemsize
+        t = torch.empty(((row_stop - row_start),) + tuple(shape[1:]) if shape else (), dtype=dtype)
+        buf = t.reshape(-1).view(torch.uint8)
         # one read into memory of our own: faster than faulting the mapping in and copying it, and owned
         with open(path, "rb") as f:
-            f.seek(start)
+            f.seek(start + row_start * row_bytes)
             got = f.readinto(memoryview(buf.numpy()))
         if got != buf.numel():
             raise CheckpointError(f"{path} ended {buf.numel() - got} bytes early while reading tensor {key!r}: the "
