@@ -103,15 +103,16 @@ class Library:
         self.lib.msl_emu_set_reverse.argtypes = [ctypes.c_int]
 
     def run(self, kernel, buffers, grid, tg, outputs=(), reverse=False, check=True, offsets=None, tg_mem=None):
-        """buffers[i] binds [[buffer(i)]]; indices in outputs start poisoned (0xFF) and are copied back.
+        """buffers[i] binds [[buffer(i)]] (None: nil, as mps binds an empty tensor); indices in outputs start
+        poisoned (0xFF) and are copied back.
         offsets[i]: the byte offset buffer i would be bound at on the device (its address residue modulo 64
         in the emulator; default 0). tg_mem[i]: bytes of [[threadgroup(i)]].
         Returns the emulator's report; with check, raises KernelError naming the kernel if it has any error
         or warning (like the emulator launcher of torch.ops.lowbit_emu)."""
         n = len(buffers)
-        bufs = [np.ascontiguousarray(b) for b in buffers]
-        ptrs = (ctypes.c_void_p * n)(*[b.ctypes.data for b in bufs])
-        sizes = (ctypes.c_size_t * n)(*[b.nbytes for b in bufs])
+        bufs = [None if b is None else np.ascontiguousarray(b) for b in buffers]
+        ptrs = (ctypes.c_void_p * n)(*[None if b is None else b.ctypes.data for b in bufs])
+        sizes = (ctypes.c_size_t * n)(*[0 if b is None else b.nbytes for b in bufs])
         flags = (ctypes.c_int * n)(*[3 if i in outputs else 0 for i in range(n)])
         g = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1, 1))[:3])
         t = (ctypes.c_uint * 3)(*(tuple(tg) + (1, 1, 1))[:3])

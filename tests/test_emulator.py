@@ -134,6 +134,16 @@ def test_write_just_before_the_start_is_reported(lib):
         lib.run("write_one_before_start", [np.zeros(8, np.float32)], grid=(1,), tg=(8,), outputs=(0,))
 
 
+def test_kernel_taking_a_nil_buffer_is_reported(lib):
+    # mps binds an empty tensor as nil, and so does the emulator: a kernel taking that buffer is an error (Metal's
+    # validation layer rejects the dispatch), even where the read happens to go nowhere
+    out = np.zeros(4, np.float32)
+    lib.run("copy_buffer_1", [out, np.arange(4, dtype=np.float32)], grid=(1,), tg=(4,), outputs=(0,))
+    assert np.array_equal(out, np.arange(4))
+    with pytest.raises(E.KernelError, match=r"kernel 'copy_buffer_1' takes \[\[buffer\(1\)\]\], which the launch bound as nil"):
+        lib.run("copy_buffer_1", [out, None], grid=(1,), tg=(4,), outputs=(0,))
+
+
 def test_divergent_simd_op_is_reported_every_time(lib):
     for _ in range(2):  # the report must not be once per process
         with pytest.raises(E.KernelError, match="lanes wait at different simd ops"):

@@ -153,16 +153,21 @@ u3 builtin_value(BI b) {
   }
   return {0, 0, 0};
 }
+[[noreturn]] static void abandon_threadgroup();
 void* buffer_ptr(int i) {
   void* p = tl_cur->launch->p.buffers[i];
-  if (!p) report_error("kernel reads [[buffer(%d)]], which the launch did not bind", i);
+  if (!p) {
+    report_error("kernel '%s' takes [[buffer(%d)]], which the launch bound as nil (an empty tensor: mps binds those "
+                 "as nil, and Metal's validation layer rejects the dispatch; the plan must return before it)",
+                 tl_cur->launch->p.kernel, i);
+    abandon_threadgroup();
+  }
   return p;
 }
 void* tg_buffer_ptr(int i) { return tl_worker->tgmem[i].data(); }
 void (*trace_tg_hook)(void*, size_t) = nullptr;
 void (*launch_hook)(const char*, const LaunchParams*, bool) = nullptr;
 const LaunchParams* current_launch() { return tl_cur ? &tl_cur->launch->p : nullptr; }
-[[noreturn]] static void abandon_threadgroup();
 static size_t dynamic_tg_bytes(const LaunchParams& p) {
   size_t n = 0;
   for (size_t b : p.tg_mem_sizes) n += b;

@@ -79,7 +79,6 @@ void EmuLauncher::run(const Dispatch& d) {
               "' in metal/*.metal (is it instantiated with [[host_name]]?)");
   const int n = int(d.args.size());
   TORCH_CHECK(n <= 31, "metal emulator: ", d.kernel, " binds ", n, " buffers; Metal allows 31");
-  static uint8_t empty_buffer[16];  // bound for empty tensors, so that [[buffer(i)]] is never unbound
   std::vector<void*> ptrs(n);
   std::vector<size_t> sizes(n);
   std::vector<int> flags(n);
@@ -95,7 +94,9 @@ void EmuLauncher::run(const Dispatch& d) {
     TORCH_CHECK(a.tensor.device().is_cpu(), "metal emulator: ", d.kernel, " buffer ", a.name,
                 " must be a CPU tensor, got ", a.tensor.device());
     const size_t nbytes = size_t(a.tensor.numel()) * a.tensor.element_size();
-    ptrs[i] = nbytes ? a.tensor.data_ptr() : empty_buffer;
+    // An empty tensor may have no storage: mps binds it as nil, and so does the emulator, whose runtime then
+    // fails any kernel that takes that [[buffer(i)]] (as Metal's validation layer does). Plans return early.
+    ptrs[i] = nbytes ? a.tensor.data_ptr() : nullptr;
     sizes[i] = nbytes;
     // 1: copy back after the run; 2: output only (starts poisoned with 0xFF, so unwritten elements show)
     flags[i] = a.access == Access::Read ? 0 : a.access == Access::Write ? 3 : 1;

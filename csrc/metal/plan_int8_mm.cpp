@@ -40,6 +40,13 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
   const Int8MmArgs a = check_int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype);
   at::Tensor out = at::empty({a.M, a.N}, a.xq.options().dtype(a.out_dtype));
   if (out.numel() == 0) return out.view(a.out_shape);
+  if (a.K == 0) {
+    // An empty sum, through the kernels' epilogue (a NaN scale still gives NaN): the kernels would take xq and wq
+    // as nil buffers, which Metal's validation layer rejects.
+    at::Tensor v = a.x_scale.view({a.M, 1}).mul(a.w_scale.view({1, -1})).mul(0.0);
+    out.copy_(a.bias ? v.add(a.bias->to(at::kFloat)) : v);
+    return out.view(a.out_shape);
+  }
 
   Int8MmParams p{};
   p.M = checked_u32("M", a.M);

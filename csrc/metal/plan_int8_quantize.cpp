@@ -17,7 +17,9 @@ std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target t, const at::Tensor
   const Int8QuantizeArgs a = check_int8_quantize(x);
   at::Tensor q = at::empty({a.M, a.K}, a.x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({a.M}, a.x.options().dtype(at::kFloat));
-  if (a.M > 0) {
+  // K == 0: every row is empty, so its absmax and scale are 0 (the kernel would take x and q as nil buffers)
+  if (a.K == 0) scale.zero_();
+  if (a.M > 0 && a.K > 0) {
     Int8QuantizeParams p{};
     p.M = checked_u32("M", a.M);
     p.K = checked_u32("K", a.K);
