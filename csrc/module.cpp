@@ -18,31 +18,6 @@
 
 namespace {
 
-// fp8_grouped_mm in the emulator as the mps device runs it: offsets and expert ids are not read on the host,
-// so the kernels' own clamping is what keeps malformed values inside the buffers (a test hook).
-at::Tensor emu_fp8_grouped_mm_unvalidated(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                                          const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids) {
-  lowbit::metal::EmuLauncher l;
-  return lowbit::metal::plan_fp8_grouped_mm(lowbit::metal::Target{l, /*host_visible=*/false, l.caps()}, x, weight, scale,
-                                            offsets, expert_ids, std::nullopt);
-}
-
-// w4_grouped_mm (transposed: w4_grouped_mm_t, K given) in the emulator without host-side checks of offsets and
-// expert ids, as on mps (a test hook, as emu_fp8_grouped_mm_unvalidated).
-at::Tensor emu_w4_grouped_mm_unvalidated(bool transposed, const at::Tensor& x, const at::Tensor& codes,
-                                         const at::Tensor& scale, const std::string& format, int64_t group_size,
-                                         int64_t K, const at::Tensor& offsets,
-                                         const std::optional<at::Tensor>& expert_ids,
-                                         const std::optional<at::Tensor>& offset,
-                                         const std::optional<at::Tensor>& global_scale) {
-  lowbit::metal::EmuLauncher l;
-  const lowbit::metal::Target t{l, /*host_visible=*/false, l.caps()};
-  return transposed ? lowbit::metal::plan_w4_grouped_mm_t(t, x, codes, scale, format, group_size, K, offsets,
-                                                          expert_ids, offset, global_scale)
-                    : lowbit::metal::plan_w4_grouped_mm(t, x, codes, scale, format, group_size, offsets, expert_ids,
-                                                        offset, global_scale);
-}
-
 // The dry-run records as Python dicts (torch_lowbit.emulator.dry_run).
 py::list dry_run_take() {
   using lowbit::metal::Access;
@@ -140,12 +115,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         lowbit::metal::check_launch_limits(d);
       },
       "the plans' launch-limit check on a dispatch of these sizes (raises like a plan would; for tests)");
-  m.def("_emu_fp8_grouped_mm_unvalidated", &emu_fp8_grouped_mm_unvalidated,
-        "fp8_grouped_mm in the emulator without host-side checks of offsets / expert_ids, as on mps (tests)");
-  m.def("_emu_w4_grouped_mm_unvalidated", &emu_w4_grouped_mm_unvalidated,
-        "w4_grouped_mm (transposed: w4_grouped_mm_t) in the emulator without host-side checks of offsets / "
-        "expert_ids, as on mps (tests): (transposed, x, codes, scale, format, group_size, K, offsets, expert_ids, "
-        "offset, global_scale)");
   m.def(
       "_cpu_set_isa",
       [](const std::string& name) {

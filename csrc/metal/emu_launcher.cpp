@@ -132,3 +132,9 @@ void EmuLauncher::run(const Dispatch& d) {
 TORCH_LIBRARY_IMPL(lowbit_emu, CPU, m) {
   lowbit::metal::PlannedOps<lowbit::metal::EmuLauncher, /*HostVisible=*/true>::register_all(m);
 }
+
+// ---- torch.ops.lowbit_emu_mps.*: the same, with the plans as the mps device runs them (HostVisible = false) ----
+// Offsets and expert ids are not validated on the host, so tests reach the kernels' clamping of malformed values.
+TORCH_LIBRARY_IMPL(lowbit_emu_mps, CPU, m) {
+  lowbit::metal::PlannedOps<lowbit::metal::EmuLauncher, /*HostVisible=*/false>::register_all(m);
+}
