@@ -12,6 +12,7 @@
 #include "cpu/workspace.h"
 #include "metal/dry_run_launcher.h"
 #include "metal/emu_launcher.h"
+#include "metal/library_loading.h"
 #include "metal/mps_info.h"
 #include "metal/plan_int8_mm.h"
 #include "metal/plans.h"
@@ -103,6 +104,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the Metal kernel fp8_mm runs for (M, x dtype) on the emulator's device");
   m.def("_metal_fp8_grouped_mm_kernel", &lowbit::metal::fp8_grouped_mm_kernel_name,
         "the Metal kernel fp8_grouped_mm runs for (T rows, G groups, x dtype)");
+  m.def(
+      "_metal_library_loading_check",
+      [](bool metallib_exists, const std::string& metallib_error, const std::string& source_error) {
+        // the mps launcher's library loading with stand-in loaders: an empty error string loads
+        const lowbit::metal::MetalLibrary lib{"lowbit", 301, 7, 14, ""};
+        auto stand_in = [](const std::string& e) {
+          return [e](std::string& error) { return (error = e).empty(); };
+        };
+        return lowbit::metal::load_library(lib, "/x/lowbit.metallib", metallib_exists, stand_in(metallib_error),
+                                           stand_in(source_error));
+      },
+      "the mps launcher's choice between a metallib and the embedded source, with stand-in loaders (tests)");
   m.def("_dry_run_take", &dry_run_take, "the dispatches torch.ops.lowbit_dryrun recorded since the last call");
   m.def(
       "_metal_check_launch_limits",

@@ -48,3 +48,17 @@ def test_mps_lines_name_gpu_family_and_library(monkeypatch):
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS builds the mps launcher")
 def test_mps_info_is_none_without_the_mps_launcher():
     assert torch_lowbit._C._mps_info() is None
+
+
+def test_metallib_that_fails_to_load_falls_back_to_the_source_and_says_why():
+    # the mps launcher's own loading code (csrc/metal/library_loading.cpp), with stand-in loaders: "" loads
+    check = torch_lowbit._C._metal_library_loading_check
+    assert check(True, "", "") == "lowbit: metallib /x/lowbit.metallib"
+    assert check(False, "", "") == "lowbit: source (MSL 3.1)"
+    assert check(True, "Invalid library file", "") == (
+        "lowbit: source (MSL 3.1); the metallib /x/lowbit.metallib failed to load: Invalid library file")
+    with pytest.raises(RuntimeError, match=r"compiling the lowbit kernels \(MSL 3.1\) failed: syntax error; before "
+                                           r"that, the metallib /x/lowbit.metallib failed to load: stale"):
+        check(True, "stale", "syntax error")
+    with pytest.raises(RuntimeError, match=r"failed: syntax error$"):
+        check(False, "", "syntax error")

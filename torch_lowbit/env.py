@@ -2,7 +2,8 @@
 
 Prints the versions (torch_lowbit, torch, Python, OS), the device torch_lowbit would run on, and what this
 install holds: on a Mac the GPU, its Apple family and how the Metal kernels were loaded (a precompiled
-metallib or the embedded source, which this command compiles if needed); on the CPU the instruction-set
+metallib or the embedded source, which this command compiles if needed, and why a metallib that exists did not
+load); on the CPU the instruction-set
 level and whether the AMX GEMM route is on; which extensions were built (emulator, traffic build).
 """
 import platform

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "lowbit_metal_libraries.h"  // kLowbitMetalLibraries: each library's embedded source (setup.py)
+#include "metal/library_loading.h"
 #include "metal/mps_info.h"
 #include "metal/planned_ops.h"
 
@@ -71,10 +72,6 @@ inline id<MTLBuffer> getMTLBufferStorage(const at::TensorBase& t) {
 
 std::string describe(NSError* error) {
   return error == nil ? std::string("unknown error") : std::string([[error localizedDescription] UTF8String]);
-}
-
-std::string msl_name(uint32_t v) {
-  return "MSL " + std::to_string(v / 100) + "." + std::to_string(v % 100);
 }
 
 // The highest N with MTLGPUFamilyAppleN that the device supports (7 = M1 ... 10 = M5), 0 below M1.
@@ -216,25 +213,27 @@ class KernelCache {
     caps_.msl_version = msl;
   }
 
+  // The precompiled metallib if it loads, else the embedded source (library_loading.h says how and why).
   id<MTLLibrary> load(const MetalLibrary& lib, std::vector<std::string>& how) {
-    NSError* error = nil;
     const std::string path = extension_dir() + "/" + lib.name + ".metallib";
-    if (access(path.c_str(), R_OK) == 0) {
-      id<MTLLibrary> l = [device_ newLibraryWithURL:[NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]]
-                                              error:&error];
-      TORCH_CHECK(l != nil, "torch_lowbit mps: cannot load ", path, " (built by setup.py; rebuild torch_lowbit): ",
-                  describe(error));
-      how.push_back(std::string(lib.name) + ": metallib " + path);
-      return l;
-    }
-    MTLCompileOptions* options = compile_options(lib);
-    id<MTLLibrary> l = [device_ newLibraryWithSource:[NSString stringWithUTF8String:lib.source]
-                                             options:options
-                                               error:&error];
-    [options release];
-    TORCH_CHECK(l != nil, "torch_lowbit mps: compiling the ", lib.name, " kernels (", msl_name(lib.msl_version),
-                ") failed: ", describe(error));
-    how.push_back(std::string(lib.name) + ": source (" + msl_name(lib.msl_version) + ")");
+    id<MTLLibrary> l = nil;
+    how.push_back(load_library(
+        lib, path, access(path.c_str(), R_OK) == 0,
+        [&](std::string& why) {
+          NSError* error = nil;
+          l = [device_ newLibraryWithURL:[NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]]
+                                   error:&error];
+          if (l == nil) why = describe(error);
+          return l != nil;
+        },
+        [&](std::string& why) {
+          NSError* error = nil;
+          MTLCompileOptions* options = compile_options(lib);
+          l = [device_ newLibraryWithSource:[NSString stringWithUTF8String:lib.source] options:options error:&error];
+          [options release];
+          if (l == nil) why = describe(error);
+          return l != nil;
+        }));
     return l;
   }
 
