@@ -69,10 +69,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["apple_family"] = info.caps.apple_family;
         d["msl_version"] = info.caps.msl_version;
         d["libraries"] = info.libraries;
+        py::dict pipelines;
+        for (const auto& [name, limit] : info.pipelines) pipelines[py::str(name)] = limit;
+        d["pipelines"] = pipelines;
         return d;
       },
-      "the mps launcher's GPU, its Apple family, the MSL version and how each Metal library was loaded "
-      "(loads them); None when built without the mps launcher");
+      "the mps launcher's GPU, its Apple family, the MSL version, how each Metal library was loaded and each "
+      "kernel's pipeline limit on threads per threadgroup (loads them all); None when built without the mps launcher");
   m.def("_emu_set_reverse", &lowbit::metal::set_emulator_reverse,
         "run the threads of every emulated threadgroup in reverse order (a test switch)");
   m.def(
@@ -88,6 +91,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::make_tuple(c.apple_family, c.msl_version);
       },
       "(apple_family, msl_version) the emulator reports now");
+  m.def("_emu_set_max_threads_per_threadgroup", &lowbit::metal::set_emulator_max_threads_per_threadgroup,
+        "every pipeline's maxTotalThreadsPerThreadgroup as the emulator reports and enforces it (a test switch)");
+  m.def("_emu_max_threads_per_threadgroup", &lowbit::metal::emulator_max_threads_per_threadgroup);
   m.def(
       "_metal_int8_mm_kernel",
       [](int64_t M, int64_t N, int64_t K) {

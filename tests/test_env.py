@@ -62,3 +62,16 @@ def test_metallib_that_fails_to_load_falls_back_to_the_source_and_says_why():
         check(True, "stale", "syntax error")
     with pytest.raises(RuntimeError, match=r"failed: syntax error$"):
         check(False, "", "syntax error")
+
+
+def test_mps_lines_say_how_each_library_loaded_and_list_pipeline_limits(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    fallback = "lowbit: source (MSL 3.1); the metallib /site/lowbit.metallib failed to load: Invalid library file"
+    info = {"gpu": "Apple M1", "apple_family": 7, "msl_version": 301, "libraries": [fallback],
+            "pipelines": {"fp8_gemv_float": 1024, "fp8_gemv_rows_half": 896, "fp8_gemm_half": 1024}}
+    monkeypatch.setattr(env._C, "_mps_info", lambda: info, raising=False)
+    assert env._mps_lines()[1:] == [
+        "metal library " + fallback,
+        "metal pipelines allowing 896 threads per threadgroup (1): fp8_gemv_rows_half",
+        "metal pipelines allowing 1024 threads per threadgroup (2): fp8_gemm_half, fp8_gemv_float"]

@@ -80,6 +80,19 @@ def device_caps(apple_family=None, msl_version=None):
         _C._emu_set_device_caps(*before)
 
 
+@contextlib.contextmanager
+def max_threads_per_threadgroup(limit):
+    """Inside this block every emulated pipeline takes at most ``limit`` threads per threadgroup (a multiple of
+    32; Metal's 1024 by default), as a register-heavy pipeline's ``maxTotalThreadsPerThreadgroup`` may be on a
+    GPU. The plans then run their narrower variants (or fewer threads); a launch past the limit is refused."""
+    before = _C._emu_max_threads_per_threadgroup()
+    _C._emu_set_max_threads_per_threadgroup(int(limit))
+    try:
+        yield
+    finally:
+        _C._emu_set_max_threads_per_threadgroup(before)
+
+
 # ---------------------------------------------------------------------------------------------- traffic build
 def _library(stem):
     import glob

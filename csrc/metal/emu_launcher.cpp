@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <mutex>
 
 #include "metal/planned_ops.h"
@@ -72,6 +73,21 @@ DeviceCaps emulator_device_caps() {
 }
 
 DeviceCaps EmuLauncher::caps() const { return emulator_device_caps(); }
+
+namespace {
+std::atomic<uint32_t> g_max_threads{uint32_t(kMaxThreadsPerThreadgroup)};
+}  // namespace
+
+void set_emulator_max_threads_per_threadgroup(uint32_t limit) {
+  TORCH_CHECK(limit >= 32 && limit <= kMaxThreadsPerThreadgroup && limit % 32 == 0,
+              "max_threads_per_threadgroup must be a multiple of 32 (the simdgroup width) from 32 to ",
+              kMaxThreadsPerThreadgroup, ", got ", limit);
+  g_max_threads = limit;
+}
+
+uint32_t emulator_max_threads_per_threadgroup() { return g_max_threads; }
+
+uint32_t EmuLauncher::max_threads_per_threadgroup(const std::string&) { return g_max_threads; }
 
 void EmuLauncher::run(const Dispatch& d) {
   const EmuApi& e = api();

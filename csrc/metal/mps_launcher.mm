@@ -139,6 +139,52 @@ class KernelCache {
 
   id<MTLComputePipelineState> pipeline(const std::string& name) {
     std::lock_guard<std::mutex> guard(mu_);
+    return pipeline_locked(name);
+  }
+
+  // The pipeline's maxTotalThreadsPerThreadgroup (Launcher::max_threads_per_threadgroup)
+  uint32_t max_threads(const std::string& name) {
+    std::lock_guard<std::mutex> guard(mu_);
+    pipeline_locked(name);
+    return max_threads_.at(name);
+  }
+
+  DeviceCaps caps() {
+    std::lock_guard<std::mutex> guard(mu_);
+    load_libraries();
+    return caps_;
+  }
+
+  // For the env report: loads the libraries and creates every kernel's pipeline, to list each one's limit.
+  MpsInfo info() {
+    std::lock_guard<std::mutex> guard(mu_);
+    MpsInfo out;
+    out.gpu = device_ == nil ? std::string("none") : std::string([[device_ name] UTF8String]);
+    try {
+      load_libraries();
+      for (id<MTLLibrary> lib : libraries_) {
+        NSArray<NSString*>* names = [lib functionNames];
+        for (NSUInteger i = 0; i < [names count]; i++) {
+          const std::string name([[names objectAtIndex:i] UTF8String]);
+          pipeline_locked(name);
+          out.pipelines.emplace_back(name, max_threads_.at(name));
+        }
+      }
+    } catch (const std::exception& e) {
+      out.libraries.push_back(std::string("failed: ") + e.what());
+    }
+    out.caps = caps_;
+    out.libraries.insert(out.libraries.end(), loaded_how_.begin(), loaded_how_.end());
+    return out;
+  }
+
+ private:
+  KernelCache() : device_(at::mps::MPSDevice::getInstance()->device()) {
+    caps_.apple_family = apple_family(device_);
+  }
+
+  // Called with mu_ held.
+  id<MTLComputePipelineState> pipeline_locked(const std::string& name) {
     auto it = pipelines_.find(name);
     if (it != pipelines_.end()) return it->second;
     load_libraries();
@@ -152,32 +198,8 @@ class KernelCache {
     [fn release];
     TORCH_CHECK(pso != nil, "torch_lowbit mps: cannot create the pipeline of '", name, "': ", describe(error));
     pipelines_.emplace(name, pso);
+    max_threads_.emplace(name, uint32_t([pso maxTotalThreadsPerThreadgroup]));
     return pso;
-  }
-
-  DeviceCaps caps() {
-    std::lock_guard<std::mutex> guard(mu_);
-    load_libraries();
-    return caps_;
-  }
-
-  MpsInfo info() {
-    std::lock_guard<std::mutex> guard(mu_);
-    MpsInfo out;
-    out.gpu = device_ == nil ? std::string("none") : std::string([[device_ name] UTF8String]);
-    try {
-      load_libraries();
-    } catch (const std::exception& e) {
-      out.libraries.push_back(std::string("failed: ") + e.what());
-    }
-    out.caps = caps_;
-    out.libraries.insert(out.libraries.end(), loaded_how_.begin(), loaded_how_.end());
-    return out;
-  }
-
- private:
-  KernelCache() : device_(at::mps::MPSDevice::getInstance()->device()) {
-    caps_.apple_family = apple_family(device_);
   }
 
   // Called with mu_ held. All or nothing: a library that fails throws, and the next call tries again.
@@ -243,6 +265,7 @@ class KernelCache {
   std::vector<id<MTLLibrary>> libraries_;  // in kLowbitMetalLibraries order, those this device may run
   std::vector<std::string> loaded_how_;
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
+  std::unordered_map<std::string, uint32_t> max_threads_;  // each pipeline's maxTotalThreadsPerThreadgroup
 };
 
 MpsInfo mps_info() {
@@ -259,6 +282,9 @@ MTLSize mtl_size(const Size3& s) {
 class MpsLauncher final : public Launcher {
  public:
   DeviceCaps caps() const override { return KernelCache::get().caps(); }
+  uint32_t max_threads_per_threadgroup(const std::string& kernel) override {
+    return KernelCache::get().max_threads(kernel);
+  }
 
   void run(const Dispatch& d) override {
     if (uint64_t(d.threadgroups.x) * d.threadgroups.y * d.threadgroups.z == 0) return;
@@ -268,10 +294,8 @@ class MpsLauncher final : public Launcher {
       TORCH_CHECK(!a.is_value() || a.bytes.size() <= 4096, "torch_lowbit mps: ", d.kernel, " value ", a.name,
                   " is larger than setBytes allows (4 KB)");
     }
+    // (Target::run checked the threads against this pipeline's maxTotalThreadsPerThreadgroup)
     id<MTLComputePipelineState> pso = KernelCache::get().pipeline(d.kernel);
-    const uint64_t threads = uint64_t(d.threads.x) * d.threads.y * d.threads.z;
-    TORCH_CHECK(threads <= pso.maxTotalThreadsPerThreadgroup, "torch_lowbit mps: ", d.kernel, " asks for ", threads,
-                " threads per threadgroup; this pipeline allows ", uint64_t(pso.maxTotalThreadsPerThreadgroup));
     const Dispatch* dp = &d;  // the block runs synchronously, before run() returns
     at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
     dispatch_sync_with_rethrow(stream->queue(), ^() {

@@ -19,6 +19,13 @@ std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype, const DeviceCaps
   return kernel_name(pick_kernel(kFp8MmKernels, choose_mm_kernel(M, kFp8GemvRows), device), dtype);
 }
 
+namespace {
+uint32_t fp8_mm_threads(MmKernel k) {
+  return k == MmKernel::Gemv ? kFp8GemvSimdgroups * 32 : k == MmKernel::GemvRows ? kFp8GemvRowsSimdgroups * 32
+                                                                                 : kFp8GemmThreads;
+}
+}  // namespace
+
 at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
   const Fp8MmArgs a = check_fp8_mm(x, weight, scale, bias, block_size);
@@ -33,8 +40,13 @@ at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, 
   p.bias_dtype = a.bias ? kernel_dtype_code(a.bias->scalar_type()) : kDtypeFloat;
   p.scale = scale_params(a.w.layout);
 
-  const MmKernel k = choose_mm_kernel(M, kFp8GemvRows);
-  Dispatch d(fp8_mm_kernel_name(M, a.x.scalar_type(), t.caps));
+  MmKernel k = choose_mm_kernel(M, kFp8GemvRows);
+  // the multi-row GEMV holds 8 rows in registers: where its pipeline takes fewer than its 256 threads, the
+  // narrower GEMM (128 threads, any M) runs
+  if (k == MmKernel::GemvRows &&
+      !t.fits(kernel_name(pick_kernel(kFp8MmKernels, k, t.caps), a.x.scalar_type()), fp8_mm_threads(k)))
+    k = MmKernel::Gemm;
+  Dispatch d(kernel_name(pick_kernel(kFp8MmKernels, k, t.caps), a.x.scalar_type()));
   d.buffer("x", a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
   // without a bias the kernel never reads [[buffer(3)]]; bind the scale there so it is never unbound
   d.buffer(a.bias ? "bias" : "bias (none: scale bound, unread)", a.bias ? *a.bias : a.w.scale);
@@ -42,16 +54,16 @@ at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, 
   switch (k) {
     case MmKernel::Gemv:
       d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsM1)), 1, 1},
-             {kFp8GemvSimdgroups * 32, 1, 1});
+             {fp8_mm_threads(k), 1, 1});
       break;
     case MmKernel::GemvRows:
       d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvRowsSimdgroups * kFp8GemvColsRows)),
               checked_u32("grid y", ceil_div(M, kFp8GemvRows)), 1},
-             {kFp8GemvRowsSimdgroups * 32, 1, 1});
+             {fp8_mm_threads(k), 1, 1});
       break;
     case MmKernel::Gemm:
       d.grid({checked_u32("grid x", ceil_div(N, kFp8GemmTile)), checked_u32("grid y", ceil_div(M, kFp8GemmTile)), 1},
-             {kFp8GemmThreads, 1, 1});
+             {fp8_mm_threads(k), 1, 1});
       break;
   }
   t.run(d);

@@ -18,9 +18,15 @@ struct Target {
   bool host_visible;  // true for the emulator: plans may read small tensors on the host
   DeviceCaps caps{};  // the launcher's device (the portable floor unless the launcher says more)
 
-  // Every plan launches through here: Metal's launch limits are checked (check_launch_limits) before any
-  // launcher sees the dispatch, so the mps device and the emulator refuse the same launches.
+  // Every plan launches through here: Metal's launch limits are checked (check_launch_limits, and the kernel's
+  // own pipeline limit on threads per threadgroup) before any launcher sees the dispatch, so the mps device and
+  // the emulator refuse the same launches.
   void run(const Dispatch& d) const;
+  // Does `kernel`'s pipeline take `threads` per threadgroup? Plans pick a narrower variant, or fewer threads,
+  // where it does not (its maxTotalThreadsPerThreadgroup can be below Metal's 1024).
+  bool fits(const std::string& kernel, uint64_t threads) const {
+    return threads <= launcher.max_threads_per_threadgroup(kernel);
+  }
 };
 
 // Metal's limits (metal/limits.h) on one dispatch: threads per threadgroup, threadgroup memory, setBytes
