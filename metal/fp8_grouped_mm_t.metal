@@ -63,8 +63,9 @@ kernel void fp8_grouped_mm_t_gemm(
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float gs[kFp8GemmTile * kGemmXStride];
-  threadgroup float ws[kFp8GemmTile * kGemmXStride];
+  // alignas(16): float4 stores (mm_t.h): MSL promises a float array only 4-byte alignment
+  alignas(16) threadgroup float gs[kFp8GemmTile * kGemmXStride];
+  alignas(16) threadgroup float ws[kFp8GemmTile * kGemmXStride];
   const GroupTile gt = group_tile(tiles, expert_ids, tgid.y, p);
   if (gt.rows == 0) {
     return;  // past the tiles that exist; the whole threadgroup

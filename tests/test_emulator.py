@@ -237,6 +237,23 @@ def test_misaligned_threadgroup_vector_store_faults(lib):
         lib.run("threadgroup_float4_store_misaligned", [np.zeros(32, np.float32)], grid=(1,), tg=(32,), outputs=(0,))
 
 
+def test_float4_stores_into_a_float_threadgroup_array_fault_at_its_natural_alignment(lib):
+    # MSL promises a `float` threadgroup array 4-byte alignment only: the emulator places it there, so float4
+    # stores into it fault, where the old 16-byte placement (natural_tg_alignment=False) let them pass
+    out = np.zeros(32, np.float32)
+    lib.run("threadgroup_float_array_float4_stores", [out], grid=(1,), tg=(32,), outputs=(0,),
+            natural_tg_alignment=False)
+    assert np.array_equal(out, np.arange(32))
+    with pytest.raises(E.KernelError, match=r"misaligned 16-byte vector store at .*threadgroup.*alignas\(16\)"):
+        lib.run("threadgroup_float_array_float4_stores", [out], grid=(1,), tg=(32,), outputs=(0,))
+
+
+def test_threadgroup_array_declared_alignas_16_takes_float4_stores(lib):
+    out = np.zeros(32, np.float32)
+    lib.run("threadgroup_aligned_float_array_float4_stores", [out], grid=(1,), tg=(32,), outputs=(0,))
+    assert np.array_equal(out, np.arange(32))
+
+
 def test_threadgroup_memory_past_32k_faults(lib):
     with pytest.raises(E.KernelError, match=r"threadgroup_array_33k' uses 33792 bytes of threadgroup memory.*32768"):
         lib.run("threadgroup_array_33k", [np.zeros(32, np.float32)], grid=(1,), tg=(32,), outputs=(0,))
