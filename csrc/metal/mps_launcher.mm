@@ -4,6 +4,11 @@
 // endEncoding (the stream owns the command buffer and coalesces our kernels with its own), nor a CPU copy.
 // It also registers every planned op (planned_ops.h) for the MPS dispatch key. macOS only (setup.py adds *.mm on darwin).
 //
+// Every Objective-C message below is sent inside an @autoreleasepool of its own function (as PyTorch's MPS ops
+// do): the ops run on Python's threads and on the stream's queue, neither of which drains a pool for us, so an
+// autoreleased NSString or NSError would otherwise live until the thread exits. tests/test_mps_launcher_check.py
+// checks it.
+//
 // Checked on Linux by tests/test_mps_launcher_check.py: clang compiles this file in Objective-C++ mode
 // against tests/launcher_stubs/ (the Apple declarations used here) and the installed torch's own headers.
 // Every Apple call below must therefore also be declared there, from Apple's documented signature.
@@ -71,11 +76,14 @@ inline id<MTLBuffer> getMTLBufferStorage(const at::TensorBase& t) {
 }
 
 std::string describe(NSError* error) {
-  return error == nil ? std::string("unknown error") : std::string([[error localizedDescription] UTF8String]);
+  @autoreleasepool {
+    return error == nil ? std::string("unknown error") : std::string([[error localizedDescription] UTF8String]);
+  }
 }
 
 // The highest N with MTLGPUFamilyAppleN that the device supports (7 = M1 ... 10 = M5), 0 below M1.
 uint32_t apple_family(id<MTLDevice> device) {
+  @autoreleasepool {
   const std::pair<MTLGPUFamily, uint32_t> families[] = {
 #if LOWBIT_SDK_MACOS_26
       {MTLGPUFamilyApple10, 10},
@@ -88,11 +96,14 @@ uint32_t apple_family(id<MTLDevice> device) {
     if ([device supportsFamily:family]) return n;
   }
   return 0;
+  }
 }
 
 bool macos_at_least(uint32_t major) {
-  NSOperatingSystemVersion v = {NSInteger(major), 0, 0};
-  return [[NSProcessInfo processInfo] isOperatingSystemAtLeastVersion:v];
+  @autoreleasepool {
+    NSOperatingSystemVersion v = {NSInteger(major), 0, 0};
+    return [[NSProcessInfo processInfo] isOperatingSystemAtLeastVersion:v];
+  }
 }
 
 // The directory of the loaded torch_lowbit._C, where the build installs the .metallib files.
@@ -104,7 +115,8 @@ std::string extension_dir() {
   return slash == std::string::npos ? "." : path.substr(0, slash);
 }
 
-MTLCompileOptions* compile_options(const MetalLibrary& lib) {
+MTLCompileOptions* compile_options(const MetalLibrary& lib) {  // owned by the caller (+1)
+  @autoreleasepool {
   MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
   // Apple's encoding of MTLLanguageVersion: (major << 16) + minor. macos_at_least(lib.macos) was checked.
   options.languageVersion = MTLLanguageVersion(((lib.msl_version / 100) << 16) + lib.msl_version % 100);
@@ -125,6 +137,7 @@ MTLCompileOptions* compile_options(const MetalLibrary& lib) {
   options.fastMathEnabled = NO;
 #pragma clang diagnostic pop
   return options;
+  }
 }
 
 // The libraries of kLowbitMetalLibraries that this device may run, loaded once per process (a precompiled
@@ -157,25 +170,27 @@ class KernelCache {
 
   // For the env report: loads the libraries and creates every kernel's pipeline, to list each one's limit.
   MpsInfo info() {
-    std::lock_guard<std::mutex> guard(mu_);
-    MpsInfo out;
-    out.gpu = device_ == nil ? std::string("none") : std::string([[device_ name] UTF8String]);
-    try {
-      load_libraries();
-      for (id<MTLLibrary> lib : libraries_) {
-        NSArray<NSString*>* names = [lib functionNames];
-        for (NSUInteger i = 0; i < [names count]; i++) {
-          const std::string name([[names objectAtIndex:i] UTF8String]);
-          pipeline_locked(name);
-          out.pipelines.emplace_back(name, max_threads_.at(name));
+    @autoreleasepool {
+      std::lock_guard<std::mutex> guard(mu_);
+      MpsInfo out;
+      out.gpu = device_ == nil ? std::string("none") : std::string([[device_ name] UTF8String]);
+      try {
+        load_libraries();
+        for (id<MTLLibrary> lib : libraries_) {
+          NSArray<NSString*>* names = [lib functionNames];
+          for (NSUInteger i = 0; i < [names count]; i++) {
+            const std::string name([[names objectAtIndex:i] UTF8String]);
+            pipeline_locked(name);
+            out.pipelines.emplace_back(name, max_threads_.at(name));
+          }
         }
+      } catch (const std::exception& e) {
+        out.libraries.push_back(std::string("failed: ") + e.what());
       }
-    } catch (const std::exception& e) {
-      out.libraries.push_back(std::string("failed: ") + e.what());
+      out.caps = caps_;
+      out.libraries.insert(out.libraries.end(), loaded_how_.begin(), loaded_how_.end());
+      return out;
     }
-    out.caps = caps_;
-    out.libraries.insert(out.libraries.end(), loaded_how_.begin(), loaded_how_.end());
-    return out;
   }
 
  private:
@@ -188,18 +203,20 @@ class KernelCache {
     auto it = pipelines_.find(name);
     if (it != pipelines_.end()) return it->second;
     load_libraries();
-    NSString* ns_name = [NSString stringWithUTF8String:name.c_str()];
-    id<MTLFunction> fn = nil;
-    for (size_t i = 0; i < libraries_.size() && fn == nil; i++) fn = [libraries_[i] newFunctionWithName:ns_name];
-    TORCH_CHECK(fn != nil, "torch_lowbit mps: no kernel named '", name, "' in the libraries loaded (",
-                c10::Join(", ", loaded_how_), ")");
-    NSError* error = nil;
-    id<MTLComputePipelineState> pso = [device_ newComputePipelineStateWithFunction:fn error:&error];
-    [fn release];
-    TORCH_CHECK(pso != nil, "torch_lowbit mps: cannot create the pipeline of '", name, "': ", describe(error));
-    pipelines_.emplace(name, pso);
-    max_threads_.emplace(name, uint32_t([pso maxTotalThreadsPerThreadgroup]));
-    return pso;
+    @autoreleasepool {
+      NSString* ns_name = [NSString stringWithUTF8String:name.c_str()];
+      id<MTLFunction> fn = nil;
+      for (size_t i = 0; i < libraries_.size() && fn == nil; i++) fn = [libraries_[i] newFunctionWithName:ns_name];
+      TORCH_CHECK(fn != nil, "torch_lowbit mps: no kernel named '", name, "' in the libraries loaded (",
+                  c10::Join(", ", loaded_how_), ")");
+      NSError* error = nil;
+      id<MTLComputePipelineState> pso = [device_ newComputePipelineStateWithFunction:fn error:&error];
+      [fn release];
+      TORCH_CHECK(pso != nil, "torch_lowbit mps: cannot create the pipeline of '", name, "': ", describe(error));
+      pipelines_.emplace(name, pso);
+      max_threads_.emplace(name, uint32_t([pso maxTotalThreadsPerThreadgroup]));
+      return pso;
+    }
   }
 
   // Called with mu_ held. All or nothing: a library that fails throws, and the next call tries again.
@@ -227,7 +244,9 @@ class KernelCache {
         msl = std::max(msl, lib.msl_version);
       }
     } catch (...) {
-      for (id<MTLLibrary> l : libs) [l release];
+      @autoreleasepool {
+        for (id<MTLLibrary> l : libs) [l release];
+      }
       throw;
     }
     libraries_ = std::move(libs);
@@ -237,26 +256,28 @@ class KernelCache {
 
   // The precompiled metallib if it loads, else the embedded source (library_loading.h says how and why).
   id<MTLLibrary> load(const MetalLibrary& lib, std::vector<std::string>& how) {
-    const std::string path = extension_dir() + "/" + lib.name + ".metallib";
-    id<MTLLibrary> l = nil;
-    how.push_back(load_library(
-        lib, path, access(path.c_str(), R_OK) == 0,
-        [&](std::string& why) {
-          NSError* error = nil;
-          l = [device_ newLibraryWithURL:[NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]]
-                                   error:&error];
-          if (l == nil) why = describe(error);
-          return l != nil;
-        },
-        [&](std::string& why) {
-          NSError* error = nil;
-          MTLCompileOptions* options = compile_options(lib);
-          l = [device_ newLibraryWithSource:[NSString stringWithUTF8String:lib.source] options:options error:&error];
-          [options release];
-          if (l == nil) why = describe(error);
-          return l != nil;
-        }));
-    return l;
+    @autoreleasepool {
+      const std::string path = extension_dir() + "/" + lib.name + ".metallib";
+      id<MTLLibrary> l = nil;
+      how.push_back(load_library(
+          lib, path, access(path.c_str(), R_OK) == 0,
+          [&](std::string& why) {
+            NSError* error = nil;
+            l = [device_ newLibraryWithURL:[NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]]
+                                     error:&error];
+            if (l == nil) why = describe(error);
+            return l != nil;
+          },
+          [&](std::string& why) {
+            NSError* error = nil;
+            MTLCompileOptions* options = compile_options(lib);
+            l = [device_ newLibraryWithSource:[NSString stringWithUTF8String:lib.source] options:options error:&error];
+            [options release];
+            if (l == nil) why = describe(error);
+            return l != nil;
+          }));
+      return l;
+    }
   }
 
   std::mutex mu_;
