@@ -74,3 +74,18 @@ def test_limit_must_be_whole_simdgroups_within_metal(bad):
         with limit(bad):
             pass
     assert torch_lowbit._C._emu_max_threads_per_threadgroup() == 1024
+
+
+@pytest.mark.parametrize("max_threads", [64, 128])  # 1 or 2 of the 4 rows of 64 threads per threadgroup
+def test_dequantize_kernels_take_fewer_rows_per_threadgroup(max_threads):
+    from conftest import Backend
+    from test_metal_w4 import W4, assert_dequantized
+    g = _gen("dequantize", max_threads)
+    bits, scale = random_fp8_bits((7, 70), g), torch.rand(7, generator=g) + 0.5
+    w = W4("mxfp4", 7, 75, g)
+    emu_backend = Backend("metal_emu")
+    with limit(max_threads):
+        out = emu.fp8_dequantize(bits, scale, None, torch.float32)
+        out4 = emu.w4_dequantize(*w.args(emu_backend), w.K, dtype=torch.float32, **w.kwargs(emu_backend))
+    assert torch.equal(out, fp8_weight_f64(bits, scale).float())  # exact: dec * scale in fp32
+    assert_dequantized(out4, w, torch.float32)

@@ -4,6 +4,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
@@ -26,6 +27,11 @@ struct Target {
   // where it does not (its maxTotalThreadsPerThreadgroup can be below Metal's 1024).
   bool fits(const std::string& kernel, uint64_t threads) const {
     return threads <= launcher.max_threads_per_threadgroup(kernel);
+  }
+  // For a kernel indexed by thread_position_in_grid alone: how many of `rows` rows of `width` threads its
+  // threadgroups take (at least one; Target::run refuses a row wider than the pipeline allows).
+  uint32_t rows_that_fit(const std::string& kernel, uint32_t width, uint32_t rows) const {
+    return std::max<uint32_t>(1, std::min<uint32_t>(rows, launcher.max_threads_per_threadgroup(kernel) / width));
   }
 };
 
