@@ -9,7 +9,8 @@ torch_lowbit._msl_trace the same kernels instrumented to record every device-mem
 torch_lowbit/*.metallib on macOS with Apple's Metal toolchain, every metal/*.metal precompiled (-std=metal3.1;
                         variant libraries for newer GPUs with their own version): csrc/metal/metallib.py.
                         TORCH_LOWBIT_METALLIB=0 skips it (the launcher then compiles the embedded source at
-                        first use), =1 makes a missing toolchain a build error
+                        first use, as it does when an auto build's compile fails), =1 makes a missing toolchain
+                        or a compiler error a build error
 """
 import glob
 import os
@@ -130,13 +131,11 @@ def trace_extension():
 
 class BuildExt(BuildExtension):
     def run(self):
-        # the metallibs first: a kernel that Apple's compiler rejects fails the build before the C++ starts
+        # the metallibs first: with TORCH_LOWBIT_METALLIB=1 a kernel that Apple's compiler rejects fails the build
+        # before the C++ starts
         out_dir = os.path.dirname(self.get_ext_fullpath("torch_lowbit._C"))
         try:
-            if metallib.want_metallib(os.environ, IS_MAC):
-                metallib.build_metallibs(ROOT, out_dir, os.path.join(self.build_temp, "metallib"))
-            else:
-                metallib.remove_metallibs(out_dir)
+            metallib.prepare_metallibs(os.environ, IS_MAC, ROOT, out_dir, os.path.join(self.build_temp, "metallib"))
         except metallib.MetalBuildError as e:
             raise SystemExit(f"error: {e}")
         super().run()

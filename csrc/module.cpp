@@ -12,36 +12,12 @@
 #include "cpu/workspace.h"
 #include "metal/dry_run_launcher.h"
 #include "metal/emu_launcher.h"
+#include "metal/library_loading.h"
 #include "metal/mps_info.h"
 #include "metal/plan_int8_mm.h"
 #include "metal/plans.h"
 
 namespace {
-
-// fp8_grouped_mm in the emulator as the mps device runs it: offsets and expert ids are not read on the host,
-// so the kernels' own clamping is what keeps malformed values inside the buffers (a test hook).
-at::Tensor emu_fp8_grouped_mm_unvalidated(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                                          const at::Tensor& offsets, const std::optional<at::Tensor>& expert_ids) {
-  lowbit::metal::EmuLauncher l;
-  return lowbit::metal::plan_fp8_grouped_mm(lowbit::metal::Target{l, /*host_visible=*/false, l.caps()}, x, weight, scale,
-                                            offsets, expert_ids, std::nullopt);
-}
-
-// w4_grouped_mm (transposed: w4_grouped_mm_t, K given) in the emulator without host-side checks of offsets and
-// expert ids, as on mps (a test hook, as emu_fp8_grouped_mm_unvalidated).
-at::Tensor emu_w4_grouped_mm_unvalidated(bool transposed, const at::Tensor& x, const at::Tensor& codes,
-                                         const at::Tensor& scale, const std::string& format, int64_t group_size,
-                                         int64_t K, const at::Tensor& offsets,
-                                         const std::optional<at::Tensor>& expert_ids,
-                                         const std::optional<at::Tensor>& offset,
-                                         const std::optional<at::Tensor>& global_scale) {
-  lowbit::metal::EmuLauncher l;
-  const lowbit::metal::Target t{l, /*host_visible=*/false, l.caps()};
-  return transposed ? lowbit::metal::plan_w4_grouped_mm_t(t, x, codes, scale, format, group_size, K, offsets,
-                                                          expert_ids, offset, global_scale)
-                    : lowbit::metal::plan_w4_grouped_mm(t, x, codes, scale, format, group_size, offsets, expert_ids,
-                                                        offset, global_scale);
-}
 
 // The dry-run records as Python dicts (torch_lowbit.emulator.dry_run).
 py::list dry_run_take() {
@@ -93,10 +69,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["apple_family"] = info.caps.apple_family;
         d["msl_version"] = info.caps.msl_version;
         d["libraries"] = info.libraries;
+        py::dict pipelines;
+        for (const auto& [name, limit] : info.pipelines) pipelines[py::str(name)] = limit;
+        d["pipelines"] = pipelines;
         return d;
       },
-      "the mps launcher's GPU, its Apple family, the MSL version and how each Metal library was loaded "
-      "(loads them); None when built without the mps launcher");
+      "the mps launcher's GPU, its Apple family, the MSL version, how each Metal library was loaded and each "
+      "kernel's pipeline limit on threads per threadgroup (loads them all); None when built without the mps launcher");
   m.def("_emu_set_reverse", &lowbit::metal::set_emulator_reverse,
         "run the threads of every emulated threadgroup in reverse order (a test switch)");
   m.def(
@@ -112,6 +91,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::make_tuple(c.apple_family, c.msl_version);
       },
       "(apple_family, msl_version) the emulator reports now");
+  m.def("_emu_set_max_threads_per_threadgroup", &lowbit::metal::set_emulator_max_threads_per_threadgroup,
+        "every pipeline's maxTotalThreadsPerThreadgroup as the emulator reports and enforces it (a test switch)");
+  m.def("_emu_max_threads_per_threadgroup", &lowbit::metal::emulator_max_threads_per_threadgroup);
+  m.def("_emu_set_kernel_max_threads", &lowbit::metal::set_emulator_kernel_max_threads,
+        "one pipeline's maxTotalThreadsPerThreadgroup as the emulator reports and enforces it (0: the global one)");
   m.def(
       "_metal_int8_mm_kernel",
       [](int64_t M, int64_t N, int64_t K) {
@@ -132,6 +116,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return lowbit::metal::fp8_grouped_mm_kernel_name(T, G, dtype, lowbit::metal::emulator_device_caps());
       },
       "the Metal kernel fp8_grouped_mm runs for (T rows, G groups, x dtype) on the emulator's device");
+  m.def(
+      "_metal_library_loading_check",
+      [](bool metallib_exists, const std::string& metallib_error, const std::string& source_error) {
+        // the mps launcher's library loading with stand-in loaders: an empty error string loads
+        const lowbit::metal::MetalLibrary lib{"lowbit", 301, 7, 14, ""};
+        auto stand_in = [](const std::string& e) {
+          return [e](std::string& error) { return (error = e).empty(); };
+        };
+        return lowbit::metal::load_library(lib, "/x/lowbit.metallib", metallib_exists, stand_in(metallib_error),
+                                           stand_in(source_error));
+      },
+      "the mps launcher's choice between a metallib and the embedded source, with stand-in loaders (tests)");
   m.def("_dry_run_take", &dry_run_take, "the dispatches torch.ops.lowbit_dryrun recorded since the last call");
   m.def(
       "_metal_check_launch_limits",
@@ -144,12 +140,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         lowbit::metal::check_launch_limits(d);
       },
       "the plans' launch-limit check on a dispatch of these sizes (raises like a plan would; for tests)");
-  m.def("_emu_fp8_grouped_mm_unvalidated", &emu_fp8_grouped_mm_unvalidated,
-        "fp8_grouped_mm in the emulator without host-side checks of offsets / expert_ids, as on mps (tests)");
-  m.def("_emu_w4_grouped_mm_unvalidated", &emu_w4_grouped_mm_unvalidated,
-        "w4_grouped_mm (transposed: w4_grouped_mm_t) in the emulator without host-side checks of offsets / "
-        "expert_ids, as on mps (tests): (transposed, x, codes, scale, format, group_size, K, offsets, expert_ids, "
-        "offset, global_scale)");
   m.def(
       "_cpu_set_isa",
       [](const std::string& name) {

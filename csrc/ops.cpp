@@ -1,6 +1,8 @@
-// Every op schema of torch_lowbit, once. The same schemas are defined three times: `lowbit` (CPU and MPS
-// kernels), `lowbit_emu` (the Metal kernels run by the MSL emulator on CPU tensors, for tests) and
-// `lowbit_dryrun` (the Metal plans on meta tensors, recording their dispatches: csrc/metal/dry_run_launcher.h).
+// Every op schema of torch_lowbit, once. The same schemas are defined four times: `lowbit` (CPU and MPS
+// kernels), `lowbit_emu` (the Metal kernels run by the MSL emulator on CPU tensors, for tests), `lowbit_emu_mps`
+// (the same, with the plans as on mps: offsets and expert ids never read on the host, so the kernels' own
+// clamping is what runs) and `lowbit_dryrun` (the Metal plans on meta tensors, recording their dispatches:
+// csrc/metal/dry_run_launcher.h).
 // Semantics: design.md, "The ops".
 #include <torch/library.h>
 
@@ -37,4 +39,5 @@ void define_ops(torch::Library& m) {
 
 TORCH_LIBRARY(lowbit, m) { lowbit::define_ops(m); }
 TORCH_LIBRARY(lowbit_emu, m) { lowbit::define_ops(m); }
+TORCH_LIBRARY(lowbit_emu_mps, m) { lowbit::define_ops(m); }
 TORCH_LIBRARY(lowbit_dryrun, m) { lowbit::define_ops(m); }

@@ -1,8 +1,10 @@
 // Groups of rows for the grouped (MoE) kernels, shared by fp8_grouped_mm (fp8_grouped_mm.metal), its
 // transposed product fp8_grouped_mm_t (fp8_grouped_mm_t.metal) and the 4-bit ones (w4_grouped.h): group spans, zeroing the rows a kernel does
 // not compute, and the lookup of a prefill threadgroup's row tile in fp8_grouped_tiles' table.
-// offsets are clamped to [0, T] and ids outside [0, E) act as -1, so malformed values (validated on the host
-// where the plan can read them, not on mps) never index outside a buffer.
+// Every kernel, decode and prefill, reads its rows from that table: offsets clamped to [0, T] and made
+// non-decreasing (a running max), and ids outside [0, E) act as -1. So malformed values (validated on the host
+// where the plan can read them, not on mps) never index outside a buffer, no two groups share a row, and the
+// decode and prefill kernels compute the same rows.
 // P: the op's params (Fp8GroupedMmParams, W4GroupedParams), read for its rows T, experts E and groups G.
 #pragma once
 #include <metal_stdlib>
@@ -18,13 +20,17 @@ inline uint clamp_row(int o, uint T) {
   return o < 0 ? 0u : min(uint(o), T);
 }
 
+inline int checked_expert(int id, uint E) {
+  return (id >= 0 && uint(id) < E) ? id : -1;
+}
+
+// Group g's rows: segment g + 1 of the tile table (bound = tiles[0 .. G + 3), fp8_grouped_tiles)
 template <typename P>
-inline GroupSpan group_span(device const int* offsets, device const int* ids, uint g, constant P& p) {
+inline GroupSpan group_span(device const uint* tiles, device const int* ids, uint g, constant P& p) {
   GroupSpan s;
-  s.begin = clamp_row(offsets[g], p.T);
-  s.end = max(s.begin, clamp_row(offsets[g + 1], p.T));
-  const int e = ids[g];
-  s.expert = (e >= 0 && uint(e) < p.E) ? e : -1;
+  s.begin = tiles[g + 1];
+  s.end = tiles[g + 2];
+  s.expert = checked_expert(ids[g], p.E);
   return s;
 }
 
@@ -40,11 +46,11 @@ inline void zero_rows(device T* out, uint cols, uint r0, uint r1, uint c0, uint 
   }
 }
 
-// Rows in no group: before offsets[0] and from offsets[G] on (groups are contiguous between the two)
+// Rows in no group, the table's first and last segments: before the first group and after the last one
 template <typename T, typename P>
-inline void zero_rows_in_no_group(device T* out, uint cols, device const int* offsets, constant P& p, uint r0, uint r1, uint c0, uint c1, uint tid,
-                                  uint nthreads) {
-  const uint first = clamp_row(offsets[0], p.T), last = clamp_row(offsets[p.G], p.T);
+inline void zero_rows_in_no_group(device T* out, uint cols, device const uint* tiles, constant P& p, uint r0, uint r1,
+                                  uint c0, uint c1, uint tid, uint nthreads) {
+  const uint first = tiles[1], last = tiles[p.G + 1];
   zero_rows<T>(out, cols, r0, min(r1, first), c0, c1, tid, nthreads);
   zero_rows<T>(out, cols, max(r0, last), r1, c0, c1, tid, nthreads);
 }
@@ -79,7 +85,6 @@ inline GroupTile group_tile(device const uint* tiles, device const int* expert_i
   }
   t.m0 = bound[lo] + (y - first[lo]) * kFp8GemmTile;
   t.rows = min(kFp8GemmTile, bound[lo + 1] - t.m0);
-  const int id = lo >= 1 && lo <= p.G ? expert_ids[lo - 1] : -1;
-  t.expert = (id >= 0 && uint(id) < p.E) ? id : -1;
+  t.expert = lo >= 1 && lo <= p.G ? checked_expert(expert_ids[lo - 1], p.E) : -1;
   return t;
 }

@@ -1,14 +1,14 @@
 // fp8_grouped_mm (MoE): group g owns rows offsets[g] .. offsets[g + 1] of x and uses expert expert_ids[g].
 // Both kernels reuse the dense bodies (fp8_gemv.h, fp8_gemm.h) with the expert's weight and scale slices.
+//   fp8_grouped_tiles   step 1 of both: one thread lays the rows out as segments and 32-row tiles (below).
 //   fp8_grouped_gemv_*  decode, few rows per group: grid (ceil(N / 4), G + 1), 64 threads = 2 simdgroups of
-//                       2 output columns each; a group's rows go in passes of 8 (one pass for <= 8 rows),
-//                       so each selected expert's weights are read once per group.
+//                       2 output columns each; a group's rows (its segment of the table) go in passes of 8 (one
+//                       pass for <= 8 rows), so each selected expert's weights are read once per group.
 //                       Grid slot g == G zeroes the rows in no group.
-//   fp8_grouped_tiles   prefill, step 1: one thread lays the rows out as 32-row tiles per segment (below).
 //   fp8_grouped_gemm_*  prefill, step 2: grid (ceil(N / 32), ceil(T / 32) + G + 1), 128 threads; threadgroup
 //                       y finds its segment and tile in the step-1 table (a binary search) and computes it,
 //                       so only the row tiles that exist run: ceil(T / 32) + G + 1 at most, not T x G.
-// A group with expert id -1 zeroes its rows; an empty group has no tiles (clamping: fp8_grouped.h).
+// A group with expert id -1 zeroes its rows; an empty group has no rows (clamping: fp8_grouped.h).
 #include <metal_stdlib>
 #include "fp8_gemv.h"
 #include "fp8_gemm.h"
@@ -20,7 +20,7 @@ kernel void fp8_grouped_gemv(
     device const T* x [[buffer(0)]],
     device const uchar* w [[buffer(1)]],
     device const float* scale [[buffer(2)]],
-    device const int* offsets [[buffer(3)]],
+    device const uint* tiles [[buffer(3)]],
     device const int* expert_ids [[buffer(4)]],
     device T* out [[buffer(5)]],
     constant Fp8GroupedMmParams& p [[buffer(6)]],
@@ -33,10 +33,10 @@ kernel void fp8_grouped_gemv(
   const uint g = tgid.y;
   const uint c0 = tgid.x * kCols, c1 = min(c0 + kCols, p.N);
   if (g == p.G) {
-    zero_rows_in_no_group<T>(out, p.N, offsets, p, 0, p.T, c0, c1, tid, kThreads);
+    zero_rows_in_no_group<T>(out, p.N, tiles, p, 0, p.T, c0, c1, tid, kThreads);
     return;
   }
-  const GroupSpan s = group_span(offsets, expert_ids, g, p);
+  const GroupSpan s = group_span(tiles, expert_ids, g, p);
   if (s.begin == s.end) {
     return;
   }

@@ -2,8 +2,9 @@
 // with expert e = expert_ids[g]; rows of -1 groups and rows in no group are zero. The dense bodies of mm_t.h
 // on the expert's weight and scale slices, laid out over the groups like fp8_grouped_mm's (fp8_grouped.h):
 //   fp8_grouped_mm_t_gemv_rows_*  decode, few rows per group: grid (ceil(K / 128), G + 1), 256 threads; a group's
-//                            rows go in passes of 8, so each selected expert's weights are read once per
-//                            group. Grid slot g == G zeroes the rows in no group.
+//                            rows (its segment of fp8_grouped_tiles' table, run first by the plan) go in
+//                            passes of 8, so each selected expert's weights are read once per group. Grid slot
+//                            g == G zeroes the rows in no group.
 //   fp8_grouped_mm_t_gemm_*  prefill: grid (ceil(K / 32), ceil(T / 32) + G + 1), 128 threads; threadgroup y
 //                            computes the row tile y of fp8_grouped_tiles' table (run first by the plan).
 // Fp8GroupedMmParams::flags holds MmTFlags here.
@@ -17,7 +18,7 @@ kernel void fp8_grouped_mm_t_gemv(
     device const T* g [[buffer(0)]],
     device const uchar* w [[buffer(1)]],
     device const float* scale [[buffer(2)]],
-    device const int* offsets [[buffer(3)]],
+    device const uint* tiles [[buffer(3)]],
     device const int* expert_ids [[buffer(4)]],
     device T* out [[buffer(5)]],
     constant Fp8GroupedMmParams& p [[buffer(6)]],
@@ -29,10 +30,10 @@ kernel void fp8_grouped_mm_t_gemv(
   threadgroup float4 red[kMmTGemvSimdgroups * 32];
   const uint k0 = tgid.x * kMmTGemvCols, c1 = min(k0 + kMmTGemvCols, p.K);
   if (tgid.y == p.G) {
-    zero_rows_in_no_group<T>(out, p.K, offsets, p, 0, p.T, k0, c1, tid, kThreads);
+    zero_rows_in_no_group<T>(out, p.K, tiles, p, 0, p.T, k0, c1, tid, kThreads);
     return;
   }
-  const GroupSpan s = group_span(offsets, expert_ids, tgid.y, p);
+  const GroupSpan s = group_span(tiles, expert_ids, tgid.y, p);
   if (s.begin == s.end) {
     return;  // the whole threadgroup
   }
@@ -62,8 +63,9 @@ kernel void fp8_grouped_mm_t_gemm(
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float gs[kFp8GemmTile * kGemmXStride];
-  threadgroup float ws[kFp8GemmTile * kGemmXStride];
+  // alignas(16): float4 stores (mm_t.h): MSL promises a float array only 4-byte alignment
+  alignas(16) threadgroup float gs[kFp8GemmTile * kGemmXStride];
+  alignas(16) threadgroup float ws[kFp8GemmTile * kGemmXStride];
   const GroupTile gt = group_tile(tiles, expert_ids, tgid.y, p);
   if (gt.rows == 0) {
     return;  // past the tiles that exist; the whole threadgroup

@@ -40,7 +40,8 @@ kernel void int8_gemm(
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]]) {
   // A tile [32][40] + B tile [64][40] halves (7680 bytes), then the fp32 C tile [32][64] (8192 bytes)
-  threadgroup float smem[kGemmBM * kGemmBN];
+  // alignas(16): half4 stores (int8.h): MSL promises a float array only 4-byte alignment
+  alignas(16) threadgroup float smem[kGemmBM * kGemmBN];
   threadgroup half* As = (threadgroup half*)smem;
   threadgroup half* Bs = As + kGemmBM * kGemmLd;
 

@@ -38,8 +38,9 @@ kernel void mm_t_gemm(
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float gs[kFp8GemmTile * kGemmXStride];
-  threadgroup float ws[kFp8GemmTile * kGemmXStride];
+  // alignas(16): float4 stores (mm_t.h): MSL promises a float array only 4-byte alignment
+  alignas(16) threadgroup float gs[kFp8GemmTile * kGemmXStride];
+  alignas(16) threadgroup float ws[kFp8GemmTile * kGemmXStride];
   const uint m0 = tgid.y * kFp8GemmTile;
   mm_t_gemm_tile<T, Code>(g + ulong(m0) * p.N, min(kFp8GemmTile, p.M - m0), w, scale, p.scale,
                           out + ulong(m0) * p.K, tgid.x * kFp8GemmTile, p.N, p.K, p.flags, gs, ws, tid, sg, lane);

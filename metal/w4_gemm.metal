@@ -19,8 +19,9 @@ kernel void w4_gemm(
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float xs[kW4GemmTile * kW4TileStride];
-  threadgroup float ws[kW4GemmTile * kW4TileStride];
+  // alignas(16): float4 stores (w4_gemm.h): MSL promises a float array only 4-byte alignment
+  alignas(16) threadgroup float xs[kW4GemmTile * kW4TileStride];
+  alignas(16) threadgroup float ws[kW4GemmTile * kW4TileStride];
   const uint m0 = tgid.y * kW4GemmTile;
   w4_gemm_tile<T, S, O>(x + ulong(m0) * p.K, min(kW4GemmTile, p.M - m0), codes, scale, offset, p,
                         w4_global_scale(p, global_scale), w4_mm_bias(p, bias), out + ulong(m0) * p.N,

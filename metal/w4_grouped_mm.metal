@@ -2,7 +2,8 @@
 // weight. The dense bodies (w4_gemv.metal's GEMV, w4_gemm.h's tile) on the expert's slice (w4_grouped.h), laid out
 // over the groups as fp8_grouped_mm's kernels (fp8_grouped.h):
 //   w4_grouped_gemv_<dtype>_<scale>_<offset>  decode, few rows per group: grid (ceil(N / 4), G + 1), 64 threads =
-//                       2 simdgroups of 2 output columns; a group's rows go in passes of kW4GemvRows (one pass for
+//                       2 simdgroups of 2 output columns; a group's rows (its segment of fp8_grouped_tiles' table,
+//                       run first by the plan) go in passes of kW4GemvRows (one pass for
 //                       <= 8 rows), so each selected expert's codes are read once per group. Slot G zeroes the
 //                       rows in no group.
 //   w4_grouped_gemm_<dtype>_<scale>_<offset>  prefill: grid (ceil(N / 32), ceil(T / 32) + G + 1), 128 threads;
@@ -21,7 +22,7 @@ kernel void w4_grouped_gemv(
     device const uchar* scale [[buffer(2)]],
     device const uchar* offset [[buffer(3)]],
     device const float* global_scale [[buffer(4)]],
-    device const int* offsets [[buffer(5)]],
+    device const uint* tiles [[buffer(5)]],
     device const int* expert_ids [[buffer(6)]],
     device T* out [[buffer(7)]],
     constant W4GroupedParams& p [[buffer(8)]],
@@ -34,10 +35,10 @@ kernel void w4_grouped_gemv(
   const uint N = p.w.N, K = p.w.K;
   const uint c0 = tgid.x * kCols, c1 = min(c0 + kCols, N);
   if (tgid.y == p.G) {
-    zero_rows_in_no_group<T>(out, N, offsets, p, 0, p.T, c0, c1, tid, kThreads);
+    zero_rows_in_no_group<T>(out, N, tiles, p, 0, p.T, c0, c1, tid, kThreads);
     return;
   }
-  const GroupSpan s = group_span(offsets, expert_ids, tgid.y, p);
+  const GroupSpan s = group_span(tiles, expert_ids, tgid.y, p);
   if (s.begin == s.end) {
     return;
   }
@@ -71,8 +72,9 @@ kernel void w4_grouped_gemm(
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float xs[kW4GemmTile * kW4TileStride];
-  threadgroup float ws[kW4GemmTile * kW4TileStride];
+  // alignas(16): float4 stores (w4_gemm.h): MSL promises a float array only 4-byte alignment
+  alignas(16) threadgroup float xs[kW4GemmTile * kW4TileStride];
+  alignas(16) threadgroup float ws[kW4GemmTile * kW4TileStride];
   const GroupTile gt = group_tile(tiles, expert_ids, tgid.y, p);
   if (gt.rows == 0) {
     return;  // past the tiles that exist; the whole threadgroup

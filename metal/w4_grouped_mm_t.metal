@@ -23,8 +23,9 @@ kernel void w4_grouped_mm_t_gemm(
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float gs[kW4GemmTile * kW4TileStride];
-  threadgroup float ws[kW4GemmTile * kW4TileStride];
+  // alignas(16): float4 stores (w4_gemm.h): MSL promises a float array only 4-byte alignment
+  alignas(16) threadgroup float gs[kW4GemmTile * kW4TileStride];
+  alignas(16) threadgroup float ws[kW4GemmTile * kW4TileStride];
   const GroupTile gt = group_tile(tiles, expert_ids, tgid.y, p);
   if (gt.rows == 0) {
     return;  // past the tiles that exist; the whole threadgroup

@@ -18,8 +18,9 @@ kernel void w4_mm_t_gemm(
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float gs[kW4GemmTile * kW4TileStride];
-  threadgroup float ws[kW4GemmTile * kW4TileStride];
+  // alignas(16): float4 stores (w4_gemm.h): MSL promises a float array only 4-byte alignment
+  alignas(16) threadgroup float gs[kW4GemmTile * kW4TileStride];
+  alignas(16) threadgroup float ws[kW4GemmTile * kW4TileStride];
   const uint m0 = tgid.y * kW4GemmTile;
   w4_mm_t_tile<T, S, O>(g + ulong(m0) * p.N, min(kW4GemmTile, p.M - m0), codes, scale, offset, p,
                         w4_global_scale(p, global_scale), out + ulong(m0) * p.K, tgid.x * kW4GemmTile, gs, ws, tid,

@@ -101,17 +101,21 @@ class Library:
             ctypes.POINTER(ctypes.c_uint),
             ctypes.POINTER(ctypes.c_size_t), ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         self.lib.msl_emu_set_reverse.argtypes = [ctypes.c_int]
+        self.lib.msl_emu_set_natural_tg_alignment.argtypes = [ctypes.c_int]
 
-    def run(self, kernel, buffers, grid, tg, outputs=(), reverse=False, check=True, offsets=None, tg_mem=None):
-        """buffers[i] binds [[buffer(i)]]; indices in outputs start poisoned (0xFF) and are copied back.
+    def run(self, kernel, buffers, grid, tg, outputs=(), reverse=False, check=True, offsets=None, tg_mem=None,
+            natural_tg_alignment=True):
+        """buffers[i] binds [[buffer(i)]] (None: nil, as mps binds an empty tensor); indices in outputs start
+        poisoned (0xFF) and are copied back. natural_tg_alignment=False places threadgroup arrays at 16 bytes
+        instead of the alignment MSL promises them (msl_runtime.h TgVar).
         offsets[i]: the byte offset buffer i would be bound at on the device (its address residue modulo 64
         in the emulator; default 0). tg_mem[i]: bytes of [[threadgroup(i)]].
         Returns the emulator's report; with check, raises KernelError naming the kernel if it has any error
         or warning (like the emulator launcher of torch.ops.lowbit_emu)."""
         n = len(buffers)
-        bufs = [np.ascontiguousarray(b) for b in buffers]
-        ptrs = (ctypes.c_void_p * n)(*[b.ctypes.data for b in bufs])
-        sizes = (ctypes.c_size_t * n)(*[b.nbytes for b in bufs])
+        bufs = [None if b is None else np.ascontiguousarray(b) for b in buffers]
+        ptrs = (ctypes.c_void_p * n)(*[None if b is None else b.ctypes.data for b in bufs])
+        sizes = (ctypes.c_size_t * n)(*[0 if b is None else b.nbytes for b in bufs])
         flags = (ctypes.c_int * n)(*[3 if i in outputs else 0 for i in range(n)])
         g = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1, 1))[:3])
         t = (ctypes.c_uint * 3)(*(tuple(tg) + (1, 1, 1))[:3])
@@ -119,10 +123,12 @@ class Library:
         mem = (ctypes.c_size_t * 8)(*(tg_mem or []))
         err = ctypes.create_string_buffer(16384)
         self.lib.msl_emu_set_reverse(1 if reverse else 0)
+        self.lib.msl_emu_set_natural_tg_alignment(1 if natural_tg_alignment else 0)
         try:
             ne = self.lib.msl_emu_run(kernel.encode(), n, ptrs, sizes, flags, residues, g, t, mem, 0, err, len(err))
         finally:
             self.lib.msl_emu_set_reverse(0)
+            self.lib.msl_emu_set_natural_tg_alignment(1)
         text = err.value.decode()
         if ne < 0:
             raise KernelError(f"no kernel named {kernel}")

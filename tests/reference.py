@@ -83,6 +83,20 @@ def _grouped(x, offsets, expert_ids, width, product):
     return ref, absref
 
 
+def groups_as_on_mps(offsets, expert_ids, T, E):
+    """The groups the Metal kernels compute for offsets and expert ids that nothing validated (on mps they stay on
+    the GPU): offsets clamped to [0, T] and made non-decreasing (a running max), ids outside [0, E) as -1.
+    Valid values come back unchanged. Returns (offsets, expert_ids) int32 for the references above."""
+    G = offsets.numel() - 1
+    ids = list(range(G)) if expert_ids is None else expert_ids.tolist()
+    bounds, row = [], 0
+    for o in offsets.tolist():
+        row = max(row, min(max(o, 0), T))
+        bounds.append(row)
+    ids = [e if 0 <= e < E else -1 for e in ids]
+    return torch.tensor(bounds, dtype=torch.int32), torch.tensor(ids, dtype=torch.int32)
+
+
 def ref_fp8_grouped_mm(x, bits, scale, offsets, expert_ids=None, block_size=None):
     return _grouped(x, offsets, expert_ids, bits.shape[1],
                     lambda rows, e: ref_fp8_mm(rows, bits[e], scale[e], None, block_size))

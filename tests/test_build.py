@@ -154,6 +154,39 @@ def test_kernel_that_does_not_compile_fails_the_build_with_its_message(fake_xcru
     assert not (tmp_path / "out" / "lowbit.metallib").exists()
 
 
+def _repo_with_a_kernel_apple_rejects(tmp_path):
+    root = tmp_path / "repo"
+    (root / "metal").mkdir(parents=True)
+    (root / "metal" / "good.metal").write_text("kernel void good() {}\n")
+    (root / "metal" / "bad.metal").write_text("// a kernel Apple's compiler rejects\nPLANTED_ERROR x;\n")
+    return root
+
+
+def test_compiler_error_in_auto_mode_prints_and_falls_back_to_the_source(fake_xcrun, tmp_path):
+    root, out = _repo_with_a_kernel_apple_rejects(tmp_path), tmp_path / "out"
+    out.mkdir()
+    (out / "lowbit.metallib").write_text("stale")
+    lines = []
+    built = metallib.prepare_metallibs({}, True, str(root), str(out), str(tmp_path / "air"), log=lines.append)
+    assert built == [] and not (out / "lowbit.metallib").exists()  # the launcher compiles the embedded source
+    text = "\n".join(lines)
+    assert "bad.metal:2:1: error: unknown type name 'PLANTED_ERROR'" in text
+    assert "compiled from the embedded source at first use (TORCH_LOWBIT_METALLIB=1 makes this an error)" in text
+
+
+def test_compiler_error_with_metallib_1_fails_the_build(fake_xcrun, tmp_path):
+    root = _repo_with_a_kernel_apple_rejects(tmp_path)
+    with pytest.raises(metallib.MetalBuildError, match="PLANTED_ERROR"):
+        metallib.prepare_metallibs({metallib.MODE_ENV: "1"}, True, str(root), str(tmp_path / "out"),
+                                   str(tmp_path / "air"), log=lambda s: None)
+
+
+def test_auto_mode_builds_the_metallibs_where_they_compile(fake_xcrun, tmp_path):
+    built = metallib.prepare_metallibs({}, True, ROOT, str(tmp_path / "out"), str(tmp_path / "air"),
+                                       log=lambda s: None)
+    assert built == [str(tmp_path / "out" / "lowbit.metallib")] and os.path.exists(built[0])
+
+
 def test_setup_py_metallib_1_without_toolchain_fails(tmp_path):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable), TORCH_LOWBIT_METALLIB="1")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "build_ext",

@@ -1,7 +1,7 @@
 """.github/workflows/ci.yml, checked as far as Linux can: it parses, its Linux job is .ci/run, every command
 it runs exists here (repository paths, `python -m` modules, bench suites), the macOS jobs build the metallib
-on macos-14 and macos-15, and the on-demand hardware job runs the suite, the main job, metal-traffic and the cpu
-suite."""
+on macos-14 and macos-15, and the on-demand hardware job runs the suite (twice: once under Metal's validation
+layers), the main job, metal-traffic and the cpu suite."""
 import os
 import shlex
 
@@ -74,6 +74,16 @@ def test_hardware_job_on_demand_on_a_self_hosted_mac(workflow):
     assert cpu[0][cpu[0].index("--json") + 1] in upload[0]["with"]["path"]
     for other in ("linux", "macos"):
         assert workflow["jobs"][other]["if"] == "github.event_name != 'workflow_dispatch'"
+
+
+def test_hardware_job_runs_the_suite_again_under_metal_validation(workflow):
+    steps = workflow["jobs"]["mac-hardware"]["steps"]
+    suite = [i for i, s in enumerate(steps) if "run" in s and commands(s["run"])[0][1:3] == ["-m", "pytest"]]
+    assert len(suite) == 2
+    plain, validated = (steps[i] for i in suite)
+    assert "env" not in plain and plain["run"] == validated["run"]  # the same suite, the mps cases included
+    assert validated["env"] == {"MTL_DEBUG_LAYER": "1", "MTL_SHADER_VALIDATION": "1"}
+    assert validated["if"] == "always()"  # also after a failure of the plain run
 
 
 def extra_test_modules():  # not a test: the `test` extra of pyproject.toml

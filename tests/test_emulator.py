@@ -134,6 +134,16 @@ def test_write_just_before_the_start_is_reported(lib):
         lib.run("write_one_before_start", [np.zeros(8, np.float32)], grid=(1,), tg=(8,), outputs=(0,))
 
 
+def test_kernel_taking_a_nil_buffer_is_reported(lib):
+    # mps binds an empty tensor as nil, and so does the emulator: a kernel taking that buffer is an error (Metal's
+    # validation layer rejects the dispatch), even where the read happens to go nowhere
+    out = np.zeros(4, np.float32)
+    lib.run("copy_buffer_1", [out, np.arange(4, dtype=np.float32)], grid=(1,), tg=(4,), outputs=(0,))
+    assert np.array_equal(out, np.arange(4))
+    with pytest.raises(E.KernelError, match=r"kernel 'copy_buffer_1' takes \[\[buffer\(1\)\]\], which the launch bound as nil"):
+        lib.run("copy_buffer_1", [out, None], grid=(1,), tg=(4,), outputs=(0,))
+
+
 def test_divergent_simd_op_is_reported_every_time(lib):
     for _ in range(2):  # the report must not be once per process
         with pytest.raises(E.KernelError, match="lanes wait at different simd ops"):
@@ -225,6 +235,23 @@ def test_packed_uint4_loads_need_only_scalar_alignment(lib, word, offset):
 def test_misaligned_threadgroup_vector_store_faults(lib):
     with pytest.raises(E.KernelError, match="misaligned 16-byte vector store at .*threadgroup"):
         lib.run("threadgroup_float4_store_misaligned", [np.zeros(32, np.float32)], grid=(1,), tg=(32,), outputs=(0,))
+
+
+def test_float4_stores_into_a_float_threadgroup_array_fault_at_its_natural_alignment(lib):
+    # MSL promises a `float` threadgroup array 4-byte alignment only: the emulator places it there, so float4
+    # stores into it fault, where the old 16-byte placement (natural_tg_alignment=False) let them pass
+    out = np.zeros(32, np.float32)
+    lib.run("threadgroup_float_array_float4_stores", [out], grid=(1,), tg=(32,), outputs=(0,),
+            natural_tg_alignment=False)
+    assert np.array_equal(out, np.arange(32))
+    with pytest.raises(E.KernelError, match=r"misaligned 16-byte vector store at .*threadgroup.*alignas\(16\)"):
+        lib.run("threadgroup_float_array_float4_stores", [out], grid=(1,), tg=(32,), outputs=(0,))
+
+
+def test_threadgroup_array_declared_alignas_16_takes_float4_stores(lib):
+    out = np.zeros(32, np.float32)
+    lib.run("threadgroup_aligned_float_array_float4_stores", [out], grid=(1,), tg=(32,), outputs=(0,))
+    assert np.array_equal(out, np.arange(32))
 
 
 def test_threadgroup_memory_past_32k_faults(lib):

@@ -63,3 +63,31 @@ def test_mps_lines_say_whether_the_m5_kernels_run_and_why_not(monkeypatch, msl, 
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS builds the mps launcher")
 def test_mps_info_is_none_without_the_mps_launcher():
     assert torch_lowbit._C._mps_info() is None
+
+
+def test_metallib_that_fails_to_load_falls_back_to_the_source_and_says_why():
+    # the mps launcher's own loading code (csrc/metal/library_loading.cpp), with stand-in loaders: "" loads
+    check = torch_lowbit._C._metal_library_loading_check
+    assert check(True, "", "") == "lowbit: metallib /x/lowbit.metallib"
+    assert check(False, "", "") == "lowbit: source (MSL 3.1)"
+    assert check(True, "Invalid library file", "") == (
+        "lowbit: source (MSL 3.1); the metallib /x/lowbit.metallib failed to load: Invalid library file")
+    with pytest.raises(RuntimeError, match=r"compiling the lowbit kernels \(MSL 3.1\) failed: syntax error; before "
+                                           r"that, the metallib /x/lowbit.metallib failed to load: stale"):
+        check(True, "stale", "syntax error")
+    with pytest.raises(RuntimeError, match=r"failed: syntax error$"):
+        check(False, "", "syntax error")
+
+
+def test_mps_lines_say_how_each_library_loaded_and_list_pipeline_limits(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    fallback = "lowbit: source (MSL 3.1); the metallib /site/lowbit.metallib failed to load: Invalid library file"
+    info = {"gpu": "Apple M1", "apple_family": 7, "msl_version": 301, "libraries": [fallback],
+            "pipelines": {"fp8_gemv_float": 1024, "fp8_gemv_rows_half": 896, "fp8_gemm_half": 1024}}
+    monkeypatch.setattr(env._C, "_mps_info", lambda: info, raising=False)
+    assert env._mps_lines()[1:] == [
+        "metal library " + fallback,
+        "M5 tensor-op kernels: off, the portable kernels run (this build has no lowbit_apple10 library)",
+        "metal pipelines allowing 896 threads per threadgroup (1): fp8_gemv_rows_half",
+        "metal pipelines allowing 1024 threads per threadgroup (2): fp8_gemm_half, fp8_gemv_float"]

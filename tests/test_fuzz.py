@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch_lowbit  # noqa: E402
 from conftest import Backend  # noqa: E402
-from reference import (assert_dequantized_close, assert_matmul_close, fp8_bits_to_f64, ref_fp8_grouped_mm,  # noqa: E402
-                       ref_fp8_mm, ref_int8_mm, ref_int8_quantize)
+from reference import (assert_dequantized_close, assert_matmul_close, fp8_bits_to_f64, groups_as_on_mps,  # noqa: E402
+                       ref_fp8_grouped_mm, ref_fp8_mm, ref_int8_mm, ref_int8_quantize)
 from torch_lowbit.testing import forced_cpu_isa, supported_cpu_isas  # noqa: E402
 
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
@@ -43,10 +43,15 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 BIG = (2 ** 63 - 1, 2 ** 31, 2 ** 31 - 1, 2 ** 32 + 1)  # legal block sizes past every dimension
 
 
-def _backends():
+# the ops whose plans read tensor values on the host where they can (the emulator), never on mps: fuzzed also as
+# the mps device runs them (metal_emu_mps: torch.ops.lowbit_emu_mps, values unvalidated, clamped by the kernels)
+HOST_VALIDATED_OPS = ("fp8_grouped_mm",)
+
+
+def _backends(op):
     names = [f"cpu:{level}" for level in supported_cpu_isas()]
     if torch_lowbit.emulator.available():
-        names += ["metal_emu", "metal_emu_rev"]
+        names += ["metal_emu", "metal_emu_rev"] + (["metal_emu_mps"] if op in HOST_VALIDATED_OPS else [])
     return names
 
 
@@ -55,6 +60,8 @@ def run_on(backend: str, op: str, *args):
     if backend.startswith("cpu:"):
         with forced_cpu_isa(backend[4:]):
             return getattr(torch.ops.lowbit, op)(*args)
+    if backend == "metal_emu_mps":
+        return getattr(torch.ops.lowbit_emu_mps, op)(*args)
     return Backend(backend).op(op)(*args)
 
 
@@ -360,7 +367,7 @@ def fp8_grouped_mm_cases(draw, backend):
     if G > E or draw(st.booleans()):
         ids = torch.tensor(draw(st.lists(st.integers(-1, E - 1), min_size=G, max_size=G)), dtype=torch.int32)
     w = weight_view(draw, bits)
-    bad = None
+    bad, kind = None, None
     if draw(st.integers(0, 2)) == 0:
         kind = draw(st.sampled_from(("offsets_first", "offsets_order", "offsets_end", "offsets_dtype",
                                      "offsets_rank", "ids_range", "ids_len", "ids_dtype", "no_ids", "x_rank",
@@ -396,10 +403,14 @@ def fp8_grouped_mm_cases(draw, backend):
             x, bad = x.reshape(1, T, K), ("x",)
         elif kind == "scale":
             scale, bs, bad = draw(fp8_scale_mutation((E,), N, K, scale, bs))
+    groups = (offsets, ids)
+    if backend == "metal_emu_mps" and kind in ("offsets_first", "offsets_order", "offsets_end", "ids_range"):
+        # as on mps, nothing reads these values on the host: the kernels' rule applies (decode and prefill alike)
+        bad, groups = None, groups_as_on_mps(offsets, ids, T, E)
 
     def check(out):
         assert out.dtype == dtype and tuple(out.shape) == (T, N)
-        ref, absref = ref_fp8_grouped_mm(x, bits, scale, offsets, ids, bs)
+        ref, absref = ref_fp8_grouped_mm(x, bits, scale, *groups, bs)
         w_any = torch.nan_to_num(fp8_bits_to_f64(bits)).abs().amax(0) if E else torch.zeros(N, K)  # any expert
         assert_matmul_close(out, ref, absref, acc_rtol=ACC_RTOL, atol=denormal_atol(x, w_any, scale))
     return Case("fp8_grouped_mm", backend, (x, w, scale, offsets, ids, bs), bad, check,
@@ -494,7 +505,7 @@ def fuzz(op: str, examples: int, progress_fd: Optional[int] = None):
               suppress_health_check=list(HealthCheck))
     @given(data=st.data())
     def prop(data):
-        backend = data.draw(st.sampled_from(_backends()), label="backend")
+        backend = data.draw(st.sampled_from(_backends(op)), label="backend")
         case = data.draw(CASES[op](backend), label="case")
         counter["n"] += 1
         if progress_fd is not None:

@@ -2,6 +2,7 @@
 small-M multi-row GEMV, tiled GEMM; grouped decode and prefill), K and N tails, aligned (vector) and unaligned
 loads, every scale granularity with partial blocks, dtypes, bias, 3-D x, NaN codes; against float64 references.
 The general op contract is in test_fp8_mm.py / test_fp8_grouped_mm.py; these cases aim at the kernels' edges."""
+import contextlib
 import math
 import zlib
 
@@ -10,8 +11,8 @@ import torch
 
 import torch_lowbit
 from conftest import backends_for
-from reference import (assert_matmul_close, expand_scale, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm,
-                       ref_fp8_mm)
+from reference import (assert_matmul_close, expand_scale, fp8_bits_to_f64, groups_as_on_mps, random_fp8_bits,
+                       ref_fp8_grouped_mm, ref_fp8_grouped_mm_t, ref_fp8_mm)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SUFFIX = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
@@ -305,25 +306,36 @@ def test_grouped_malformed_offsets_rejected(backend, offsets, ids, match):
                                      backend.to(torch.tensor(ids, dtype=torch.int32)), None)
 
 
-# On mps the plan cannot read offsets / expert_ids without a device sync: the kernels clamp offsets to [0, T]
-# and treat ids outside [0, E) as -1. Run them that way in the emulator (guard pages after every buffer).
+# On mps the plan cannot read offsets / expert_ids without a device sync: every kernel, decode and prefill, reads
+# its rows from the table fp8_grouped_tiles builds, offsets clamped to [0, T] and made non-decreasing (a running
+# max), and takes ids outside [0, E) as -1. torch.ops.lowbit_emu_mps runs the plans that way in the emulator
+# (guard pages after every buffer).
+MALFORMED_GROUPS = [  # (offsets, ids) for T = 5 rows at most; past T clamps to T
+    ([-3, 2, 2, 9], [0, 7, 1]),             # below 0, past T; a bad id on an empty and on a live group
+    ([0, 2, 4], [1, -5]),
+    ([0, 4, 2, 3, 5], [0, 1, 1, 0]),        # decreasing: groups 1 and 2 are empty, not overlapping group 0
+    ([0, 3, 1, 2 ** 31 - 1, 0], [1, 0, 1, 0]),
+    ([2, 1, 4], [0, 1]),                    # offsets[0] > 0: the rows before it are in no group
+]
+
+
 @pytest.mark.skipif(not torch_lowbit.emulator.available(), reason="the Metal emulator is not built in this install")
-@pytest.mark.parametrize("T", [5, 40])  # decode and prefill kernels
-def test_grouped_kernels_clamp_malformed_values_like_on_mps(T):
-    run = torch_lowbit._C._emu_fp8_grouped_mm_unvalidated
-    g = _gen("clamp", T)
+@pytest.mark.parametrize("offsets,ids", MALFORMED_GROUPS)
+@pytest.mark.parametrize("op", ["fp8_grouped_mm", "fp8_grouped_mm_t"])
+@pytest.mark.parametrize("T", [5, 40])  # decode and prefill kernels (the rows past 5 are in no group)
+def test_grouped_kernels_clamp_malformed_values_like_on_mps(T, op, offsets, ids):
+    run = getattr(torch.ops.lowbit_emu_mps, op)
+    g = _gen("clamp", T, op)
     E, N, K = 2, 9, 48
-    x = _x((T, K), torch.bfloat16, g)
+    transposed = op.endswith("_t")
+    x = _x((T, N if transposed else K), torch.bfloat16, g)
     bits = random_fp8_bits((E, N, K), g)
     s = torch.rand(E, generator=g) + 0.5
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    # offsets below 0 / past T clamp; an out-of-range id on an empty group and on a live group acts as -1
-    cases = [([-3, 2, 2, T + 4], [0, 7, 1], [0, 2, 2, T], [0, -1, 1]),
-             ([0, 2, 4], [1, -5], [0, 2, 4], [1, -1])]
-    for off, ids, off_ok, ids_ok in cases:
-        out = run(x, bits, s, i32(off), i32(ids))
-        ref, absref = ref_fp8_grouped_mm(x, bits, s, i32(off_ok), i32(ids_ok))
-        assert_matmul_close(out, ref, absref)
-    # decreasing offsets: overlapping rows are unspecified, but nothing is read or written out of bounds
-    out = run(x, bits, s, i32([0, 4, 2, 3, T + 100]), i32([0, 1, 1, 0]))
-    assert out.shape == (T, N)
+    want = torch_lowbit._C._metal_fp8_grouped_mm_kernel(T, len(ids), torch.bfloat16)
+    assert ("gemv" in want) == (T == 5)  # (fp8_grouped_mm_t switches at the same mean rows per group)
+    ok_offsets, ok_ids = groups_as_on_mps(i32(offsets), i32(ids), T, E)
+    ref, absref = (ref_fp8_grouped_mm_t if transposed else ref_fp8_grouped_mm)(x, bits, s, ok_offsets, ok_ids)
+    for order in (contextlib.nullcontext(), torch_lowbit.emulator.reversed_thread_order()):
+        with order:
+            assert_matmul_close(run(x, bits, s, i32(offsets), i32(ids), None), ref, absref)

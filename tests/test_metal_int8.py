@@ -264,6 +264,18 @@ def test_mm_empty(backend, M, N, K):
     assert torch.equal(out, bias.expand(M, N))  # K == 0: the empty sum is 0
 
 
+@pytest.mark.parametrize("backend", backends_for("int8_mm", emu_rev=False))
+def test_mm_k0_goes_through_the_epilogue(backend):
+    # K == 0 never reaches a kernel on Metal (xq and wq would be nil buffers), yet the result is the epilogue's:
+    # 0 * x_scale[m] * w_scale[n] + bias, so a NaN or infinite scale still gives NaN, as on the CPU
+    xs, ws = torch.tensor([1.0, float("nan"), 2.0]), torch.tensor([0.5, float("inf")])
+    bias = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
+    out = _run_mm(backend, torch.zeros(3, 0, dtype=torch.int8), xs, torch.zeros(2, 0, dtype=torch.int8), ws, bias,
+                  torch.float32)
+    ref, _ = ref_int8_mm(torch.zeros(3, 0, dtype=torch.int8), xs, torch.zeros(2, 0, dtype=torch.int8), ws, bias)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out[~ref.isnan()], ref[~ref.isnan()].float())
+
+
 def test_mm_plan_picks_gemv_for_small_m_and_gemm_above():
     pick = torch_lowbit._C._metal_int8_mm_kernel
     assert [pick(M, 4096, 4096) for M in range(1, 9)] == ["int8_gemv"] * 8

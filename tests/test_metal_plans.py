@@ -274,7 +274,9 @@ def test_m5_grouped_prefill_over_the_same_tile_table(model, proj):
 @pytest.mark.parametrize("proj", ["gate_up", "down"])
 def test_grouped_decode_is_one_slot_per_group(model, proj):
     top_k = MOE[model][3]
-    (r,), N, K, E = grouped(model, proj, top_k)  # one token: its top-k rows
+    (layout, r), N, K, E = grouped(model, proj, top_k)  # one token: its top-k rows
+    # the rows come from the same clamped table as prefill's (one rule for malformed offsets)
+    assert layout["kernel"] == "fp8_grouped_tiles" and r["binding"][3:5] == ["tiles", "expert_ids"]
     assert r["kernel"] == "fp8_grouped_gemv_bfloat"
     assert r["grid"] == (math.ceil(N / 4), E + 1, 1) and r["threads"] == (64, 1, 1)
 
@@ -307,7 +309,8 @@ def test_grouped_t_prefill_tiles_only_the_rows_that_exist(model, proj):
 @pytest.mark.parametrize("model", list(MOE))
 @pytest.mark.parametrize("proj", ["gate_up", "down"])
 def test_grouped_t_decode_is_one_slot_per_group(model, proj):
-    (r,), N, K, E = grouped_t(model, proj, MOE[model][3])
+    (layout, r), N, K, E = grouped_t(model, proj, MOE[model][3])
+    assert layout["kernel"] == "fp8_grouped_tiles" and r["binding"][3:5] == ["tiles", "expert_ids"]
     assert r["kernel"] == "fp8_grouped_mm_t_gemv_rows_bfloat"
     assert r["grid"] == (math.ceil(K / 128), E + 1, 1) and r["threads"] == (256, 1, 1)
 
@@ -399,9 +402,10 @@ def w4_grouped(model, proj, T, transposed=False):
 @pytest.mark.parametrize("proj", ["gate_up", "down"])
 def test_w4_grouped_decode_is_one_slot_per_group(model, proj):
     top_k = W4_MOE[model][3]
-    (r,), N, K, E, fmt = w4_grouped(model, proj, top_k)  # one token: its top-k rows
+    (layout, r), N, K, E, fmt = w4_grouped(model, proj, top_k)  # one token: its top-k rows
+    assert layout["kernel"] == "fp8_grouped_tiles"
     assert r["kernel"] == "w4_grouped_gemv_bfloat" + W4_MOE_VARIANT[fmt]
-    assert r["binding"][5:7] == ["offsets", "expert_ids"]
+    assert r["binding"][5:7] == ["tiles", "expert_ids"]
     assert r["grid"] == (math.ceil(N / 4), E + 1, 1) and r["threads"] == (64, 1, 1)
 
 

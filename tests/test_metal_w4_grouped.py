@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import torch_lowbit
-from reference import _grouped, assert_matmul_close, ref_matmul_t, w4_weight_f64
-from test_metal_fp8 import GROUPED_CASES
+from reference import _grouped, assert_matmul_close, groups_as_on_mps, ref_matmul_t, w4_weight_f64
+from test_metal_fp8 import GROUPED_CASES, MALFORMED_GROUPS
 from test_metal_w4 import DTYPES, FORMATS, W4, _gen, _x, metal_backends
 
 # T = 1 with many experts: one token's row in one of 64 one-expert groups, the others empty
@@ -175,30 +175,28 @@ def test_grouped_malformed_offsets_rejected_on_the_host(backend, offsets, ids, m
         run_grouped(backend, w, torch.ones(4, 16), offsets, ids)
 
 
-# On mps the plans cannot read offsets / expert_ids without a device sync: the kernels clamp offsets to [0, T] and
-# treat ids outside [0, E) as -1. Run them that way in the emulator (guard pages after every buffer).
+# On mps the plans cannot read offsets / expert_ids without a device sync: every kernel reads its rows from
+# fp8_grouped_tiles' table (offsets clamped to [0, T], made non-decreasing) and takes ids outside [0, E) as -1.
+# torch.ops.lowbit_emu_mps runs the plans that way in the emulator (guard pages after every buffer).
 @pytest.mark.skipif(not torch_lowbit.emulator.available(), reason="the Metal emulator is not built in this install")
+@pytest.mark.parametrize("offsets,ids", MALFORMED_GROUPS)
 @pytest.mark.parametrize("transposed", [False, True], ids=["mm", "mm_t"])
 @pytest.mark.parametrize("T", [5, 40])  # decode and prefill kernels
-def test_grouped_kernels_clamp_malformed_values_like_on_mps(T, transposed):
+def test_grouped_kernels_clamp_malformed_values_like_on_mps(T, transposed, offsets, ids):
     g = _gen("clamp", T, transposed)
     E, N, K = 2, 9, 48
     w = W4Experts("uint4_bias_bf16", E, N, K, g)
     x = _x((T, K if not transposed else N), torch.bfloat16, g)
-
-    def run(off, ids):
-        return torch_lowbit._C._emu_w4_grouped_mm_unvalidated(transposed, x, w.codes, w.scale, w.format, w.group, K,
-                                                             _i32(off), _i32(ids), w.offset, w.global_scale)
-
-    # offsets below 0 / past T clamp; an out-of-range id on an empty group and on a live group acts as -1
-    cases = [([-3, 2, 2, T + 4], [0, 7, 1], [0, 2, 2, T], [0, -1, 1]),
-             ([0, 2, 4], [1, -5], [0, 2, 4], [1, -1])]
-    for off, ids, off_ok, ids_ok in cases:
-        ref, absref = ref_grouped(w, x, _i32(off_ok), _i32(ids_ok), transposed)
-        assert_matmul_close(run(off, ids), ref, absref)
-    # decreasing offsets: overlapping rows are unspecified, but nothing is read or written out of bounds
-    out = run([0, 4, 2, 3, T + 100], [0, 1, 1, 0])
-    assert out.shape == (T, K if transposed else N)
+    ops = torch.ops.lowbit_emu_mps
+    if transposed:
+        out = ops.w4_grouped_mm_t(x, w.codes, w.scale, w.format, w.group, K, _i32(offsets), _i32(ids), w.offset,
+                                  w.global_scale)
+    else:
+        out = ops.w4_grouped_mm(x, w.codes, w.scale, w.format, w.group, _i32(offsets), _i32(ids), w.offset,
+                                w.global_scale)
+    ok_offsets, ok_ids = groups_as_on_mps(_i32(offsets), _i32(ids), T, E)
+    ref, absref = ref_grouped(w, x, ok_offsets, ok_ids, transposed)
+    assert_matmul_close(out, ref, absref)
 
 
 def test_kernel_choice_threshold():

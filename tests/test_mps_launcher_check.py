@@ -13,6 +13,7 @@ clang ships no Apple runtime); with -fsyntax-only nothing is generated.
 Run it by hand: python tests/test_mps_launcher_check.py  (prints the command, then compiles)
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,6 +141,85 @@ def test_launcher_check_catches(compiled, what, level, old, new, diagnostic):
     rc, out = compiled[what]
     assert rc != 0, f"the launcher check accepted a {what} ({old} -> {new})"
     assert diagnostic in out, out
+
+
+# ---- autorelease pools ----
+# Objective-C methods outside the alloc / new / copy families hand back autoreleased objects (an NSString from
+# stringWithUTF8String:, an NSError's localizedDescription), freed only when the innermost @autoreleasepool
+# drains. The ops run on Python's threads and on the stream's queue, which drain none for us: every message send
+# of the launcher must lie inside an @autoreleasepool block (the rule PyTorch's MPS ops follow). A lexical check:
+# the file is small and written to it, one pool per function that talks to Objective-C.
+sys.path.insert(0, os.path.join(ROOT, "csrc", "emu"))
+from msl_prep import mask_comments_strings  # noqa: E402
+
+
+def _matching(text, i):
+    """Index of the bracket closing the one at text[i]."""
+    pairs, depth = {"[": "]", "(": ")", "{": "}"}, 0
+    opening, closing = text[i], pairs[text[i]]
+    for j in range(i, len(text)):
+        depth += (text[j] == opening) - (text[j] == closing)
+        if depth == 0:
+            return j
+    raise ValueError(f"unbalanced {opening} at {i}")
+
+
+def _top_level(inner):
+    """inner with every nested (), [] and {} group replaced by one placeholder word R."""
+    out, i = [], 0
+    while i < len(inner):
+        if inner[i] in "([{":
+            out.append("R")
+            i = _matching(inner, i) + 1
+        else:
+            out.append(inner[i])
+            i += 1
+    return "".join(out)
+
+
+MESSAGE = re.compile(r"^\s*[\w.\->]*[\w)\]]\s+[A-Za-z_]\w*\s*(:|$)", re.S)
+
+
+def message_sends(text):
+    """Offsets of the Objective-C message sends `[receiver selector...]` in text (comments and strings masked)."""
+    return [i for i, c in enumerate(text) if c == "[" and MESSAGE.match(_top_level(text[i + 1:_matching(text, i)]))]
+
+
+def pools(text):
+    """(start, end) of every @autoreleasepool block's braces."""
+    spans = []
+    for m in re.finditer(r"@autoreleasepool\s*\{", text):
+        spans.append((m.end() - 1, _matching(text, m.end() - 1)))
+    return spans
+
+
+def sends_outside_pools(source):
+    text = mask_comments_strings(source)
+    spans = pools(text)
+    return [text.count("\n", 0, i) + 1 for i in message_sends(text) if not any(a < i < b for a, b in spans)]
+
+
+def test_every_message_send_is_inside_an_autoreleasepool():
+    src = open(LAUNCHER, encoding="ascii").read()
+    assert len(message_sends(mask_comments_strings(src))) >= 20  # the scanner sees the launcher's messages
+    assert sends_outside_pools(src) == [], "mps_launcher.mm lines with a message send outside an @autoreleasepool"
+
+
+def test_pool_check_catches_each_missing_pool():
+    src = open(LAUNCHER, encoding="ascii").read()
+    starts = [m.start() for m in re.finditer(r"@autoreleasepool", mask_comments_strings(src))]
+    assert len(starts) >= 8
+    for at in starts:  # drop one pool, keep its block: the messages in it are flagged
+        mutant = src[:at] + " " * len("@autoreleasepool") + src[at + len("@autoreleasepool"):]
+        assert sends_outside_pools(mutant), f"removing the pool at line {src.count(chr(10), 0, at) + 1} went unseen"
+
+
+def test_message_scanner_tells_messages_from_subscripts_and_lambdas():
+    text = ("[[maybe_unused]] int a = v[i]; auto f = [&](int x) { return x; }; [obj release]; "
+            "[[NSProcessInfo processInfo] isOperatingSystemAtLeastVersion:v]; [dev newBufferWithLength:n - 1 "
+            "options:0]; x = y[n - offset];")
+    sends = [text[i:i + 12] for i in message_sends(text)]
+    assert sends == ["[obj release", "[[NSProcessI", "[NSProcessIn", "[dev newBuff"]
 
 
 if __name__ == "__main__":

@@ -111,6 +111,31 @@ def tensor_ops(layout="m5", sum_order="ascending", seed=1):
         setter(0, 0, 1)
 
 
+@contextlib.contextmanager
+def max_threads_per_threadgroup(limit, kernels=None):
+    """Inside this block every emulated pipeline takes at most ``limit`` threads per threadgroup (a multiple of
+    32; Metal's 1024 by default), as a register-heavy pipeline's ``maxTotalThreadsPerThreadgroup`` may be on a
+    GPU. The plans then run their narrower variants (or fewer threads); a launch past the limit is refused.
+    ``kernels``: only these pipelines (full kernel names, e.g. ``"int8_gemm_mpp_bfloat"``) get the limit."""
+    if kernels is None:
+        before = _C._emu_max_threads_per_threadgroup()
+        _C._emu_set_max_threads_per_threadgroup(int(limit))
+        try:
+            yield
+        finally:
+            _C._emu_set_max_threads_per_threadgroup(before)
+        return
+    kernels = [kernels] if isinstance(kernels, str) else list(kernels)
+    set_limit = _C._emu_set_kernel_max_threads
+    try:
+        for k in kernels:
+            set_limit(k, int(limit))
+        yield
+    finally:
+        for k in kernels:
+            set_limit(k, 0)
+
+
 # ---------------------------------------------------------------------------------------------- traffic build
 def _library(stem):
     import glob

@@ -2,7 +2,8 @@
 
 Prints the versions (torch_lowbit, torch, Python, OS), the device torch_lowbit would run on, and what this
 install holds: on a Mac the GPU, its Apple family and how the Metal kernels were loaded (a precompiled
-metallib or the embedded source, which this command compiles if needed); on the CPU the instruction-set
+metallib or the embedded source, which this command compiles if needed, and why a metallib that exists did not
+load) and each kernel's limit on threads per threadgroup; on the CPU the instruction-set
 level and whether the AMX GEMM route is on; which extensions were built (emulator, traffic build).
 """
 import platform
@@ -33,6 +34,7 @@ def _mps_lines():
     lines = [f"mps GPU: {info['gpu']} (MTLGPUFamilyApple{fam}, kernels MSL {msl // 100}.{msl % 100})"]
     lines += [f"metal library {how}" for how in info["libraries"]]
     lines.append(_m5_line(msl, info["libraries"]))
+    lines += _pipeline_lines(info.get("pipelines", {}))
     return lines
 
 
@@ -43,6 +45,16 @@ def _m5_line(msl, libraries):
     why = next((how.split(": ", 1)[1] for how in libraries if how.startswith("lowbit_apple10:")),
                "this build has no lowbit_apple10 library")
     return f"M5 tensor-op kernels: off, the portable kernels run ({why})"
+
+
+def _pipeline_lines(limits):
+    """Each kernel's maxTotalThreadsPerThreadgroup, grouped by limit (most kernels allow Metal's 1024; a
+    register-heavy one may allow fewer, and its plan then runs a narrower variant)."""
+    by_limit = {}
+    for name, limit in sorted(limits.items()):
+        by_limit.setdefault(limit, []).append(name)
+    return [f"metal pipelines allowing {limit} threads per threadgroup ({len(names)}): {', '.join(names)}"
+            for limit, names in sorted(by_limit.items())]
 
 
 def report():

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """msl_prep.py KERNEL.metal > OUT.cpp -- the only source rewriting the emulator needs (setup.py calls prep()).
 
-1. kernel-scope `threadgroup T name[...];` variables -> `MSL_TG_VAR T name[...]; MSL_TG_POISON(name);`
-   (static thread_local: shared by the fibers of one threadgroup; poisoned with 0xFF at threadgroup start).
-   `threadgroup` as a pointer/reference qualifier is left alone (msl_shim.h defines it away).
+1. kernel-scope `[alignas(A)] threadgroup T name[...];` variables -> storage `MSL_TG_VAR<T [...], A> msl_tg_name;`
+   (static thread_local: shared by the fibers of one threadgroup), `auto& name = msl_tg_name.get();` (placed at
+   the alignment the declaration promises, msl_runtime.h TgVar) and `MSL_TG_POISON(name);` (0xFF at threadgroup
+   start). `threadgroup` as a pointer/reference qualifier is left alone (msl_shim.h defines it away).
 2. `[[threadgroup(i)]]` -> `[[msl_threadgroup_binding(i)]]` (the keyword macro would eat it otherwise).
 3. appends a registry entry for every non-template `kernel void NAME(` / `[[kernel]] void NAME(`.
 4. explicit instantiations of template kernels, written one per statement as
@@ -60,7 +61,7 @@ def split_top(s, sep=","):
     return parts
 
 
-TG_DECL = re.compile(r"(?:(?<=[;{}])|(?<=^))(\s*)threadgroup\b([^;{}()=]*);", re.M)
+TG_DECL = re.compile(r"(?:(?<=[;{}])|(?<=^))(\s*)(?:alignas\s*\(\s*(\d+)\s*\)\s*)?threadgroup\b([^;{}()=]*);", re.M)
 INSTANCE = re.compile(r"template\s*\[\[\s*host_name\(\s*\"(\w+)\"\s*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*"
                       r"decltype\(\s*([^;]*?)\s*\)\s*([^;]*?)\s*;")
 KERNEL = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*void\s+(\w+)\s*\(")
@@ -70,24 +71,24 @@ def prep(src, path):
     masked = mask_comments_strings(src)
     edits = []  # (start, end, replacement)
     for m in TG_DECL.finditer(masked):
-        body = m.group(2)
+        align, body = m.group(2) or "0", m.group(3)
         top = re.sub(r"\[[^\]]*\]", "", body)
         if "*" in top or "&" in top:
             continue  # a pointer/reference declaration: plain qualifier
-        names = []
+        decls, base = [], None
         for d in split_top(body):
             d = d.strip()
-            if not d:
-                continue
-            ident = re.match(r"^(.*?)(\w+)\s*(\[.*)?$", d, re.S)
+            ident = re.match(r"^(.*?)(\w+)\s*(\[.*)?$", d, re.S) if d else None
             if ident:
-                names.append(ident.group(2))
-        if not names:
+                base = ident.group(1) if base is None else base  # `T a[4], b[8]`: the type comes first
+                decls.append((ident.group(2), ident.group(3) or ""))
+        if not decls or not base.strip():
             continue
-        kw = m.start(0) + len(m.group(1))
-        edits.append((kw, kw + len("threadgroup"), "MSL_TG_VAR"))
-        semi = m.end(0)
-        edits.append((semi, semi, " " + " ".join(f"MSL_TG_POISON({nm});" for nm in names)))
+        text = " ".join(f"MSL_TG_VAR<{base.strip()} {dims}, {align}> msl_tg_{nm}; auto& {nm} = msl_tg_{nm}.get(); "
+                        f"MSL_TG_POISON({nm});" for nm, dims in decls)
+        start = m.start(0) + len(m.group(1))
+        # one line for the whole declaration, then its own newlines: line numbers stay the source's
+        edits.append((start, m.end(0), " ".join(text.split("\n")) + "\n" * masked.count("\n", start, m.end(0))))
     for m in re.finditer(r"\[\[\s*threadgroup\s*\(", masked):
         edits.append((m.start(0), m.end(0), "[[msl_threadgroup_binding("))
     instances = []

@@ -104,6 +104,13 @@ static std::atomic<unsigned long> g_epoch{0};
 // (the test suite flips it per launch through msl_emu_set_reverse)
 static std::atomic<bool> g_reverse{[] { const char* e = getenv("MSL_EMU_SCHED"); return e && std::string(e) == "rev"; }()};
 
+// threadgroup variables at their promised alignment only (msl_runtime.h TgVar); msl_emu_set_natural_tg_alignment
+static std::atomic<bool> g_natural_tg_alignment{true};
+size_t tg_var_offset(size_t natural, size_t declared) {
+  const size_t a = declared > natural ? declared : natural;
+  return g_natural_tg_alignment.load(std::memory_order_relaxed) && a < 16 ? a : 0;
+}
+
 // ---------------------------------------------------------------------------------------------- errors
 static std::mutex g_err_mu;
 static std::string g_err;
@@ -153,16 +160,21 @@ u3 builtin_value(BI b) {
   }
   return {0, 0, 0};
 }
+[[noreturn]] static void abandon_threadgroup();
 void* buffer_ptr(int i) {
   void* p = tl_cur->launch->p.buffers[i];
-  if (!p) report_error("kernel reads [[buffer(%d)]], which the launch did not bind", i);
+  if (!p) {
+    report_error("kernel '%s' takes [[buffer(%d)]], which the launch bound as nil (an empty tensor: mps binds those "
+                 "as nil, and Metal's validation layer rejects the dispatch; the plan must return before it)",
+                 tl_cur->launch->p.kernel, i);
+    abandon_threadgroup();
+  }
   return p;
 }
 void* tg_buffer_ptr(int i) { return tl_worker->tgmem[i].data(); }
 void (*trace_tg_hook)(void*, size_t) = nullptr;
 void (*launch_hook)(const char*, const LaunchParams*, bool) = nullptr;
 const LaunchParams* current_launch() { return tl_cur ? &tl_cur->launch->p : nullptr; }
-[[noreturn]] static void abandon_threadgroup();
 static size_t dynamic_tg_bytes(const LaunchParams& p) {
   size_t n = 0;
   for (size_t b : p.tg_mem_sizes) n += b;
@@ -190,8 +202,9 @@ void misaligned_vector(const void* p, size_t align, size_t bytes, bool store) {
   if (!w || !w->in_tg || !tl_cur) return;  // host code, not a GPU thread
   const uintptr_t a = uintptr_t(p);
   const LaunchParams& lp = tl_cur->launch->p;
-  char at[120];
-  snprintf(at, sizeof at, "%p in threadgroup or thread memory", p);
+  char at[200];
+  snprintf(at, sizeof at, "%p in threadgroup or thread memory (a threadgroup array is aligned at alignof(T) "
+           "only: declare it `alignas(%zu) threadgroup ...`)", p, align);
   for (int i = 0; i < 31; i++) {
     const uintptr_t s = uintptr_t(lp.buffers[i]);
     if (s && a >= s && a < s + lp.buffer_sizes[i])
@@ -656,5 +669,7 @@ void msl_emu_set_reverse(int on) { msl::rt::g_reverse = on != 0; }
 void msl_emu_set_tensor_ops(int layout, int sum_order, unsigned seed) {
   msl::rt::g_tensor_layout = layout, msl::rt::g_tensor_sum_order = sum_order, msl::rt::g_tensor_seed = seed;
 }
+// 1 (the default): threadgroup variables at the alignment MSL promises them; 0: 16 bytes (msl_runtime.h TgVar)
+void msl_emu_set_natural_tg_alignment(int on) { msl::rt::g_natural_tg_alignment = on != 0; }
 int msl_emu_has_kernel(const char* kernel) { return msl::rt::find_kernel(kernel) != nullptr; }
 }

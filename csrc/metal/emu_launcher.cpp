@@ -3,6 +3,8 @@
 #include <dlfcn.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <map>
 #include <mutex>
 
 #include "metal/planned_ops.h"
@@ -73,13 +75,42 @@ DeviceCaps emulator_device_caps() {
 
 DeviceCaps EmuLauncher::caps() const { return emulator_device_caps(); }
 
+namespace {
+std::atomic<uint32_t> g_max_threads{uint32_t(kMaxThreadsPerThreadgroup)};
+std::mutex g_kernel_limits_mu;
+std::map<std::string, uint32_t> g_kernel_limits;  // pipelines given their own, lower limit (a test switch)
+}  // namespace
+
+void set_emulator_max_threads_per_threadgroup(uint32_t limit) {
+  TORCH_CHECK(limit >= 32 && limit <= kMaxThreadsPerThreadgroup && limit % 32 == 0,
+              "max_threads_per_threadgroup must be a multiple of 32 (the simdgroup width) from 32 to ",
+              kMaxThreadsPerThreadgroup, ", got ", limit);
+  g_max_threads = limit;
+}
+
+uint32_t emulator_max_threads_per_threadgroup() { return g_max_threads; }
+
+void set_emulator_kernel_max_threads(const std::string& kernel, uint32_t limit) {
+  TORCH_CHECK(limit == 0 || (limit >= 32 && limit <= kMaxThreadsPerThreadgroup && limit % 32 == 0),
+              "max_threads_per_threadgroup of ", kernel, " must be a multiple of 32 (the simdgroup width) from 32 to ",
+              kMaxThreadsPerThreadgroup, " (0: back to every pipeline's), got ", limit);
+  std::lock_guard<std::mutex> g(g_kernel_limits_mu);
+  if (limit == 0) g_kernel_limits.erase(kernel);
+  else g_kernel_limits[kernel] = limit;
+}
+
+uint32_t EmuLauncher::max_threads_per_threadgroup(const std::string& kernel) {
+  std::lock_guard<std::mutex> g(g_kernel_limits_mu);
+  const auto it = g_kernel_limits.find(kernel);
+  return it == g_kernel_limits.end() ? g_max_threads.load() : std::min(g_max_threads.load(), it->second);
+}
+
 void EmuLauncher::run(const Dispatch& d) {
   const EmuApi& e = api();
   TORCH_CHECK(e.has_kernel(d.kernel.c_str()), "metal emulator: no kernel named '", d.kernel,
               "' in metal/*.metal (is it instantiated with [[host_name]]?)");
   const int n = int(d.args.size());
   TORCH_CHECK(n <= 31, "metal emulator: ", d.kernel, " binds ", n, " buffers; Metal allows 31");
-  static uint8_t empty_buffer[16];  // bound for empty tensors, so that [[buffer(i)]] is never unbound
   std::vector<void*> ptrs(n);
   std::vector<size_t> sizes(n);
   std::vector<int> flags(n);
@@ -95,7 +126,9 @@ void EmuLauncher::run(const Dispatch& d) {
     TORCH_CHECK(a.tensor.device().is_cpu(), "metal emulator: ", d.kernel, " buffer ", a.name,
                 " must be a CPU tensor, got ", a.tensor.device());
     const size_t nbytes = size_t(a.tensor.numel()) * a.tensor.element_size();
-    ptrs[i] = nbytes ? a.tensor.data_ptr() : empty_buffer;
+    // An empty tensor may have no storage: mps binds it as nil, and so does the emulator, whose runtime then
+    // fails any kernel that takes that [[buffer(i)]] (as Metal's validation layer does). Plans return early.
+    ptrs[i] = nbytes ? a.tensor.data_ptr() : nullptr;
     sizes[i] = nbytes;
     // 1: copy back after the run; 2: output only (starts poisoned with 0xFF, so unwritten elements show)
     flags[i] = a.access == Access::Read ? 0 : a.access == Access::Write ? 3 : 1;
@@ -130,4 +163,10 @@ void EmuLauncher::run(const Dispatch& d) {
 // ---- torch.ops.lowbit_emu.*: the Metal plans on CPU tensors, run by the emulator ----
 TORCH_LIBRARY_IMPL(lowbit_emu, CPU, m) {
   lowbit::metal::PlannedOps<lowbit::metal::EmuLauncher, /*HostVisible=*/true>::register_all(m);
+}
+
+// ---- torch.ops.lowbit_emu_mps.*: the same, with the plans as the mps device runs them (HostVisible = false) ----
+// Offsets and expert ids are not validated on the host, so tests reach the kernels' clamping of malformed values.
+TORCH_LIBRARY_IMPL(lowbit_emu_mps, CPU, m) {
+  lowbit::metal::PlannedOps<lowbit::metal::EmuLauncher, /*HostVisible=*/false>::register_all(m);
 }

@@ -12,6 +12,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "metal/limits.h"
+
 namespace lowbit::metal {
 
 struct Size3 {
@@ -80,6 +82,9 @@ class Launcher {
   virtual ~Launcher() = default;
   virtual void run(const Dispatch& d) = 0;
   virtual DeviceCaps caps() const { return {}; }
+  // The most threads per threadgroup `kernel`'s pipeline takes (maxTotalThreadsPerThreadgroup): Metal's 1024, or
+  // less for a kernel that needs many registers. Plans size their threadgroups within it (Target::fits).
+  virtual uint32_t max_threads_per_threadgroup(const std::string& /*kernel*/) { return kMaxThreadsPerThreadgroup; }
 };
 
 inline std::string Dispatch::describe_buffers() const {

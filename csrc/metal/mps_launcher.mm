@@ -4,6 +4,11 @@
 // endEncoding (the stream owns the command buffer and coalesces our kernels with its own), nor a CPU copy.
 // It also registers every planned op (planned_ops.h) for the MPS dispatch key. macOS only (setup.py adds *.mm on darwin).
 //
+// Every Objective-C message below is sent inside an @autoreleasepool of its own function (as PyTorch's MPS ops
+// do): the ops run on Python's threads and on the stream's queue, neither of which drains a pool for us, so an
+// autoreleased NSString or NSError would otherwise live until the thread exits. tests/test_mps_launcher_check.py
+// checks it.
+//
 // Checked on Linux by tests/test_mps_launcher_check.py: clang compiles this file in Objective-C++ mode
 // against tests/launcher_stubs/ (the Apple declarations used here) and the installed torch's own headers.
 // Every Apple call below must therefore also be declared there, from Apple's documented signature.
@@ -27,6 +32,7 @@
 #include <vector>
 
 #include "lowbit_metal_libraries.h"  // kLowbitMetalLibraries: each library's embedded source (setup.py)
+#include "metal/library_loading.h"
 #include "metal/mps_info.h"
 #include "metal/planned_ops.h"
 
@@ -70,15 +76,14 @@ inline id<MTLBuffer> getMTLBufferStorage(const at::TensorBase& t) {
 }
 
 std::string describe(NSError* error) {
-  return error == nil ? std::string("unknown error") : std::string([[error localizedDescription] UTF8String]);
-}
-
-std::string msl_name(uint32_t v) {
-  return "MSL " + std::to_string(v / 100) + "." + std::to_string(v % 100);
+  @autoreleasepool {
+    return error == nil ? std::string("unknown error") : std::string([[error localizedDescription] UTF8String]);
+  }
 }
 
 // The highest N with MTLGPUFamilyAppleN that the device supports (7 = M1 ... 10 = M5), 0 below M1.
 uint32_t apple_family(id<MTLDevice> device) {
+  @autoreleasepool {
   const std::pair<MTLGPUFamily, uint32_t> families[] = {
 #if LOWBIT_SDK_MACOS_26
       {MTLGPUFamilyApple10, 10},
@@ -91,11 +96,14 @@ uint32_t apple_family(id<MTLDevice> device) {
     if ([device supportsFamily:family]) return n;
   }
   return 0;
+  }
 }
 
 bool macos_at_least(uint32_t major, uint32_t minor = 0) {
-  NSOperatingSystemVersion v = {NSInteger(major), NSInteger(minor), 0};
-  return [[NSProcessInfo processInfo] isOperatingSystemAtLeastVersion:v];
+  @autoreleasepool {
+    NSOperatingSystemVersion v = {NSInteger(major), NSInteger(minor), 0};
+    return [[NSProcessInfo processInfo] isOperatingSystemAtLeastVersion:v];
+  }
 }
 
 // The directory of the loaded torch_lowbit._C, where the build installs the .metallib files.
@@ -107,7 +115,8 @@ std::string extension_dir() {
   return slash == std::string::npos ? "." : path.substr(0, slash);
 }
 
-MTLCompileOptions* compile_options(const MetalLibrary& lib) {
+MTLCompileOptions* compile_options(const MetalLibrary& lib) {  // owned by the caller (+1)
+  @autoreleasepool {
   MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
   // Apple's encoding of MTLLanguageVersion: (major << 16) + minor. macos_at_least(lib.macos) was checked.
   options.languageVersion = MTLLanguageVersion(((lib.msl_version / 100) << 16) + lib.msl_version % 100);
@@ -128,6 +137,7 @@ MTLCompileOptions* compile_options(const MetalLibrary& lib) {
   options.fastMathEnabled = NO;
 #pragma clang diagnostic pop
   return options;
+  }
 }
 
 // The libraries of kLowbitMetalLibraries that this device may run, loaded once per process (a precompiled
@@ -142,20 +152,14 @@ class KernelCache {
 
   id<MTLComputePipelineState> pipeline(const std::string& name) {
     std::lock_guard<std::mutex> guard(mu_);
-    auto it = pipelines_.find(name);
-    if (it != pipelines_.end()) return it->second;
-    load_libraries();
-    NSString* ns_name = [NSString stringWithUTF8String:name.c_str()];
-    id<MTLFunction> fn = nil;
-    for (size_t i = 0; i < libraries_.size() && fn == nil; i++) fn = [libraries_[i] newFunctionWithName:ns_name];
-    TORCH_CHECK(fn != nil, "torch_lowbit mps: no kernel named '", name, "' in the libraries loaded (",
-                c10::Join(", ", loaded_how_), ")");
-    NSError* error = nil;
-    id<MTLComputePipelineState> pso = [device_ newComputePipelineStateWithFunction:fn error:&error];
-    [fn release];
-    TORCH_CHECK(pso != nil, "torch_lowbit mps: cannot create the pipeline of '", name, "': ", describe(error));
-    pipelines_.emplace(name, pso);
-    return pso;
+    return pipeline_locked(name);
+  }
+
+  // The pipeline's maxTotalThreadsPerThreadgroup (Launcher::max_threads_per_threadgroup)
+  uint32_t max_threads(const std::string& name) {
+    std::lock_guard<std::mutex> guard(mu_);
+    pipeline_locked(name);
+    return max_threads_.at(name);
   }
 
   DeviceCaps caps() {
@@ -164,23 +168,55 @@ class KernelCache {
     return caps_;
   }
 
+  // For the env report: loads the libraries and creates every kernel's pipeline, to list each one's limit.
   MpsInfo info() {
-    std::lock_guard<std::mutex> guard(mu_);
-    MpsInfo out;
-    out.gpu = device_ == nil ? std::string("none") : std::string([[device_ name] UTF8String]);
-    try {
-      load_libraries();
-    } catch (const std::exception& e) {
-      out.libraries.push_back(std::string("failed: ") + e.what());
+    @autoreleasepool {
+      std::lock_guard<std::mutex> guard(mu_);
+      MpsInfo out;
+      out.gpu = device_ == nil ? std::string("none") : std::string([[device_ name] UTF8String]);
+      try {
+        load_libraries();
+        for (id<MTLLibrary> lib : libraries_) {
+          NSArray<NSString*>* names = [lib functionNames];
+          for (NSUInteger i = 0; i < [names count]; i++) {
+            const std::string name([[names objectAtIndex:i] UTF8String]);
+            pipeline_locked(name);
+            out.pipelines.emplace_back(name, max_threads_.at(name));
+          }
+        }
+      } catch (const std::exception& e) {
+        out.libraries.push_back(std::string("failed: ") + e.what());
+      }
+      out.caps = caps_;
+      out.libraries.insert(out.libraries.end(), loaded_how_.begin(), loaded_how_.end());
+      return out;
     }
-    out.caps = caps_;
-    out.libraries.insert(out.libraries.end(), loaded_how_.begin(), loaded_how_.end());
-    return out;
   }
 
  private:
   KernelCache() : device_(at::mps::MPSDevice::getInstance()->device()) {
     caps_.apple_family = apple_family(device_);
+  }
+
+  // Called with mu_ held.
+  id<MTLComputePipelineState> pipeline_locked(const std::string& name) {
+    auto it = pipelines_.find(name);
+    if (it != pipelines_.end()) return it->second;
+    load_libraries();
+    @autoreleasepool {
+      NSString* ns_name = [NSString stringWithUTF8String:name.c_str()];
+      id<MTLFunction> fn = nil;
+      for (size_t i = 0; i < libraries_.size() && fn == nil; i++) fn = [libraries_[i] newFunctionWithName:ns_name];
+      TORCH_CHECK(fn != nil, "torch_lowbit mps: no kernel named '", name, "' in the libraries loaded (",
+                  c10::Join(", ", loaded_how_), ")");
+      NSError* error = nil;
+      id<MTLComputePipelineState> pso = [device_ newComputePipelineStateWithFunction:fn error:&error];
+      [fn release];
+      TORCH_CHECK(pso != nil, "torch_lowbit mps: cannot create the pipeline of '", name, "': ", describe(error));
+      pipelines_.emplace(name, pso);
+      max_threads_.emplace(name, uint32_t([pso maxTotalThreadsPerThreadgroup]));
+      return pso;
+    }
   }
 
   // Called with mu_ held. All or nothing: a library that fails throws, and the next call tries again.
@@ -221,7 +257,9 @@ class KernelCache {
         msl = std::max(msl, lib.msl_version);
       }
     } catch (...) {
-      for (id<MTLLibrary> l : libs) [l release];
+      @autoreleasepool {
+        for (id<MTLLibrary> l : libs) [l release];
+      }
       throw;
     }
     libraries_ = std::move(libs);
@@ -229,26 +267,30 @@ class KernelCache {
     caps_.msl_version = msl;
   }
 
+  // The precompiled metallib if it loads, else the embedded source (library_loading.h says how and why).
   id<MTLLibrary> load(const MetalLibrary& lib, std::vector<std::string>& how) {
-    NSError* error = nil;
-    const std::string path = extension_dir() + "/" + lib.name + ".metallib";
-    if (access(path.c_str(), R_OK) == 0) {
-      id<MTLLibrary> l = [device_ newLibraryWithURL:[NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]]
-                                              error:&error];
-      TORCH_CHECK(l != nil, "torch_lowbit mps: cannot load ", path, " (built by setup.py; rebuild torch_lowbit): ",
-                  describe(error));
-      how.push_back(std::string(lib.name) + ": metallib " + path);
+    @autoreleasepool {
+      const std::string path = extension_dir() + "/" + lib.name + ".metallib";
+      id<MTLLibrary> l = nil;
+      how.push_back(load_library(
+          lib, path, access(path.c_str(), R_OK) == 0,
+          [&](std::string& why) {
+            NSError* error = nil;
+            l = [device_ newLibraryWithURL:[NSURL fileURLWithPath:[NSString stringWithUTF8String:path.c_str()]]
+                                     error:&error];
+            if (l == nil) why = describe(error);
+            return l != nil;
+          },
+          [&](std::string& why) {
+            NSError* error = nil;
+            MTLCompileOptions* options = compile_options(lib);
+            l = [device_ newLibraryWithSource:[NSString stringWithUTF8String:lib.source] options:options error:&error];
+            [options release];
+            if (l == nil) why = describe(error);
+            return l != nil;
+          }));
       return l;
     }
-    MTLCompileOptions* options = compile_options(lib);
-    id<MTLLibrary> l = [device_ newLibraryWithSource:[NSString stringWithUTF8String:lib.source]
-                                             options:options
-                                               error:&error];
-    [options release];
-    TORCH_CHECK(l != nil, "torch_lowbit mps: compiling the ", lib.name, " kernels (", msl_name(lib.msl_version),
-                ") failed: ", describe(error));
-    how.push_back(std::string(lib.name) + ": source (" + msl_name(lib.msl_version) + ")");
-    return l;
   }
 
   std::mutex mu_;
@@ -257,6 +299,7 @@ class KernelCache {
   std::vector<id<MTLLibrary>> libraries_;  // in kLowbitMetalLibraries order, those this device may run
   std::vector<std::string> loaded_how_;
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
+  std::unordered_map<std::string, uint32_t> max_threads_;  // each pipeline's maxTotalThreadsPerThreadgroup
 };
 
 MpsInfo mps_info() {
@@ -273,6 +316,9 @@ MTLSize mtl_size(const Size3& s) {
 class MpsLauncher final : public Launcher {
  public:
   DeviceCaps caps() const override { return KernelCache::get().caps(); }
+  uint32_t max_threads_per_threadgroup(const std::string& kernel) override {
+    return KernelCache::get().max_threads(kernel);
+  }
 
   void run(const Dispatch& d) override {
     if (uint64_t(d.threadgroups.x) * d.threadgroups.y * d.threadgroups.z == 0) return;
@@ -282,10 +328,8 @@ class MpsLauncher final : public Launcher {
       TORCH_CHECK(!a.is_value() || a.bytes.size() <= 4096, "torch_lowbit mps: ", d.kernel, " value ", a.name,
                   " is larger than setBytes allows (4 KB)");
     }
+    // (Target::run checked the threads against this pipeline's maxTotalThreadsPerThreadgroup)
     id<MTLComputePipelineState> pso = KernelCache::get().pipeline(d.kernel);
-    const uint64_t threads = uint64_t(d.threads.x) * d.threads.y * d.threads.z;
-    TORCH_CHECK(threads <= pso.maxTotalThreadsPerThreadgroup, "torch_lowbit mps: ", d.kernel, " asks for ", threads,
-                " threads per threadgroup; this pipeline allows ", uint64_t(pso.maxTotalThreadsPerThreadgroup));
     const Dispatch* dp = &d;  // the block runs synchronously, before run() returns
     at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
     dispatch_sync_with_rethrow(stream->queue(), ^() {

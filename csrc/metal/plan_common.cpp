@@ -89,6 +89,10 @@ void check_launch_limits(const Dispatch& d) {
 
 void Target::run(const Dispatch& d) const {
   check_launch_limits(d);
+  const uint64_t threads = uint64_t(d.threads.x) * d.threads.y * d.threads.z;
+  TORCH_CHECK(fits(d.kernel, threads), "torch_lowbit metal: kernel ", d.kernel, " asks for ", threads,
+              " threads per threadgroup; its pipeline allows ", launcher.max_threads_per_threadgroup(d.kernel),
+              " (maxTotalThreadsPerThreadgroup) and the plan has no narrower variant");
   launcher.run(d);
 }
 

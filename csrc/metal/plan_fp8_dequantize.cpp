@@ -14,11 +14,12 @@ at::Tensor plan_fp8_dequantize(Target t, const at::Tensor& weight, const at::Ten
   p.K = checked_u32("K", w.K);
   p.vec4 = vector_access_ok(4, w.K, {w.bits});  // uchar4 weight loads
   p.scale = scale_params(w.layout);
-  // one thread per 4 bytes of a row; 64 x 4 threads per threadgroup
+  // one thread per 4 bytes of a row; 64 x 4 threads per threadgroup (fewer rows where the pipeline takes fewer)
   const uint32_t groups_k = checked_u32("K / 4", ceil_div(w.K, 4));
   Dispatch d(kernel_name("fp8_dequantize", dtype));
   d.buffer("weight", w.bits).buffer("scale", w.scale).buffer("out", out, Access::Write).value("params", p);
-  d.grid({uint32_t(ceil_div(groups_k, 64)), uint32_t(ceil_div(w.N, 4)), 1}, {64, 4, 1});
+  const uint32_t rows = t.rows_that_fit(d.kernel, 64, 4);
+  d.grid({uint32_t(ceil_div(groups_k, 64)), uint32_t(ceil_div(w.N, rows)), 1}, {64, rows, 1});
   t.run(d);
   return out;
 }

@@ -66,12 +66,8 @@ at::Tensor run_grouped_tiles(Target t, const GroupRows& rows) {
   return tiles;
 }
 
-void bind_group_rows(Target t, Dispatch& d, const GroupRows& rows, bool decode) {
-  if (decode) {
-    d.buffer("offsets", rows.offsets);
-  } else {
-    d.buffer("tiles", run_grouped_tiles(t, rows));
-  }
+void bind_group_rows(Target t, Dispatch& d, const GroupRows& rows) {
+  d.buffer("tiles", run_grouped_tiles(t, rows));
   d.buffer("expert_ids", rows.expert_ids);
 }
 
@@ -85,7 +81,7 @@ void run_grouped(Target t, const std::string& kernel, const char* x_name, const 
                  const Fp8GroupedMmParams& p, const at::Tensor& out, bool decode, int64_t grid_x, uint32_t threads) {
   Dispatch d(kernel);
   d.buffer(x_name, a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
-  bind_group_rows(t, d, a, decode);
+  bind_group_rows(t, d, a);
   d.buffer("out", out, Access::Write).value("params", p);
   grouped_grid(d, a, decode, grid_x, threads);
   t.run(d);
@@ -110,7 +106,7 @@ at::Tensor plan_fp8_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& 
       grouped_params(a, vector_access_ok(kFp8VecLoadBytes, K, {a.x, a.w.bits}) ? kFp8VecLoads : 0u);
 
   const Fp8GroupedClass cls = fp8_grouped_class(T, G, a.x.scalar_type());
-  const KernelVariant<Fp8GroupedClass>& v = pick_variant(kFp8GroupedKernels, cls, t.caps);
+  const KernelVariant<Fp8GroupedClass>& v = pick_variant(kFp8GroupedKernels, cls, t, a.x.scalar_type());
   run_grouped(t, kernel_name(v.base, a.x.scalar_type()), "x", a, p, out, cls == Fp8GroupedClass::Decode,
               ceil_div(N, v.tile.bn), v.tile.threads);
   return out;

@@ -21,7 +21,10 @@ at::Tensor plan_fp8_grouped_mm_t(Target t, const at::Tensor& grad_out, const at:
   const Fp8GroupedMmParams p = grouped_params(a, mm_t_flags(a.x, N, a.w.bits, K));
 
   // mean rows per group: up to kMmTGemvRows, one GEMV pass per group (MoE decode)
-  const bool decode = T <= int64_t(kMmTGemvRows) * G;
+  // (unless the GEMV's pipeline takes fewer than its 256 threads: the prefill kernel, 128, takes any rows)
+  const bool decode = T <= int64_t(kMmTGemvRows) * G &&
+                      t.fits(mm_t_kernel_name("fp8_grouped_mm_t", MmTKernel::GemvRows, a.x.scalar_type()),
+                             kMmTGemvSimdgroups * 32);
   const std::string kernel =
       mm_t_kernel_name("fp8_grouped_mm_t", decode ? MmTKernel::GemvRows : MmTKernel::Gemm, a.x.scalar_type());
   run_grouped(t, kernel, "grad_out", a, p, out, decode, ceil_div(K, decode ? kMmTGemvCols : kFp8GemmTile),

@@ -36,6 +36,13 @@ std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype, const DeviceCaps
   return kernel_name(pick_kernel(kFp8MmKernels, fp8_mm_class(M, dtype), device), dtype);
 }
 
+namespace {
+// threads per threadgroup of the GEMV classes (the GEMM lines carry theirs in their geometry)
+uint32_t fp8_mm_threads(Fp8MmClass k) {
+  return k == Fp8MmClass::Gemv ? kFp8GemvSimdgroups * 32 : kFp8GemvRowsSimdgroups * 32;
+}
+}  // namespace
+
 at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias, at::OptionalIntArrayRef block_size) {
   const Fp8MmArgs a = check_fp8_mm(x, weight, scale, bias, block_size);
@@ -50,8 +57,13 @@ at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, 
   p.bias_dtype = a.bias ? kernel_dtype_code(a.bias->scalar_type()) : kDtypeFloat;
   p.scale = scale_params(a.w.layout);
 
-  const Fp8MmClass k = fp8_mm_class(M, a.x.scalar_type());
-  const KernelVariant<Fp8MmClass>& v = pick_variant(kFp8MmKernels, k, t.caps);
+  Fp8MmClass k = fp8_mm_class(M, a.x.scalar_type());
+  // the multi-row GEMV holds 8 rows in registers: where its pipeline takes fewer than its 256 threads, the
+  // narrower GEMM (any M) runs
+  if (k == Fp8MmClass::GemvRows &&
+      !t.fits(kernel_name(pick_kernel(kFp8MmKernels, k, t.caps), a.x.scalar_type()), fp8_mm_threads(k)))
+    k = a.x.scalar_type() == at::kFloat ? Fp8MmClass::Gemm32 : Fp8MmClass::Gemm16;
+  const KernelVariant<Fp8MmClass>& v = pick_variant(kFp8MmKernels, k, t, a.x.scalar_type());
   Dispatch d(kernel_name(v.base, a.x.scalar_type()));
   d.buffer("x", a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
   // without a bias the kernel never reads [[buffer(3)]]; bind the scale there so it is never unbound
@@ -60,12 +72,12 @@ at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, 
   switch (k) {
     case Fp8MmClass::Gemv:
       d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsM1)), 1, 1},
-             {kFp8GemvSimdgroups * 32, 1, 1});
+             {fp8_mm_threads(k), 1, 1});
       break;
     case Fp8MmClass::GemvRows:
       d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvRowsSimdgroups * kFp8GemvColsRows)),
               checked_u32("grid y", ceil_div(M, kFp8GemvRows)), 1},
-             {kFp8GemvRowsSimdgroups * 32, 1, 1});
+             {fp8_mm_threads(k), 1, 1});
       break;
     case Fp8MmClass::Gemm16:
     case Fp8MmClass::Gemm32:

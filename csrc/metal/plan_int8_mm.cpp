@@ -43,6 +43,13 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
   const Int8MmArgs a = check_int8_mm(xq, x_scale, wq, w_scale, bias, out_dtype);
   at::Tensor out = at::empty({a.M, a.N}, a.xq.options().dtype(a.out_dtype));
   if (out.numel() == 0) return out.view(a.out_shape);
+  if (a.K == 0) {
+    // An empty sum, through the kernels' epilogue (a NaN scale still gives NaN): the kernels would take xq and wq
+    // as nil buffers, which Metal's validation layer rejects.
+    at::Tensor v = a.x_scale.view({a.M, 1}).mul(a.w_scale.view({1, -1})).mul(0.0);
+    out.copy_(a.bias ? v.add(a.bias->to(at::kFloat)) : v);
+    return out.view(a.out_shape);
+  }
 
   Int8MmParams p{};
   p.M = checked_u32("M", a.M);
@@ -53,7 +60,7 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
   p.bias_dtype = a.bias ? kernel_dtype_code(a.bias->scalar_type()) : kDtypeFloat;
 
   const Int8MmKernel kind = choose_int8_mm_kernel(a.M, a.N, a.K);
-  const KernelVariant<Int8MmKernel>& v = pick_variant(kInt8MmKernels, kind, t.caps);
+  const KernelVariant<Int8MmKernel>& v = pick_variant(kInt8MmKernels, kind, t, a.out_dtype);
   const bool k16 = v.tile.vector_variants && vector_access_ok(kVectorLoadBytes, a.K, {a.xq, a.wq});
   Dispatch d(kernel_name(v.base, a.out_dtype, k16 ? "k16" : nullptr));
   // without a bias the kernel never reads buffer 4; w_scale stands in so that every index is bound

@@ -17,12 +17,16 @@ std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target t, const at::Tensor
   const Int8QuantizeArgs a = check_int8_quantize(x);
   at::Tensor q = at::empty({a.M, a.K}, a.x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({a.M}, a.x.options().dtype(at::kFloat));
-  if (a.M > 0) {
+  // K == 0: every row is empty, so its absmax and scale are 0 (the kernel would take x and q as nil buffers)
+  if (a.K == 0) scale.zero_();
+  if (a.M > 0 && a.K > 0) {
     Int8QuantizeParams p{};
     p.M = checked_u32("M", a.M);
     p.K = checked_u32("K", a.K);
-    const uint32_t threads = uint32_t(std::clamp<int64_t>(ceil_div(a.K, 32) * 32, 32, kQuantizeMaxThreads));
     Dispatch d(kernel_name("int8_quantize", a.x.scalar_type()));
+    // the threads stride over the row: fewer where the pipeline takes fewer (whole simdgroups)
+    const int64_t most = std::min<int64_t>(kQuantizeMaxThreads, t.launcher.max_threads_per_threadgroup(d.kernel) / 32 * 32);
+    const uint32_t threads = uint32_t(std::clamp<int64_t>(ceil_div(a.K, 32) * 32, 32, std::max<int64_t>(most, 32)));
     d.buffer("x", a.x).buffer("q", q, Access::Write).buffer("scale", scale, Access::Write).value("params", p);
     d.grid({p.M, 1, 1}, {threads, 1, 1});
     t.run(d);

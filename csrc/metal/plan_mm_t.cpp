@@ -35,7 +35,10 @@ void run_mm_t(Target t, const char* op, const at::Tensor& g, const at::Tensor& w
   p.K = checked_u32("K", K);
   p.flags = mm_t_flags(g, N, w_bits, K);
   p.scale = sp;
-  const MmTKernel k = choose_mm_t_kernel(M);
+  MmTKernel k = choose_mm_t_kernel(M);
+  // the GEMVs take 256 threads: where their pipeline takes fewer, the narrower GEMM (128 threads, any M) runs
+  if (k != MmTKernel::Gemm && !t.fits(mm_t_kernel_name(op, k, g.scalar_type()), kMmTGemvSimdgroups * 32))
+    k = MmTKernel::Gemm;
   Dispatch d(mm_t_kernel_name(op, k, g.scalar_type()));
   d.buffer("grad_out", g).buffer("weight", w_bits).buffer("scale", scale);
   d.buffer("out", out, Access::Write).value("params", p);

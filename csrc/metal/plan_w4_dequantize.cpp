@@ -15,9 +15,10 @@ at::Tensor plan_w4_dequantize(Target t, const at::Tensor& codes, const at::Tenso
   Dispatch d(w4_kernel_name("w4_dequantize", dtype, w));
   bind_w4_weight(d, w);
   d.buffer("out", out, Access::Write).value("params", p);
+  const uint32_t rows = t.rows_that_fit(d.kernel, kW4DequantizeThreadsX, kW4DequantizeThreadsY);
   d.grid({checked_u32("grid x", ceil_div(ceil_div(w.K, 8), kW4DequantizeThreadsX)),
-          checked_u32("grid y", ceil_div(w.N, kW4DequantizeThreadsY)), 1},
-         {kW4DequantizeThreadsX, kW4DequantizeThreadsY, 1});
+          checked_u32("grid y", ceil_div(w.N, rows)), 1},
+         {kW4DequantizeThreadsX, rows, 1});
   t.run(d);
   return out;
 }

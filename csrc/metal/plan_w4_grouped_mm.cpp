@@ -27,7 +27,7 @@ void run_w4_grouped(Target t, const char* kernel_base, const char* x_name, const
   Dispatch d(w4_kernel_name(kernel_base, a.x.scalar_type(), a.w));
   d.buffer(x_name, a.x);
   bind_w4_weight(d, a.w);
-  bind_group_rows(t, d, a, decode);
+  bind_group_rows(t, d, a);
   d.buffer("out", out, Access::Write).value("params", p);
   grouped_grid(d, a, decode, grid_x, threads);
   t.run(d);

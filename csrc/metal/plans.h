@@ -4,6 +4,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
@@ -18,9 +19,20 @@ struct Target {
   bool host_visible;  // true for the emulator: plans may read small tensors on the host
   DeviceCaps caps{};  // the launcher's device (the portable floor unless the launcher says more)
 
-  // Every plan launches through here: Metal's launch limits are checked (check_launch_limits) before any
-  // launcher sees the dispatch, so the mps device and the emulator refuse the same launches.
+  // Every plan launches through here: Metal's launch limits are checked (check_launch_limits, and the kernel's
+  // own pipeline limit on threads per threadgroup) before any launcher sees the dispatch, so the mps device and
+  // the emulator refuse the same launches.
   void run(const Dispatch& d) const;
+  // Does `kernel`'s pipeline take `threads` per threadgroup? Plans pick a narrower variant, or fewer threads,
+  // where it does not (its maxTotalThreadsPerThreadgroup can be below Metal's 1024).
+  bool fits(const std::string& kernel, uint64_t threads) const {
+    return threads <= launcher.max_threads_per_threadgroup(kernel);
+  }
+  // For a kernel indexed by thread_position_in_grid alone: how many of `rows` rows of `width` threads its
+  // threadgroups take (at least one; Target::run refuses a row wider than the pipeline allows).
+  uint32_t rows_that_fit(const std::string& kernel, uint32_t width, uint32_t rows) const {
+    return std::max<uint32_t>(1, std::min<uint32_t>(rows, launcher.max_threads_per_threadgroup(kernel) / width));
+  }
 };
 
 // Metal's limits (metal/limits.h) on one dispatch: threads per threadgroup, threadgroup memory, setBytes
@@ -83,6 +95,21 @@ const KernelVariant<Class>& pick_variant(const KernelVariant<Class> (&table)[N],
     if (v.cls == cls && runs_on(device, v.needs)) return v;
   TORCH_CHECK(false, "torch_lowbit metal: no kernel for shape class ", int(cls), " on Apple GPU family ",
               device.apple_family, " with MSL ", device.msl_version);
+}
+// As pick_variant, for a launch on t: a line whose pipeline takes fewer threads per threadgroup than its geometry
+// needs (maxTotalThreadsPerThreadgroup of a register-heavy kernel) is passed over for the class's next line, as a
+// device that lacks its capabilities would be. Lines without a geometry (tile.threads 0) size their threadgroups
+// in their plan. Where no line fits, the last that runs is returned and Target::run refuses it naming the limit.
+template <class Class, size_t N>
+const KernelVariant<Class>& pick_variant(const KernelVariant<Class> (&table)[N], Class cls, const Target& t,
+                                         at::ScalarType dtype) {
+  const KernelVariant<Class>* last = nullptr;
+  for (const KernelVariant<Class>& v : table) {
+    if (v.cls != cls || !runs_on(t.caps, v.needs)) continue;
+    if (v.tile.threads == 0 || t.fits(kernel_name(v.base, dtype), v.tile.threads)) return v;
+    last = &v;
+  }
+  return last ? *last : pick_variant(table, cls, t.caps);
 }
 template <class Class, size_t N>
 const char* pick_kernel(const KernelVariant<Class> (&table)[N], Class cls, const DeviceCaps& device) {

@@ -50,3 +50,9 @@ kernel void write_one_before_start(device float* out [[buffer(0)]], uint i [[thr
   }
   out[i] = 2.0f;
 }
+
+// Copies [[buffer(1)]]: bound as nil (an empty tensor, on mps and in the emulator), it must be reported.
+kernel void copy_buffer_1(device float* out [[buffer(0)]], device const float* in [[buffer(1)]],
+                          uint i [[thread_position_in_grid]]) {
+  out[i] = in[i];
+}

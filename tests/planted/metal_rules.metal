@@ -27,6 +27,25 @@ kernel void threadgroup_float4_store_misaligned(device float* out [[buffer(0)]],
   out[tid] = buf[tid % 4];
 }
 
+// BUG: float4 stores into a `float` threadgroup array, whose alignment MSL promises at 4 bytes only. Where the
+// compiler happens to place it at 16 the stores work, so only the emulator's natural alignment shows it.
+kernel void threadgroup_float_array_float4_stores(device float* out [[buffer(0)]],
+                                                  uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float tile[128];
+  *(threadgroup float4*)(tile + 4 * tid) = float4(float(tid));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = tile[4 * tid + 3];
+}
+
+// The same stores into an array declared 16-byte aligned: correct.
+kernel void threadgroup_aligned_float_array_float4_stores(device float* out [[buffer(0)]],
+                                                          uint tid [[thread_index_in_threadgroup]]) {
+  alignas(16) threadgroup float tile[128];
+  *(threadgroup float4*)(tile + 4 * tid) = float4(float(tid));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = tile[4 * tid + 3];
+}
+
 // BUG: 8448 floats (33 KiB) of threadgroup memory; Apple GPUs have 32 KiB per threadgroup.
 kernel void threadgroup_array_33k(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float big[8448];

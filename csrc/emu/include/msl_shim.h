@@ -370,15 +370,16 @@ constexpr metal::half operator""h(unsigned long long v) { return metal::half(flo
 
 // ------------------------------------------------------------------------------------------------ keywords
 // Address spaces: device/thread vanish, constant becomes const. `threadgroup` vanishes as a pointer qualifier;
-// kernel-scope threadgroup *variables* are rewritten by tools/msl_prep.py to MSL_TG_VAR (static thread_local:
-// shared by the fibers of the threadgroup that a worker OS thread is running), 16-byte aligned like Metal's
-// threadgroup allocations (kernels cast them to vector pointers).
+// kernel-scope threadgroup *variables* are rewritten by msl_prep.py to MSL_TG_VAR storage (static thread_local:
+// shared by the fibers of the threadgroup that a worker OS thread is running) and a reference placed at the
+// alignment the declaration promises (msl_runtime.h TgVar): a kernel that stores a float4 into a `float` array
+// must declare the array alignas(16).
 #define kernel
 #define device
 #define thread
 #define constant const
 #define threadgroup
-#define MSL_TG_VAR alignas(16) static thread_local
+#define MSL_TG_VAR alignas(16) static thread_local ::msl::rt::TgVar
 #define MSL_TG_POISON(v) \
   static thread_local unsigned long msl_tg_epoch_##v = 0; ::msl::rt::tg_poison(&(v), sizeof(v), &msl_tg_epoch_##v)
 // Attributes: `T name [[attr]]` becomes `T name [[]] = <proxy>[zero[0]]` -- a default argument read from the

@@ -40,6 +40,14 @@ __attribute__((objc_root_class))
 @property(nullable, readonly) const char* UTF8String;
 @end
 
+// @interface NSArray<__covariant ObjectType> : NSObject
+//   @property (readonly) NSUInteger count;
+//   - (ObjectType)objectAtIndex:(NSUInteger)index;
+@interface NSArray<__covariant ObjectType> : NSObject
+@property(readonly) NSUInteger count;
+- (ObjectType)objectAtIndex:(NSUInteger)index;
+@end
+
 // @interface NSError : NSObject: @property (readonly, copy) NSString *localizedDescription;
 @interface NSError : NSObject
 @property(readonly, copy) NSString* localizedDescription;

@@ -75,8 +75,10 @@ typedef enum : NSInteger {
 
 // @protocol MTLLibrary <NSObject>
 //   - (nullable id <MTLFunction>)newFunctionWithName:(NSString *)functionName;
+//   @property (readonly) NSArray <NSString *> *functionNames;
 @protocol MTLLibrary <NSObject>
 - (nullable id<MTLFunction>)newFunctionWithName:(NSString*)functionName;
+@property(readonly) NSArray<NSString*>* functionNames;
 @end
 
 // @protocol MTLComputePipelineState <NSObject>
