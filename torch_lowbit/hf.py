@@ -263,7 +263,7 @@ def _auto_dtype(config, local: str, config_file: str) -> torch.dtype:
 
 def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, return_report: bool = False,
                     torch_dtype=None, device_map=None, revision: Optional[str] = None,
-                    trust_remote_code: bool = False, activations: str = "weights-only"):
+                    trust_remote_code: bool = False, activations: str = "weights-only", tp_plan=None):
     """A quantized Hugging Face checkpoint as a ready transformers model.
 
     Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
@@ -286,6 +286,13 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     checked before anything is read; safe to call from several threads at once.
     activations: ``"weights-only"`` (W8A16, the default) or ``"checkpoint"`` (the checkpoint's FP8 activation
     quantization), as in :func:`torch_lowbit.load_quantized`.
+    tp_plan: ``"auto"`` (the architecture's own tensor-parallel plan, transformers' ``base_model_tp_plan``) or a dict
+    of module patterns to styles that updates it: tensor parallelism over the ranks of the torch.distributed process
+    group (gloo; initialized from torchrun's environment if needed). Each rank reads and keeps only its shard of
+    each low-bit layer (column-wise: output rows; row-wise: input columns; experts: the intermediate size) and
+    ``generate`` gives the same tokens on every rank. Sizes that do not split evenly over the ranks (heads, or N / K
+    not a multiple of world x block) are refused before anything runs, naming the layer and the sizes. See
+    :mod:`torch_lowbit.distributed`.
     """
     if trust_remote_code:
         raise ValueError("from_pretrained: trust_remote_code=True is not supported: torch_lowbit builds the model "
@@ -323,8 +330,14 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     with parameters_on_meta(), _transformers_refusal(config_file, cls.__name__):
         model = cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls._from_config(config)
     model.config.dtype = dtype
-    report = load_quantized(model, local, device=device, dtype=dtype, strict=strict, activations=activations)
-    model.to(device)
+    if tp_plan is None:
+        report = load_quantized(model, local, device=device, dtype=dtype, strict=strict, activations=activations)
+        model.to(device)
+    else:
+        from .distributed import load_parallel
+
+        report = load_parallel(model, local, tp_plan, device=device, dtype=dtype, strict=strict,
+                               activations=activations)
     _load_generation_config(tf, model, generation)
     model.eval()
     enable_save_pretrained(model)

@@ -1,0 +1,138 @@
+"""Apply a transformers tensor-parallel plan to a model holding torch_lowbit layers.
+
+The plan is the architecture's own (``model.tp_plan``: the config's ``base_model_tp_plan`` plus the head's
+``_tp_plan``), optionally overridden by a dict. Low-bit layers (Fp8Linear, Int8Linear, W4Linear, Fp8Experts,
+Int8Experts, W4Experts) are cut for this rank (:func:`~.shard.shard_layer`) -- at load time by :class:`ShardHook`, so
+a rank never holds another rank's bytes -- and get the low-bit styles of :mod:`.styles`; every other module of the
+plan (lm_head, norms, dense linears) gets transformers' own style through
+``transformers.distributed.tensor_parallel.apply_tensor_parallelism``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Union
+
+import torch
+from torch import nn
+
+from .layouts import SplitError, layout_of
+from .shard import shard_layer
+
+
+def device_mesh(device=None):
+    """The 1-D tensor-parallel mesh over every rank of the default process group, initialized from torchrun's
+    environment (gloo: CPU, and between Macs) when no group exists yet."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available():
+        raise RuntimeError("tp_plan needs torch.distributed, which this PyTorch build lacks")
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"tp_plan needs a torch.distributed process group: launch with torchrun (e.g. torchrun "
+                               f"--nproc-per-node 2 script.py), or call torch.distributed.init_process_group first "
+                               f"(environment lacks {', '.join(missing)})")
+        dist.init_process_group("gloo")
+    if dist.get_backend() != "gloo":
+        raise RuntimeError(f"torch_lowbit's tensor parallelism runs on the gloo backend (CPU tensors), the process "
+                           f"group uses {dist.get_backend()!r}")
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def resolve_plan(model: nn.Module, tp_plan: Union[str, Dict[str, str]]) -> Dict[str, str]:
+    """The model's plan (``"auto"``) or the model's plan updated by a dict of ``{module pattern: style}``."""
+    own = dict(getattr(model, "tp_plan", None) or {})
+    if tp_plan == "auto":
+        plan = own
+    elif isinstance(tp_plan, dict):
+        plan = {**own, **tp_plan}
+    else:
+        raise ValueError(f"tp_plan must be 'auto' or a dict of module patterns to styles, got {tp_plan!r}")
+    if not plan:
+        raise ValueError(f"tp_plan: {type(model).__name__} has no tensor-parallel plan (no base_model_tp_plan in its "
+                         f"config): pass tp_plan as a dict")
+    return plan
+
+
+def style_of(name: str, plan: Dict[str, str]) -> Optional[str]:
+    from transformers.distributed.parallel_utils import _get_parameter_plan
+
+    return _get_parameter_plan(parameter_name=name, plan=plan, is_weight=False)
+
+
+def check_heads(config, plan: Dict[str, str], world: int) -> None:
+    """Attention heads split whole: refused up front where the plan splits q/k/v projections and a head count does
+    not divide by the world size (the projections' own sizes would split, across a head)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    splits_heads = any(k.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj") and v.startswith("colwise")
+                       for k, v in plan.items())
+    if not splits_heads:
+        return
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(text, attr, None)
+        if isinstance(n, int) and n % world:
+            raise SplitError(f"tp_plan: {attr} = {n} does not split over {world} ranks (the attention projections "
+                             f"are split by whole heads)")
+
+
+class ShardHook:
+    """``load_quantized``'s ``module_hook``: each low-bit layer, as it is built, is cut for this rank under the
+    plan's style for it (replicated where the plan has none), so that the rank keeps only its shard's bytes."""
+
+    def __init__(self, plan: Dict[str, str], rank: int, world: int):
+        self.plan, self.rank, self.world = plan, rank, world
+        self.styles: Dict[str, object] = {}
+
+    def __call__(self, name: str, layer: nn.Module) -> nn.Module:
+        if layout_of(layer) is None:
+            return layer
+        style_name = style_of(name, self.plan)
+        kind = None
+        if style_name is not None and style_name != "replicate":
+            from .styles import lowbit_style
+
+            kind, style = lowbit_style(style_name, name)
+            self.styles[name] = style
+        return shard_layer(layer, kind, self.rank, self.world, name)
+
+
+def parallelize(model: nn.Module, mesh, plan: Dict[str, str], hook: Optional[ShardHook] = None) -> nn.Module:
+    """Install the plan's styles: low-bit layers (cut here unless `hook` cut them while loading) get the low-bit
+    styles; the plan's other modules get transformers' styles, their parameters sharded by transformers."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    rank, world = mesh.get_local_rank(), mesh.size()
+    hook = hook or ShardHook(plan, rank, world)
+    lowbit = [name for name, m in model.named_modules() if layout_of(m) is not None]
+    for name in lowbit:
+        layer = model.get_submodule(name)
+        if getattr(layer, "_lowbit_tp", None) is None:
+            hook(name, layer)
+        style = hook.styles.get(name)
+        if style is not None:
+            style.install_forward(layer, mesh, name)
+    inside = tuple(n + "." for n in lowbit)
+    expanded = model._expand_parallel_plan(plan) if hasattr(model, "_expand_parallel_plan") else {}
+    dense = {k: v for k, v in expanded.items() if k not in lowbit and not k.startswith(inside)}
+    apply_tensor_parallelism(model, mesh, dense)
+    model._lowbit_tp_mesh = mesh
+    return model
+
+
+def own_memory(model: nn.Module) -> None:
+    """Copy every tensor that is not a cut low-bit tensor out of whatever it views (a memory-mapped checkpoint):
+    the model owns its memory, as a model loaded without tensor parallelism does."""
+    seen = {}
+    for mod in model.modules():
+        if getattr(mod, "_lowbit_tp", None) is not None:
+            continue
+        for table in (mod._parameters, mod._buffers):
+            for k, t in table.items():
+                if t is None or t.is_meta:
+                    continue
+                if id(t) not in seen:  # tied weights stay one tensor
+                    data = t.detach().clone()
+                    seen[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                        else data
+                table[k] = seen[id(t)]
