@@ -27,7 +27,8 @@ def run_model(model):
     """(logits of PROMPT [1, S, V], greedy tokens) of a loaded model."""
     with torch.no_grad():
         logits = model(PROMPT).logits
-        out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=0)
     return logits, out[0, PROMPT.shape[1]:]
 
 

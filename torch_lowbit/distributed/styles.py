@@ -61,7 +61,8 @@ def shared_int8_quantize(x: torch.Tensor, mesh):
     row gives scale 0, a row holding NaN or +-inf (on any rank) scale NaN, and codes 0."""
     xf = x.float()
     amax = xf.abs().amax(-1) if xf.shape[-1] else xf.new_zeros(xf.shape[:-1])
-    amax = all_reduce(torch.nan_to_num(amax, nan=float("inf")), mesh, "max")
+    amax = torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)  # NaN wins the max as inf
+    amax = all_reduce(amax, mesh, "max")
     scale = amax / 127
     finite = torch.isfinite(scale)
     q = torch.round(xf / scale.unsqueeze(-1)).clamp_(-127, 127)
