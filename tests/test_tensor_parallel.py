@@ -163,6 +163,14 @@ def test_experts_uneven_split_refused():
         shard_layer(layer, "experts", 0, 4, "model.layers.0.mlp.experts")
 
 
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_world_one_keeps_partial_edge_blocks(style):
+    layer = _linear("fp8-block", N=40, K=72)  # blocks of 16 x 32: partial in both directions
+    x = torch.randn(3, 72)
+    one = shard_layer(copy.deepcopy(layer), style, 0, 1, "probe")
+    assert torch.equal(one(x), layer(x)) and torch.equal(one.weight_scale, layer.weight_scale)
+
+
 def test_shard_layer_bad_arguments():
     layer = _linear("fp8-channel")
     with pytest.raises(ValueError, match="style must be one of"):

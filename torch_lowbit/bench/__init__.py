@@ -10,5 +10,6 @@ SUITES = {
     "e2e": "torch_lowbit.bench.e2e",                # a small generated model loaded from a checkpoint
     "train": "torch_lowbit.bench.train",            # a LoRA training step on fp8 / int8 bases vs bf16
     "diffusion": "torch_lowbit.bench.diffusion",    # one denoising step of a FLUX.1-dev-shaped transformer
+    "distributed": "torch_lowbit.bench.distributed",  # tensor parallelism at world sizes 1, 2, 4 (torchrun, gloo)
 }
 DEFAULT_SUITE = "layer"

@@ -74,6 +74,8 @@ def check_split(name: str, layer: nn.Module, layout: Layout, extent: str, world:
     if size % world:
         raise SplitError(f"{what}: {extent} = {size} does not split evenly over {world} ranks")
     local = size // world
+    if world == 1:  # no boundary to align (a partial edge block stays where it is)
+        return local
     for tname, axes in layout.tensors.items():
         axis = axes.get(extent)
         if axis is not None and local % axis.unit:

@@ -20,6 +20,8 @@ STYLE_EXTENTS = {"colwise": "N", "rowwise": "K", "experts": "I"}
 def cut(t: torch.Tensor, axis: Axis, size: int, rank: int, world: int) -> torch.Tensor:
     """Rank `rank`'s part of `t` along ``axis.dim``, where the extent of full size `size` runs in ``axis.unit``
     element units, ``axis.halves`` times (each half split alone)."""
+    if world == 1:
+        return t  # whole, partial edge units included
     per_half = size // axis.unit
     local = per_half // world
     pieces = [t.narrow(axis.dim, h * per_half + rank * local, local) for h in range(axis.halves)]
