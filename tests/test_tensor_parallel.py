@@ -4,7 +4,8 @@ refused by name), and whole tiny Llama / Qwen3-MoE / Mixtral checkpoints from th
 FP8 channel and block, INT8 W8A8; transformers' fine-grained FP8) loaded with ``from_pretrained(tp_plan="auto")`` by
 real gloo process groups of 2 and 4 ranks (tests/tp_worker.py; one launch per world size, bounded in time): logits
 equal to the single-process model's within rel 1e-5, the same greedy tokens on every rank, each rank holding at
-most 1/world + 5% of the low-bit bytes; the INT8 activation quantization of split rows bitwise equal to
+most 1/world + 5% of the low-bit bytes; the same through transformers' own ``from_pretrained`` of a dense
+checkpoint with ``TorchLowbitConfig`` and a tensor-parallel plan; the INT8 activation quantization of split rows bitwise equal to
 int8_quantize of the whole rows."""
 import copy
 
@@ -189,6 +190,8 @@ CHECKPOINTS = [  # (arch, writer, scheme)
     ("mixtral", "ct", "fp8-block"), ("mixtral", "ct", "int8-w8a8"),
 ]
 
+HF_QUANTIZER = [("llama", "fp8"), ("qwen3_moe", "int8")]
+
 
 def _write(arch, writer, scheme, path, **sizes):
     model = tiny_model(arch, **sizes)
@@ -208,6 +211,14 @@ def checkpoints(tmp_path_factory):
         model = tp_worker.tp_model(path)
         logits, tokens = tp_worker.run_model(model)
         cases[name] = (path, logits, tokens, lowbit_bytes(model))
+    # transformers' from_pretrained(dense checkpoint, tp_plan, quantization_config=TorchLowbitConfig(...)): quantized
+    # after transformers split the dense weights
+    for arch, weights in HF_QUANTIZER:
+        path = str(root / f"dense-{arch}")
+        tiny_model(arch, **TP_SIZES).save_pretrained(path)
+        model = tp_worker.hf_model(path, weights)
+        logits, tokens = tp_worker.run_model(model)
+        cases[f"hf-{arch}-{weights}"] = (path, logits, tokens, lowbit_bytes(model))
     # hf_writers' own sizes: 48 q / o rows of 4 heads, blocks of 16 x 32; kv heads 2
     uneven = _write("llama", "ct", "fp8-block", root / "uneven")
     return cases, uneven
@@ -217,13 +228,15 @@ def checkpoints(tmp_path_factory):
 def ranks(request, checkpoints):
     """Every case on `world` ranks, in one launch."""
     cases, uneven = checkpoints
-    todo = {name: ("model", c[0]) for name, c in cases.items()}
+    todo = {name: (f"hf-{name.rsplit('-', 1)[1]}" if name.startswith("hf-") else "model", c[0])
+            for name, c in cases.items()}
     todo["uneven"] = ("refused", uneven)
     todo["shared_quantize"] = ("shared_quantize", None)
     return request.param, tp_worker.launch(request.param, todo, timeout=150)
 
 
-@pytest.mark.parametrize("case", [f"{a}-{w}-{s}" for a, w, s in CHECKPOINTS])
+@pytest.mark.parametrize("case", [f"{a}-{w}-{s}" for a, w, s in CHECKPOINTS]
+                         + [f"hf-{a}-{w}" for a, w in HF_QUANTIZER])
 def test_tp_model_matches_single_process(ranks, checkpoints, case):
     world, results = ranks
     _, logits, tokens, full_bytes = checkpoints[0][case]

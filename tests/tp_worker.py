@@ -23,6 +23,18 @@ def tp_model(path, **kw):
     return torch_lowbit.from_pretrained(path, device="cpu", dtype=torch.float32, **kw)
 
 
+def hf_model(path, weights, **kw):
+    """transformers' from_pretrained of a dense checkpoint with TorchLowbitConfig(weights)."""
+    import transformers
+
+    import torch_lowbit
+
+    if "tp_plan" in kw:  # transformers' current spelling of from_pretrained(..., tp_plan=...)
+        kw["distributed_config"] = transformers.DistributedConfig(tp_plan=kw.pop("tp_plan"))
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=torch_lowbit.TorchLowbitConfig(weights), **kw).eval()
+
+
 def run_model(model):
     """(logits of PROMPT [1, S, V], greedy tokens) of a loaded model."""
     with torch.no_grad():
@@ -57,6 +69,8 @@ def _rank_main(rank, world, store_path, cases, out_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     sys.path.insert(0, HERE)
+    # what torchrun sets: transformers sizes its tensor-parallel mesh from WORLD_SIZE
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     result = {}
     try:
         import torch.distributed as dist
@@ -68,6 +82,10 @@ def _rank_main(rank, world, store_path, cases, out_dir):
         for name, (kind, path) in cases.items():
             if kind == "model":
                 model = tp_model(path, tp_plan="auto")
+                logits, tokens = run_model(model)
+                result[name] = {"logits": logits, "tokens": tokens, "lowbit_bytes": lowbit_bytes(model)}
+            elif kind.startswith("hf-"):  # transformers' own from_pretrained of a dense checkpoint
+                model = hf_model(path, kind[3:], tp_plan="auto")
                 logits, tokens = run_model(model)
                 result[name] = {"logits": logits, "tokens": tokens, "lowbit_bytes": lowbit_bytes(model)}
             elif kind == "refused":

@@ -136,3 +136,41 @@ def own_memory(model: nn.Module) -> None:
                     seen[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
                         else data
                 table[k] = seen[id(t)]
+
+
+def quantize_parallel(model: nn.Module, config, filter_fn) -> Dict[str, str]:
+    """``quantize_`` on a model that transformers loaded split over the ranks (``from_pretrained(...,
+    tp_plan="auto", quantization_config=TorchLowbitConfig(...))``: its plan's linear and experts modules hold DTensor
+    shards and transformers' forwards). One module at a time: its shards are gathered into the whole dense weight
+    (DTensor's ``full_tensor``), quantized exactly as without tensor parallelism (row-wise scales see whole rows),
+    cut for this rank and given the low-bit style of its plan entry; a module that does not convert (or that
+    `filter_fn` skips) stays as transformers split it. Returns {module name: style} of the converted modules."""
+    from torch.distributed.tensor import DTensor
+
+    from ..quantize import _dense_experts, _swappable, quantize_
+    from .styles import lowbit_style
+
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    done = {}
+    for name, mod in list(model.named_modules()):
+        shards = {k: p for k, p in mod._parameters.items() if isinstance(p, DTensor)}
+        style_name = style_of(name, plan)
+        if (not shards or style_name is None or not (_swappable(mod) or _dense_experts(mod))
+                or not filter_fn(mod, name)):
+            continue
+        mesh = next(iter(shards.values())).device_mesh
+        kind, style = lowbit_style(style_name, name)
+        installed = mod.__dict__.pop("forward", None)  # transformers' TP forward, on the instance
+        for k, p in shards.items():
+            mod._parameters[k] = nn.Parameter(p.full_tensor(), requires_grad=False)
+        new = quantize_(mod, config, filter_fn=lambda m, fqn: True)
+        if layout_of(new) is None:  # left dense (experts it cannot convert): back as transformers split it
+            mod._parameters.update(shards)
+            if installed is not None:
+                mod.forward = installed
+            continue
+        shard_layer(new, kind, mesh.get_local_rank(), mesh.size(), name)
+        style.install_forward(new, mesh, name)
+        model.set_submodule(name, new)
+        done[name] = style_name
+    return done
