@@ -267,3 +267,10 @@ def test_tp_int8_quantize_of_split_rows_is_the_whole_rows(ranks):
         r = res["shared_quantize"]
         assert torch.equal(r["q"], r["q_ref"])
         torch.testing.assert_close(r["s"], r["s_ref"], rtol=0, atol=0, equal_nan=True)
+
+
+def test_tp_model_save_refused(ranks):
+    world, results = ranks
+    msg, written = results[0]["save_refused"]
+    assert "save_quantized: this model is split over ranks by tensor parallelism" in msg and "tp_plan" in msg, msg
+    assert not written

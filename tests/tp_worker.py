@@ -75,6 +75,7 @@ def _rank_main(rank, world, store_path, cases, out_dir):
     try:
         import torch.distributed as dist
 
+        import torch_lowbit
         from torch_lowbit.distributed import lowbit_bytes
 
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
@@ -84,6 +85,12 @@ def _rank_main(rank, world, store_path, cases, out_dir):
                 model = tp_model(path, tp_plan="auto")
                 logits, tokens = run_model(model)
                 result[name] = {"logits": logits, "tokens": tokens, "lowbit_bytes": lowbit_bytes(model)}
+                if rank == 0 and "save_refused" not in result:
+                    try:
+                        torch_lowbit.save_quantized(model, os.path.join(out_dir, "never"))
+                        result["save_refused"] = None
+                    except ValueError as e:
+                        result["save_refused"] = (str(e), os.path.exists(os.path.join(out_dir, "never")))
             elif kind.startswith("hf-"):  # transformers' own from_pretrained of a dense checkpoint
                 model = hf_model(path, kind[3:], tp_plan="auto")
                 logits, tokens = run_model(model)

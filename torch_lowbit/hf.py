@@ -497,6 +497,11 @@ def _checkpoint(model: nn.Module, caller: str):
     from .nn.w4_experts import W4Experts
     from .nn.w4_linear import W4Linear
 
+    split = next((n for n, m in model.named_modules() if (getattr(m, "_lowbit_tp", None) or (None, 0, 1))[2] > 1),
+                 None)
+    if split is not None:  # each rank holds a slice: its save would be a checkpoint that loads wrong
+        raise ValueError(f"{caller}: this model is split over ranks by tensor parallelism ({split} holds one rank's "
+                         f"slice): save the checkpoint from a model loaded without tp_plan")
     quantized: Dict[str, torch.Tensor] = {}
     schemes: Dict[str, tuple] = {}  # module (model names) -> (kind, granularity, block)
     w4_layers: Dict[str, nn.Module] = {}
