@@ -248,6 +248,12 @@ def test_tp_model_matches_single_process(ranks, checkpoints, case):
         assert got["tokens"].tolist() == tokens.tolist(), rank
         assert got["lowbit_bytes"] <= full_bytes * (1 / world + 0.05), (rank, got["lowbit_bytes"], full_bytes)
         assert got["lowbit_bytes"] < full_bytes  # something was split
+        if not case.startswith("hf-"):
+            assert got["tp"]["world_size"] == world and got["tp"]["rank"] == rank
+            # per-expert checkpoints: each projection cut as read, the whole experts layer never stacked
+            moe = not case.startswith("llama")
+            assert got["tp"]["experts_cut_while_reading"] == (
+                [f"model.layers.{i}.mlp.experts" for i in range(2)] if moe else []), got["tp"]
 
 
 def test_tp_uneven_checkpoint_refused(ranks):

@@ -82,9 +82,10 @@ def _rank_main(rank, world, store_path, cases, out_dir):
                                 timeout=__import__("datetime").timedelta(seconds=60))
         for name, (kind, path) in cases.items():
             if kind == "model":
-                model = tp_model(path, tp_plan="auto")
+                model, report = tp_model(path, tp_plan="auto", return_report=True)
                 logits, tokens = run_model(model)
-                result[name] = {"logits": logits, "tokens": tokens, "lowbit_bytes": lowbit_bytes(model)}
+                result[name] = {"logits": logits, "tokens": tokens, "lowbit_bytes": lowbit_bytes(model),
+                                "tp": report.details["tensor_parallel"]}
                 if rank == 0 and "save_refused" not in result:
                     try:
                         torch_lowbit.save_quantized(model, os.path.join(out_dir, "never"))

@@ -38,7 +38,9 @@ def load_parallel(model: nn.Module, path, tp_plan: Union[str, Dict[str, str]], *
     if device is not None:
         model.to(device)
     parallelize(model, mesh, plan, hook)
-    report.details["tensor_parallel"] = {"world_size": world, "rank": rank}
+    # experts layers stacked from projections cut as they were read (the others are cut once built)
+    report.details["tensor_parallel"] = {"world_size": world, "rank": rank,
+                                         "experts_cut_while_reading": sorted(hook.cut_experts)}
     return report
 
 

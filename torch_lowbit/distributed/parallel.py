@@ -83,18 +83,45 @@ class ShardHook:
     def __init__(self, plan: Dict[str, str], rank: int, world: int):
         self.plan, self.rank, self.world = plan, rank, world
         self.styles: Dict[str, object] = {}
+        self.cut_experts = set()  # experts layers whose projections cut_expert cut as they were read
+
+    def _style(self, name: str):
+        """(split kind, low-bit style) of the plan's entry for module `name`; (None, None) where it has none."""
+        style_name = style_of(name, self.plan)
+        if style_name is None or style_name == "replicate":
+            return None, None
+        from .styles import lowbit_style
+
+        return lowbit_style(style_name, name)
 
     def __call__(self, name: str, layer: nn.Module) -> nn.Module:
         if layout_of(layer) is None:
             return layer
-        style_name = style_of(name, self.plan)
-        kind = None
-        if style_name is not None and style_name != "replicate":
-            from .styles import lowbit_style
-
-            kind, style = lowbit_style(style_name, name)
+        kind, style = self._style(name)
+        if style is not None:
             self.styles[name] = style
+        if name in self.cut_experts:
+            layer._lowbit_tp = (kind, self.rank, self.world)
+            return layer
         return shard_layer(layer, kind, self.rank, self.world, name)
+
+    def cut_expert(self, name: str, projection: str, q):
+        """One expert's projection (a formats.tensors.QuantizedWeight) of experts layer `name`, cut as the experts
+        split cuts it -- gate / up rows, down columns -- through the linear layers' layouts, before the layer is
+        stacked: the rank never holds the whole layer."""
+        import dataclasses
+
+        from ..nn import Fp8Linear, Int8Linear
+
+        kind, _ = self._style(name)
+        if kind != "experts":
+            return q
+        self.cut_experts.add(name)
+        lin = (Fp8Linear.from_quantized(q.weight, q.scale, block_size=q.block_size) if q.kind == "fp8"
+               else Int8Linear.from_quantized(q.weight, q.scale))
+        shard_layer(lin, "rowwise" if projection == "down" else "colwise", self.rank, self.world,
+                    f"{name}.*.{projection}_proj")
+        return dataclasses.replace(q, weight=lin.weight, scale=lin.weight_scale)
 
 
 def parallelize(model: nn.Module, mesh, plan: Dict[str, str], hook: Optional[ShardHook] = None) -> nn.Module:

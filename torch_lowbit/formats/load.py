@@ -276,7 +276,8 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
 
     module_hook: ``hook(name, layer) -> layer``, called on each low-bit layer as soon as it is built from the
     checkpoint, before the next one is read; what it returns goes into the model (tensor parallelism cuts the layer
-    for its rank there: ``torch_lowbit.distributed``).
+    for its rank there: ``torch_lowbit.distributed``). A hook with a ``cut_expert(name, projection, weight)`` method
+    also gets each per-expert FP8 / INT8 projection of a checkpoint as it is read (see ``formats.moe.load_experts``).
     """
     if activations not in ACTIVATIONS_OPTIONS:
         raise ValueError(f"load_quantized: activations must be one of {ACTIVATIONS_OPTIONS}, got {activations!r}")
@@ -296,7 +297,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             if not name or not is_experts_module(mod) or _inside(name, done):
                 continue
             res = ((fmt.format.experts(src, fmt, name, mod, device, dtype) if fmt.format is not None else None)
-                   or load_experts(src, fmt, name, mod, device, dtype))
+                   or load_experts(src, fmt, name, mod, device, dtype, getattr(module_hook, "cut_expert", None)))
             if res is None:
                 continue
             layer, keys, desc, quantized = res
