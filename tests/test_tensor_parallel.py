@@ -190,7 +190,7 @@ CHECKPOINTS = [  # (arch, writer, scheme)
     ("mixtral", "ct", "fp8-block"), ("mixtral", "ct", "int8-w8a8"),
 ]
 
-HF_QUANTIZER = [("llama", "fp8"), ("qwen3_moe", "int8")]
+HF_QUANTIZER = [("llama", "fp8"), ("qwen3_moe", "int8"), ("qwen3_moe", "int4")]  # int4: W4Linear, W4Experts
 
 
 def _write(arch, writer, scheme, path, **sizes):
@@ -215,7 +215,8 @@ def checkpoints(tmp_path_factory):
     # after transformers split the dense weights
     for arch, weights in HF_QUANTIZER:
         path = str(root / f"dense-{arch}")
-        tiny_model(arch, **TP_SIZES).save_pretrained(path)
+        if not (root / f"dense-{arch}").exists():
+            tiny_model(arch, **TP_SIZES).save_pretrained(path)
         model = tp_worker.hf_model(path, weights)
         logits, tokens = tp_worker.run_model(model)
         cases[f"hf-{arch}-{weights}"] = (path, logits, tokens, lowbit_bytes(model))

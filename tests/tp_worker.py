@@ -23,6 +23,9 @@ def tp_model(path, **kw):
     return torch_lowbit.from_pretrained(path, device="cpu", dtype=torch.float32, **kw)
 
 
+W4_OPTIONS = {"int4": {"group_size": 16}}  # groups that split over 4 ranks of the tiny models' K
+
+
 def hf_model(path, weights, **kw):
     """transformers' from_pretrained of a dense checkpoint with TorchLowbitConfig(weights)."""
     import transformers
@@ -31,8 +34,9 @@ def hf_model(path, weights, **kw):
 
     if "tp_plan" in kw:  # transformers' current spelling of from_pretrained(..., tp_plan=...)
         kw["distributed_config"] = transformers.DistributedConfig(tp_plan=kw.pop("tp_plan"))
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=torch_lowbit.TorchLowbitConfig(weights), **kw).eval()
+    config = torch_lowbit.TorchLowbitConfig(weights, **W4_OPTIONS.get(weights, {}))
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config,
+                                                             **kw).eval()
 
 
 def run_model(model):
