@@ -250,6 +250,8 @@ def test_tp_model_matches_single_process(ranks, checkpoints, case):
         assert got["lowbit_bytes"] <= full_bytes * (1 / world + 0.05), (rank, got["lowbit_bytes"], full_bytes)
         assert got["lowbit_bytes"] < full_bytes  # something was split
         if not case.startswith("hf-"):
+            # the plan's dense lm_head, split by transformers' style: a rank keeps its rows only
+            assert got["lm_head_bytes"] == TP_SIZES["V"] * TP_SIZES["H"] * 4 // world
             assert got["tp"]["world_size"] == world and got["tp"]["rank"] == rank
             # per-expert checkpoints: each projection cut as read, the whole experts layer never stacked
             moe = not case.startswith("llama")

@@ -89,7 +89,8 @@ def _rank_main(rank, world, store_path, cases, out_dir):
                 model, report = tp_model(path, tp_plan="auto", return_report=True)
                 logits, tokens = run_model(model)
                 result[name] = {"logits": logits, "tokens": tokens, "lowbit_bytes": lowbit_bytes(model),
-                                "tp": report.details["tensor_parallel"]}
+                                "tp": report.details["tensor_parallel"],
+                                "lm_head_bytes": model.lm_head.weight.to_local().untyped_storage().nbytes()}
                 if rank == 0 and "save_refused" not in result:
                     try:
                         torch_lowbit.save_quantized(model, os.path.join(out_dir, "never"))

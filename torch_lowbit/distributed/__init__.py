@@ -27,7 +27,7 @@ def load_parallel(model: nn.Module, path, tp_plan: Union[str, Dict[str, str]], *
     from ..formats import load_quantized
     from .parallel import ShardHook, check_heads, device_mesh, own_memory, parallelize, resolve_plan
 
-    mesh = device_mesh(device)
+    mesh = device_mesh()
     plan = resolve_plan(model, tp_plan)
     world, rank = mesh.size(), mesh.get_local_rank()
     check_heads(model.config, plan, world)

@@ -19,7 +19,7 @@ from .layouts import SplitError, layout_of
 from .shard import shard_layer
 
 
-def device_mesh(device=None):
+def device_mesh():
     """The 1-D tensor-parallel mesh over every rank of the default process group, initialized from torchrun's
     environment (gloo: CPU, and between Macs) when no group exists yet."""
     import torch.distributed as dist
