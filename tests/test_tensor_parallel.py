@@ -182,6 +182,22 @@ def test_shard_layer_bad_arguments():
         shard_layer(torch.nn.Linear(4, 4), "colwise", 0, 2)
 
 
+@pytest.mark.parametrize("plan", ["fast", {"model.layers.*.mlp.down_proj": 3}, ["rowwise"]])
+def test_from_pretrained_bad_tp_plan_refused_before_reading(plan):
+    with pytest.raises(ValueError, match=r"tp_plan must be 'auto' or a dict of module patterns to style names"):
+        torch_lowbit.from_pretrained("/nonexistent/checkpoint", tp_plan=plan)
+
+
+def test_from_pretrained_tp_plan_needs_a_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match=r"tp_plan needs a torch.distributed process group: launch with torchrun"):
+        torch_lowbit.from_pretrained("/nonexistent/checkpoint", tp_plan="auto")
+
+
 # ------------------------------------------------------------------------------------------------ whole models
 CHECKPOINTS = [  # (arch, writer, scheme)
     ("llama", "ct", "fp8-channel"), ("llama", "ct", "fp8-block"), ("llama", "ct", "int8-w8a8"),

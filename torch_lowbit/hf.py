@@ -303,6 +303,11 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     dtype_name, dtype = ("torch_dtype", torch_dtype) if dtype is None and torch_dtype is not None else ("dtype", dtype)
     dtype = torch.bfloat16 if dtype is None else _dtype_arg(dtype, dtype_name)  # None now: "auto"
     device = _target_device(device, device_map)
+    if tp_plan is not None:
+        from .distributed.parallel import check_tp_plan, device_mesh
+
+        check_tp_plan(tp_plan)
+        device_mesh()  # a process group (torchrun's), before anything is read
     tf = _transformers()
     local = _local_dir(path, revision)
     where = _Confinement(local)

@@ -40,15 +40,20 @@ def device_mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
+def check_tp_plan(tp_plan) -> None:
+    """``"auto"`` or a dict of module-pattern strings to style strings, else a ValueError naming the argument."""
+    ok = tp_plan == "auto" if isinstance(tp_plan, str) else (
+        isinstance(tp_plan, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items()))
+    if not ok:
+        raise ValueError(f"tp_plan must be 'auto' or a dict of module patterns to style names (e.g. "
+                         f"{{'model.layers.*.mlp.down_proj': 'rowwise'}}), got {tp_plan!r}")
+
+
 def resolve_plan(model: nn.Module, tp_plan: Union[str, Dict[str, str]]) -> Dict[str, str]:
     """The model's plan (``"auto"``) or the model's plan updated by a dict of ``{module pattern: style}``."""
+    check_tp_plan(tp_plan)
     own = dict(getattr(model, "tp_plan", None) or {})
-    if tp_plan == "auto":
-        plan = own
-    elif isinstance(tp_plan, dict):
-        plan = {**own, **tp_plan}
-    else:
-        raise ValueError(f"tp_plan must be 'auto' or a dict of module patterns to styles, got {tp_plan!r}")
+    plan = own if tp_plan == "auto" else {**own, **tp_plan}
     if not plan:
         raise ValueError(f"tp_plan: {type(model).__name__} has no tensor-parallel plan (no base_model_tp_plan in its "
                          f"config): pass tp_plan as a dict")
