@@ -182,6 +182,21 @@ def test_shard_layer_bad_arguments():
         shard_layer(torch.nn.Linear(4, 4), "colwise", 0, 2)
 
 
+def test_rowwise_dynamic_fp8_activations_refused():
+    """A per-token FP8 activation scale needs the whole row, which no rank holds: refused by name (weights-only and
+    static per-tensor activations split)."""
+    from torch_lowbit.distributed.styles import lowbit_style
+
+    layer = _linear("fp8-channel").set_activation_scheme("dynamic", run=True)
+    kind, style = lowbit_style("rowwise", "model.layers.0.mlp.down_proj")
+    assert kind == "rowwise"
+    with pytest.raises(SplitError, match=r"model\.layers\.0\.mlp\.down_proj \(Fp8Linear\): row-wise parallel with "
+                                         r"dynamic per-token FP8 activations is not supported"):
+        style.install_forward(layer, None, "model.layers.0.mlp.down_proj")
+    with pytest.raises(SplitError, match=r"style 'sequence_parallel', which torch_lowbit's low-bit layers do not"):
+        lowbit_style("sequence_parallel", "model.norm")
+
+
 @pytest.mark.parametrize("plan", ["fast", {"model.layers.*.mlp.down_proj": 3}, ["rowwise"]])
 def test_from_pretrained_bad_tp_plan_refused_before_reading(plan):
     with pytest.raises(ValueError, match=r"tp_plan must be 'auto' or a dict of module patterns to style names"):
