@@ -1,9 +1,10 @@
 """Tensor parallelism on one machine: a small Llama (random weights) quantized with ``quantize_`` and written with
 ``save_quantized``, then loaded with ``torch_lowbit.from_pretrained(path, tp_plan="auto")`` under ``torchrun`` at
 each world size (gloo; default 1, 2 and 4 ranks) and decoded greedily with ``model.generate`` on every rank. Reports,
-side by side: tokens/s (rank 0's median over runs), speed vs world 1, the low-bit weight MB each rank holds (codes,
-scales and biases of its low-bit layers; the largest over the ranks) and vs world 1, all of each rank's tensors, the
-ranks' resident memory, and whether every rank of every world size generated the same tokens.
+side by side with the same checkpoint loaded without ``tp_plan`` (the first row): tokens/s (rank 0's median over
+runs), speed vs that row, the low-bit weight MB each rank holds (codes, scales and biases of its low-bit layers; the
+largest over the ranks) and vs that row, all of each rank's tensors, the ranks' resident memory, and whether every
+rank of every world size generated the same tokens.
 
 Each world size gets the same CPU cores: ``--threads-per-rank`` defaults to (cores // world), so world 4 runs four
 ranks of a quarter of the threads each; on one machine the ranks share memory bandwidth, and the all-reduces
@@ -52,6 +53,7 @@ def _parser():
     p.add_argument("--timeout", type=float, default=900, help="seconds for each world size's run")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--rank-worker", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--no-tp-plan", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -76,14 +78,16 @@ def run(argv) -> int:
         _log(f"building a Llama ({args.layers} layers, hidden {args.hidden}) and saving it quantized ({args.scheme})")
         _write_checkpoint(args, ckpt)
         rows = []
-        for world in worlds:
+        # the baseline: the same checkpoint loaded without tp_plan (no split, no style, no collective)
+        for world, split in [(1, False)] + [(w, True) for w in worlds]:
             threads = args.threads_per_rank or max(1, cores // world)
-            _log(f"world {world}: torchrun --nproc-per-node {world}, {threads} threads per rank")
-            ranks = _launch(args, ckpt, world, threads, os.path.join(tmp, f"world{world}"))
+            label = str(world) if split else "1, no tp_plan"
+            _log(f"world {label}: torchrun --nproc-per-node {world}, {threads} threads per rank")
+            ranks = _launch(args, ckpt, world, threads, os.path.join(tmp, f"world{world}-{split}"), split)
             if ranks is None:
                 return 1
             r0 = ranks[0]
-            rows.append({"world": world, "threads_per_rank": threads, "tok_s": r0["tok_s"],
+            rows.append({"world": label, "threads_per_rank": threads, "tok_s": r0["tok_s"],
                          "ms_per_token": 1e3 / r0["tok_s"],
                          "lowbit_mb_per_rank": max(r["lowbit_bytes"] for r in ranks) / 2 ** 20,
                          "tensor_mb_per_rank": max(r["tensor_bytes"] for r in ranks) / 2 ** 20,
@@ -99,7 +103,7 @@ def run(argv) -> int:
           f"{args.intermediate}, vocab {args.vocab}, {args.scheme}, bf16 activations; from_pretrained(tp_plan='auto') "
           f"under torchrun (gloo, one machine, {cores} cores); generate {args.tokens} tokens after a {args.prompt}-token "
           f"prompt, batch 1, cpu")
-    first = f"world {base['world']}"
+    first = "no tp_plan"
     print_table(rows, [("world", "world", None), ("threads_per_rank", "threads/rank", None),
                        ("tok_s", "tokens/s", "{:.1f}"), ("ms_per_token", "ms/token", "{:.2f}"),
                        ("speed_vs_first", f"speed vs {first}", "{:.2f}x"),
@@ -132,8 +136,8 @@ def _write_checkpoint(args, path):
     save_quantized(quantize_(model.eval(), _config(args)), path)
 
 
-def _launch(args, ckpt, world, threads, out):
-    forwarded = []
+def _launch(args, ckpt, world, threads, out, split=True):
+    forwarded = [] if split else ["--no-tp-plan"]
     for name in ("prompt", "tokens", "repeat", "vocab"):
         forwarded += [f"--{name}", str(getattr(args, name))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
@@ -165,7 +169,9 @@ def _rank_worker(args, ckpt, out) -> int:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t0 = time.perf_counter()
-    model = from_pretrained(ckpt, device="cpu", dtype=torch.bfloat16, tp_plan="auto")
+    if args.no_tp_plan:
+        dist.init_process_group("gloo")  # only for the rank number and the barrier below
+    model = from_pretrained(ckpt, device="cpu", dtype=torch.bfloat16, tp_plan=None if args.no_tp_plan else "auto")
     load_s = time.perf_counter() - t0
     rank = dist.get_rank()
     prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
