@@ -30,7 +30,6 @@ from transformers.distributed.tensor_parallel import (ALL_PARALLEL_STYLES, Colwi
                                                       RowwiseParallel)
 
 from .. import _ops
-from ..nn.experts import combine, route, swiglu
 from .layouts import SplitError
 
 
@@ -126,24 +125,9 @@ def _weight_only_experts_partial(module, hidden, topk_ids, topk_weights, mesh):
 
 
 def _int8_experts_partial(module, hidden, topk_ids, topk_weights, mesh):
-    """Int8Experts' forward on this rank's slice of I: the down projection's input quantized with whole-row scales
+    """Int8Experts' forward on this rank's slice of I, the down projection's input quantized with whole-row scales
     (one max-reduce for all rows of all experts)."""
-    x, r = route(module, hidden.float(), topk_ids, topk_weights)
-    xs = x[r.tokens]
-    bounds = r.offsets.tolist()
-    E, I = module.num_experts, module.intermediate_size
-    rows = [(e, bounds[e], bounds[e + 1]) for e in range(E) if bounds[e + 1] > bounds[e]]
-    gate_up = [_ops.int8_linear(xs[a:b], module.gate_up[e], module.gate_up_scale[e]) for e, a, b in rows]
-    h = swiglu(torch.cat(gate_up) if gate_up else x.new_zeros(0, 2 * I), I, x.dtype)
-    q, s = shared_int8_quantize(h, mesh)
-    pieces, start = [], 0
-    for e, a, b in rows:
-        n = b - a
-        pieces.append(_ops.int8_mm(q[start:start + n], s[start:start + n], module.down[e], module.down_scale[e], None,
-                                   torch.float32))
-        start += n
-    pieces.append(x.new_zeros(xs.shape[0] - bounds[E], module.hidden_size))
-    return combine(torch.cat(pieces), topk_weights, r, x)
+    return module.run(hidden.float(), topk_ids, topk_weights, quantize_down=lambda h: shared_int8_quantize(h, mesh))
 
 
 _EXPERTS_PARTIALS: Dict[Type[nn.Module], Callable] = {}
