@@ -15,7 +15,8 @@
   the down projection's input with the whole row's scale, as above).
 
 Partial sums are all-reduced in float32, so a bf16 / fp16 model is rounded once after the sum, as the single-process
-layer rounds once after its fp32 accumulation. The collectives run on the mesh's device type (``cpu`` for gloo):
+layer rounds once after its fp32 accumulation (a float32 input costs a prefill GEMM more than a bf16 one on CPUs whose
+GEMM runs on bf16 units; a world of one rank runs the layers' own forwards). The collectives run on the mesh's device type (``cpu`` for gloo):
 tensors of another device (mps between Macs) are copied there for the collective and back.
 """
 from __future__ import annotations
@@ -179,6 +180,8 @@ class LowbitRowwise(RowwiseParallel):
         check = _lookup(_ROWWISE_CHECKS, module, "", name)
         if check is not None:
             check(module, name)
+        if mesh.size() == 1:  # nothing to sum: the layer's own forward, in the input's dtype
+            return module
 
         def tp_forward(x, *args, **kwargs):
             (x, *args), kwargs = self.transform_inputs_pre_forward(module, (x, *args), kwargs, mesh)
@@ -197,6 +200,8 @@ class LowbitExperts(MoeExpertsParallel):
 
     def install_forward(self, module, mesh, name: str = ""):
         partial = _lookup(_EXPERTS_PARTIALS, module, "experts tensor-parallel forward", name)
+        if mesh.size() == 1:
+            return module
 
         def tp_forward(hidden, topk_ids, topk_weights):
             (hidden, topk_ids, topk_weights), _ = self.transform_inputs_pre_forward(
