@@ -1,7 +1,7 @@
 """The rank side of tests/test_tensor_parallel.py: real process groups (gloo over a file store), no mocked
-collectives. :func:`launch` starts `world` processes running :func:`_rank_main` (fork where the parent runs no
-OpenMP team, else spawn), waits at most `timeout` seconds and returns each rank's results (or raises, with the
-failing rank's traceback)."""
+collectives. :func:`launch` starts `world` processes running :func:`_rank_main` (forked: no re-import of torch and
+transformers per rank; each rank runs one torch thread), waits at most `timeout` seconds, kills what is left and
+returns each rank's results (or raises, with the failing rank's traceback)."""
 import os
 import pickle
 import sys
