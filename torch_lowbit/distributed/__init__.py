@@ -1,5 +1,5 @@
-"""Tensor parallelism for low-bit models over torch.distributed (gloo), on transformers' plans and styles and torch's
-DTensor collectives.
+"""Tensor parallelism for low-bit models over torch.distributed (gloo), on transformers' plans and styles and
+torch.distributed's collectives (c10d all-reduce, DTensor redistribution).
 
 ``torch_lowbit.from_pretrained(path, tp_plan="auto")`` under ``torchrun`` (see the README) loads a quantized
 checkpoint split over the ranks: :mod:`.layouts` says how each low-bit layer's tensors split, :mod:`.shard` cuts them
