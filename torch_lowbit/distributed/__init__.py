@@ -37,7 +37,8 @@ def load_parallel(model: nn.Module, path, tp_plan: Union[str, Dict[str, str]], *
     own_memory(model)
     if device is not None:
         model.to(device)
-    parallelize(model, mesh, plan, hook)
+    if world > 1:  # one rank: nothing split, no style to run (transformers applies no plan at tp_size 1 either)
+        parallelize(model, mesh, plan, hook)
     # experts layers stacked from projections cut as they were read (the others are cut once built)
     report.details["tensor_parallel"] = {"world_size": world, "rank": rank,
                                          "experts_cut_while_reading": sorted(hook.cut_experts)}
