@@ -197,6 +197,16 @@ def test_rowwise_dynamic_fp8_activations_refused():
         lowbit_style("sequence_parallel", "model.norm")
 
 
+def test_transformers_without_tensor_parallel_styles_is_named(monkeypatch):
+    import sys
+
+    from torch_lowbit.distributed.parallel import transformers_tp
+
+    monkeypatch.setitem(sys.modules, "transformers.distributed", None)  # `import` of it raises ImportError
+    with pytest.raises(ImportError, match=r"runs on transformers' tensor-parallel styles \(transformers\.distributed"):
+        transformers_tp()
+
+
 @pytest.mark.parametrize("plan", ["fast", {"model.layers.*.mlp.down_proj": 3}, ["rowwise"]])
 def test_from_pretrained_bad_tp_plan_refused_before_reading(plan):
     with pytest.raises(ValueError, match=r"tp_plan must be 'auto' or a dict of module patterns to style names"):

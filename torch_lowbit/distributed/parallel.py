@@ -60,8 +60,19 @@ def resolve_plan(model: nn.Module, tp_plan: Union[str, Dict[str, str]]) -> Dict[
     return plan
 
 
+def transformers_tp():
+    """transformers' tensor-parallel module (plans, styles), or an ImportError saying what is needed."""
+    try:
+        from transformers.distributed import parallel_utils, tensor_parallel
+    except ImportError as e:
+        raise ImportError(f"torch_lowbit's tensor parallelism runs on transformers' tensor-parallel styles "
+                          f"(transformers.distributed.tensor_parallel, tested with transformers 5.24), which this "
+                          f"transformers lacks: {e}") from None
+    return tensor_parallel, parallel_utils
+
+
 def style_of(name: str, plan: Dict[str, str]) -> Optional[str]:
-    from transformers.distributed.parallel_utils import _get_parameter_plan
+    _get_parameter_plan = transformers_tp()[1]._get_parameter_plan
 
     return _get_parameter_plan(parameter_name=name, plan=plan, is_weight=False)
 
@@ -132,8 +143,7 @@ class ShardHook:
 def parallelize(model: nn.Module, mesh, plan: Dict[str, str], hook: Optional[ShardHook] = None) -> nn.Module:
     """Install the plan's styles: low-bit layers (cut here unless `hook` cut them while loading) get the low-bit
     styles; the plan's other modules get transformers' styles, their parameters sharded by transformers."""
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
+    apply_tensor_parallelism = transformers_tp()[0].apply_tensor_parallelism
     rank, world = mesh.get_local_rank(), mesh.size()
     hook = hook or ShardHook(plan, rank, world)
     lowbit = [name for name, m in model.named_modules() if layout_of(m) is not None]

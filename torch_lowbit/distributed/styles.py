@@ -28,11 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from transformers.distributed.tensor_parallel import (ALL_PARALLEL_STYLES, ColwiseParallel, MoeExpertsParallel,
-                                                      RowwiseParallel)
 
 from .. import _ops
 from .layouts import SplitError
+from .parallel import transformers_tp
+
+_tp = transformers_tp()[0]
+ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel, MoeExpertsParallel = (
+    _tp.ALL_PARALLEL_STYLES, _tp.ColwiseParallel, _tp.RowwiseParallel, _tp.MoeExpertsParallel)
 
 
 # ------------------------------------------------------------------------------------------------ collectives
