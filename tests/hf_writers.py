@@ -27,7 +27,7 @@ V, H, I, MOE_I, HEADS, KV_HEADS, HEAD_DIM, LAYERS, EXPERTS, TOP_K = 101, 48, 80,
 CT_BLOCK = (16, 32)  # partial blocks: 48 and 80 are not multiples of 32, 24 not of 16
 
 
-def tiny_config(arch):
+def tiny_config(arch, V=V, H=H, I=I, MOE_I=MOE_I, HEADS=HEADS, KV_HEADS=KV_HEADS, HEAD_DIM=HEAD_DIM):
     common = dict(vocab_size=V, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                   num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=64, tie_word_embeddings=False)
     if arch == "llama":
@@ -41,9 +41,10 @@ def tiny_config(arch):
     raise ValueError(arch)
 
 
-def tiny_model(arch, seed=0):
+def tiny_model(arch, seed=0, **sizes):
+    """The tiny model of `arch` (sizes: overrides of the module's V, H, I, ... for tiny_config)."""
     torch.manual_seed(seed)
-    config = tiny_config(arch)
+    config = tiny_config(arch, **sizes)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # weights of a trained-looking size, so greedy decoding is not a tie every step
         for p in model.parameters():

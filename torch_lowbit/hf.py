@@ -263,7 +263,7 @@ def _auto_dtype(config, local: str, config_file: str) -> torch.dtype:
 
 def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, return_report: bool = False,
                     torch_dtype=None, device_map=None, revision: Optional[str] = None,
-                    trust_remote_code: bool = False, activations: str = "weights-only"):
+                    trust_remote_code: bool = False, activations: str = "weights-only", tp_plan=None):
     """A quantized Hugging Face checkpoint as a ready transformers model.
 
     Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
@@ -286,6 +286,13 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     checked before anything is read; safe to call from several threads at once.
     activations: ``"weights-only"`` (W8A16, the default) or ``"checkpoint"`` (the checkpoint's FP8 activation
     quantization), as in :func:`torch_lowbit.load_quantized`.
+    tp_plan: ``"auto"`` (the architecture's own tensor-parallel plan, transformers' ``base_model_tp_plan``) or a dict
+    of module patterns to styles that updates it: tensor parallelism over the ranks of the torch.distributed process
+    group (gloo; initialized from torchrun's environment if needed). Each rank reads and keeps only its shard of
+    each low-bit layer (column-wise: output rows; row-wise: input columns; experts: the intermediate size) and
+    ``generate`` gives the same tokens on every rank. Sizes that do not split evenly over the ranks (heads, or N / K
+    not a multiple of world x block) are refused before anything runs, naming the layer and the sizes. See
+    :mod:`torch_lowbit.distributed`.
     """
     if trust_remote_code:
         raise ValueError("from_pretrained: trust_remote_code=True is not supported: torch_lowbit builds the model "
@@ -296,6 +303,11 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     dtype_name, dtype = ("torch_dtype", torch_dtype) if dtype is None and torch_dtype is not None else ("dtype", dtype)
     dtype = torch.bfloat16 if dtype is None else _dtype_arg(dtype, dtype_name)  # None now: "auto"
     device = _target_device(device, device_map)
+    if tp_plan is not None:
+        from .distributed.parallel import check_tp_plan, device_mesh
+
+        check_tp_plan(tp_plan)
+        device_mesh()  # a process group (torchrun's), before anything is read
     tf = _transformers()
     local = _local_dir(path, revision)
     where = _Confinement(local)
@@ -323,8 +335,14 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     with parameters_on_meta(), _transformers_refusal(config_file, cls.__name__):
         model = cls.from_config(config) if cls.__name__.startswith("AutoModel") else cls._from_config(config)
     model.config.dtype = dtype
-    report = load_quantized(model, local, device=device, dtype=dtype, strict=strict, activations=activations)
-    model.to(device)
+    if tp_plan is None:
+        report = load_quantized(model, local, device=device, dtype=dtype, strict=strict, activations=activations)
+        model.to(device)
+    else:
+        from .distributed import load_parallel
+
+        report = load_parallel(model, local, tp_plan, device=device, dtype=dtype, strict=strict,
+                               activations=activations)
     _load_generation_config(tf, model, generation)
     model.eval()
     enable_save_pretrained(model)
@@ -484,6 +502,11 @@ def _checkpoint(model: nn.Module, caller: str):
     from .nn.w4_experts import W4Experts
     from .nn.w4_linear import W4Linear
 
+    split = next((n for n, m in model.named_modules() if (getattr(m, "_lowbit_tp", None) or (None, 0, 1))[2] > 1),
+                 None)
+    if split is not None:  # each rank holds a slice: its save would be a checkpoint that loads wrong
+        raise ValueError(f"{caller}: this model is split over ranks by tensor parallelism ({split} holds one rank's "
+                         f"slice): save the checkpoint from a model loaded without tp_plan")
     quantized: Dict[str, torch.Tensor] = {}
     schemes: Dict[str, tuple] = {}  # module (model names) -> (kind, granularity, block)
     w4_layers: Dict[str, nn.Module] = {}

@@ -147,9 +147,16 @@ class TorchLowbitHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
+        keep = (lambda m, fqn: not self._skipped(fqn))
+        if getattr(model, "_is_distributed_loading_by_transformers", False):
+            # tp_plan: the plan's modules hold DTensor shards; each is gathered, quantized whole, then cut for this
+            # rank (torch_lowbit.distributed); what the plan leaves whole is quantized below as usual
+            from .distributed.parallel import quantize_parallel
+
+            quantize_parallel(model, config.quantize_config(), keep)
         # quantize_'s walker: Linears and fused experts (Fp8Experts / Int8Experts), experts it cannot convert left
         # dense with a warning saying why
-        quantize_(model, config.quantize_config(), filter_fn=lambda m, fqn: not self._skipped(fqn))
+        quantize_(model, config.quantize_config(), filter_fn=keep)
         return model
 
     def postprocess_model(self, model, **kwargs):

@@ -11,5 +11,6 @@ SUITES = {
     "train": "torch_lowbit.bench.train",            # a LoRA training step on fp8 / int8 bases vs bf16
     "diffusion": "torch_lowbit.bench.diffusion",    # one denoising step of a FLUX.1-dev-shaped transformer
     "m5": "torch_lowbit.bench.m5",                  # M5 tensor-op kernels vs the portable ones (mps on an M5)
+    "distributed": "torch_lowbit.bench.distributed",  # tensor parallelism at world sizes 1, 2, 4 (torchrun, gloo)
 }
 DEFAULT_SUITE = "layer"

@@ -109,7 +109,7 @@ def _read_bias(src, name, linear, dev, dtype, used, report):
     return b.to(device=dev, dtype=dtype or (linear.bias.dtype if linear.bias.is_floating_point() else torch.bfloat16))
 
 
-def _swap_w4_linear(model, name, linear, w, src, device, dtype, used, report, fmt):
+def _swap_w4_linear(model, name, linear, w, src, device, dtype, used, report, fmt, module_hook=None):
     """A 4-bit weight (:class:`~torch_lowbit.formats.tensors.W4Weight`) as a W4Linear, its tensors as stored."""
     from ..nn.w4_linear import W4Linear
 
@@ -126,12 +126,12 @@ def _swap_w4_linear(model, name, linear, w, src, device, dtype, used, report, fm
                                         weight_scale_2=move(w.global_scale))
     except (ValueError, RuntimeError) as e:
         raise CheckpointError(f"{name}: the checkpoint's 4-bit weight does not make a W4Linear: {e}") from None
-    model.set_submodule(name, layer)
+    model.set_submodule(name, _hooked(module_hook, name, layer))
     report.converted[name] = w.describe()
     used.update(w.keys)
 
 
-def _swap_linear(model, name, linear, q, src, device, dtype, used, report, fmt, activations):
+def _swap_linear(model, name, linear, q, src, device, dtype, used, report, fmt, activations, module_hook=None):
     from ..nn import Fp8Linear, Int8Linear
     from .._storage import to_fp8_storage
 
@@ -151,8 +151,14 @@ def _swap_linear(model, name, linear, q, src, device, dtype, used, report, fmt, 
     else:
         layer = Int8Linear.from_quantized(q.weight.to(dev), q.scale.to(dev), bias)
         report.converted[name] = "Int8Linear(channel)"
-    model.set_submodule(name, layer)
+    model.set_submodule(name, _hooked(module_hook, name, layer))
     used.update(q.keys)
+
+
+def _hooked(module_hook, name: str, layer: nn.Module) -> nn.Module:
+    """The layer `module_hook` makes of a freshly built low-bit layer (tensor parallelism cuts it for one rank here,
+    before the next one is read), or the layer itself."""
+    return layer if module_hook is None else module_hook(name, layer)
 
 
 def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, report):
@@ -222,7 +228,8 @@ def _assign(model, key, new):
 def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dict] = None, device=None,
                    dtype: Optional[torch.dtype] = None, strict: bool = False, mmap: bool = False,
                    rename_keys: Union[bool, Callable[[str], str]] = True,
-                   activations: str = "weights-only") -> LoadReport:
+                   activations: str = "weights-only",
+                   module_hook: Optional[Callable[[str, nn.Module], nn.Module]] = None) -> LoadReport:
     """Load a quantized checkpoint into `model`, in place, and return a :class:`LoadReport`.
 
     path_or_state_dict: a checkpoint directory (config.json with quantization_config and/or hf_quant_config.json;
@@ -266,6 +273,11 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     (``activation_scheme``, and static input scales), and ``save_quantized`` writes it back. Schemes torch_lowbit
     does not run (per-token-group, asymmetric, INT8 static) and MoE experts (Fp8Experts compute weights only) stay
     W8A16, and the report's notes say so.
+
+    module_hook: ``hook(name, layer) -> layer``, called on each low-bit layer as soon as it is built from the
+    checkpoint, before the next one is read; what it returns goes into the model (tensor parallelism cuts the layer
+    for its rank there: ``torch_lowbit.distributed``). A hook with a ``cut_expert(name, projection, weight)`` method
+    also gets each per-expert FP8 / INT8 projection of a checkpoint as it is read (see ``formats.moe.load_experts``).
     """
     if activations not in ACTIVATIONS_OPTIONS:
         raise ValueError(f"load_quantized: activations must be one of {ACTIVATIONS_OPTIONS}, got {activations!r}")
@@ -285,14 +297,14 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             if not name or not is_experts_module(mod) or _inside(name, done):
                 continue
             res = ((fmt.format.experts(src, fmt, name, mod, device, dtype) if fmt.format is not None else None)
-                   or load_experts(src, fmt, name, mod, device, dtype))
+                   or load_experts(src, fmt, name, mod, device, dtype, getattr(module_hook, "cut_expert", None)))
             if res is None:
                 continue
             layer, keys, desc, quantized = res
             used.update(keys)
             done.add(name)
             if quantized:
-                model.set_submodule(name, layer)
+                model.set_submodule(name, _hooked(module_hook, name, layer))
                 report.converted[name] = desc
                 scheme = experts_activation_scheme(fmt, name, layer.num_experts)
                 if scheme is not None:
@@ -308,7 +320,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             if w4 is not None:
                 if fmt.is_ignored(name):
                     raise CheckpointError(f"{name} holds a 4-bit weight but is in the checkpoint's ignore list")
-                _swap_w4_linear(model, name, mod, w4, src, device, dtype, used, report, fmt)
+                _swap_w4_linear(model, name, mod, w4, src, device, dtype, used, report, fmt, module_hook)
                 done.add(name)
                 continue
             wkey = f"{name}.weight"
@@ -322,7 +334,7 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
             if fmt.is_ignored(name):
                 raise CheckpointError(f"{wkey} is {src.dtype(wkey)} but {name} is in the checkpoint's ignore list")
             q = read_quantized(src, fmt, name, kind, (mod.out_features, mod.in_features))
-            _swap_linear(model, name, mod, q, src, device, dtype, used, report, fmt, activations)
+            _swap_linear(model, name, mod, q, src, device, dtype, used, report, fmt, activations, module_hook)
             done.add(name)
 
         _load_rest(model, src, fmt, done, device, dtype, used, report)

@@ -170,10 +170,13 @@ def _uniform(key: str, scales: List[Tuple[torch.Tensor, Granularity]]) -> torch.
     return torch.stack([s for s, _ in scales]).contiguous()
 
 
-def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, device, dtype,
+def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, device, dtype, cut_expert=None,
                  ) -> Optional[Tuple[nn.Module, List[str], str, bool]]:
     """(module to put at `name`, checkpoint keys used, description, quantized?) or None when the checkpoint has
-    no per-expert tensors for it (then its own keys, if any, load like any other parameter)."""
+    no per-expert tensors for it (then its own keys, if any, load like any other parameter).
+    cut_expert: ``cut_expert(name, projection, QuantizedWeight) -> QuantizedWeight``, applied to each FP8 / INT8
+    expert projection as it is read, before it is stacked (tensor parallelism keeps one rank's slice of the
+    intermediate size there, so the whole layer is never stacked)."""
     E, H, I = experts_dims(module)
     w4 = _load_w4(src, fmt, name, module, device, dtype)
     if w4 is not None:
@@ -210,14 +213,19 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
         raise CheckpointError(f"{ignored[0]}.weight is {kind} but {ignored[0]} is in the checkpoint's ignore list")
 
     wdtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
-    gate_up = torch.empty(E, 2 * I, H, dtype=wdtype)
-    down = torch.empty(E, H, I, dtype=wdtype)
     gu_scales, d_scales, input_scales, used = [], [], [], []
     for e in range(E):
         q = {p: read_quantized(src, fmt, f"{name}.{e}.{p}_proj", kind, shape)
              for p, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
-        gate_up[e, :I].copy_(q["gate"].weight)
-        gate_up[e, I:].copy_(q["up"].weight)
+        used += [k for p in PROJS for k in q[p].keys]
+        if cut_expert is not None:
+            q = {p: cut_expert(name, p, q[p]) for p in PROJS}
+        if e == 0:
+            part = q["gate"].weight.shape[0]  # of the intermediate size I: all of it, or this rank's (cut_expert)
+            gate_up = torch.empty(E, 2 * part, H, dtype=wdtype)
+            down = torch.empty(E, H, part, dtype=wdtype)
+        gate_up[e, :part].copy_(q["gate"].weight)
+        gate_up[e, part:].copy_(q["up"].weight)
         down[e].copy_(q["down"].weight)
         if kind == "int8":  # read_quantized gives int8 weights per-channel [N] scales
             gu_scales.append(torch.cat([q["gate"].scale.reshape(-1), q["up"].scale.reshape(-1)]))
@@ -226,7 +234,6 @@ def load_experts(src: Source, fmt: QuantFormat, name: str, module: nn.Module, de
             gu_scales.append(_stack_scales(f"{name}.{e}.gate/up_proj scales", [q["gate"], q["up"]]))
             d_scales.append(_stack_scales(f"{name}.{e}.down_proj scale", [q["down"]]))
             input_scales.append([q[p].input_scale for p in PROJS])
-        used += [k for p in PROJS for k in q[p].keys]
     if kind == "int8":
         layer = Int8Experts.from_quantized(gate_up, torch.stack(gu_scales), down, torch.stack(d_scales),
                                            dtype=dtype or torch.bfloat16)

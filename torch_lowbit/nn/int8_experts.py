@@ -6,7 +6,7 @@ Same interface as :class:`torch_lowbit.nn.Fp8Experts` and transformers' fused ex
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -108,11 +108,18 @@ class Int8Experts(FormatBuffers):
         return cls.from_quantized(q_gu, s_gu, q_d, s_d, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.run(hidden, topk_ids, topk_weights)
+
+    def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            quantize_down: Optional[Callable] = None) -> torch.Tensor:
+        """forward, where ``quantize_down(h) -> (int8 codes, row scales)`` may replace the per-row quantization of
+        the down projection's input (all experts' rows at once): tensor parallelism gives it each row's whole-row
+        scale (``torch_lowbit.distributed``). With it the down products are not differentiable."""
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         x, r = route(self, hidden, topk_ids, topk_weights)
         xs = x[r.tokens]
         bounds = r.offsets.tolist()  # the one host synchronization: which rows each expert owns
-        pieces = []
+        rows = []  # (expert, first row, end row)
         compiling = torch.compiler.is_compiling()
         for e in range(E):
             a, b = bounds[e], bounds[e + 1]
@@ -120,10 +127,19 @@ class Int8Experts(FormatBuffers):
                 torch._check(0 <= a)
                 torch._check(a <= b)
                 torch._check(b <= xs.shape[0])
-            elif a == b:
-                continue  # an expert without tokens costs nothing
-            gu = _ops.int8_linear(xs[a:b], self.gate_up[e], self.gate_up_scale[e])
-            pieces.append(_ops.int8_linear(swiglu(gu, I, x.dtype), self.down[e], self.down_scale[e]))
+                rows.append((e, a, b))
+            elif b > a:  # an expert without tokens costs nothing
+                rows.append((e, a, b))
+        gate_up = [_ops.int8_linear(xs[a:b], self.gate_up[e], self.gate_up_scale[e]) for e, a, b in rows]
+        if quantize_down is None:
+            pieces = [_ops.int8_linear(swiglu(gu, I, x.dtype), self.down[e], self.down_scale[e])
+                      for gu, (e, _, _) in zip(gate_up, rows)]
+        else:
+            # every expert's rows at once, rows 0:bounds[E] in order (offsets start at 0; swiglu works row by row)
+            h = swiglu(torch.cat(gate_up) if gate_up else x.new_zeros(0, 2 * I), I, x.dtype)
+            q, s = quantize_down(h)
+            pieces = [_ops.int8_mm(q[a:b], s[a:b], self.down[e], self.down_scale[e], None, x.dtype)
+                      for e, a, b in rows]
         # rows past bounds[E] are skipped slots: zeros, whose weight combine() sets to 0
         pieces.append(x.new_zeros(xs.shape[0] - bounds[E], H))
         return combine(torch.cat(pieces), topk_weights, r, hidden)
