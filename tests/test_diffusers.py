@@ -23,7 +23,7 @@ from torch_lowbit.formats import CheckpointError
 from torch_lowbit.nn import Fp8Linear
 
 diffusers = pytest.importorskip("diffusers")
-from test_diffusion import (LAYER, MODEL_ERR, MODELS, _image, _rel, _with_transformer,  # noqa: E402
+from test_diffusion import (LAYER, MODEL_ERR, MODELS, _flux_inputs, _image, _rel, _with_transformer,  # noqa: E402
                             tiny_flux_pipeline)  # noqa: F401  (the fixture)
 
 CONFIG = {"fp8": lambda: torch_lowbit.TorchLowbitConfig("fp8"), "int8": lambda: torch_lowbit.TorchLowbitConfig("int8")}
@@ -254,14 +254,6 @@ def flux_files(tmp_path_factory, flux_config_dir):
     return files, config_dir
 
 
-def _flux_inputs(g):
-    S, T = 8, 4
-    return dict(hidden_states=torch.randn(1, S, 4, generator=g),
-                encoder_hidden_states=torch.randn(1, T, 32, generator=g),
-                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
-                img_ids=torch.randn(S, 3, generator=g), txt_ids=torch.randn(T, 3, generator=g))
-
-
 def _dequantized(tensors, scale_key="scale_weight"):
     """A FLUX FP8 state dict as a dense float32 one, each fp8 weight times its scale (independent of torch_lowbit),
     without the scale tensors: what diffusers' own upcast load computes with for a scaled file."""
@@ -290,7 +282,7 @@ def test_single_fp8_file_keeps_its_codes_and_matches_diffusers_upcast(flux_files
         assert torch.equal(to_k.weight.view(torch.uint8), qkv[H:2 * H])
         want = f.get_tensor("single_blocks.0.linear1.scale_weight").reshape(1) if layout == "comfy" else torch.ones(1)
         assert torch.equal(to_k.weight_scale, want)
-    x = _flux_inputs(torch.Generator().manual_seed(1))
+    x = _flux_inputs(torch.Generator().manual_seed(1), S=8, T=4)
     y = _run(model, x)
     del model
     if layout == "raw":  # diffusers' own load of the same file, upcast (exact: raw e4m3 has no scales)
@@ -333,7 +325,7 @@ def test_single_fp8_state_dict_with_per_row_weight_scales(flux_files):
         assert torch.equal(layer.weight.view(torch.uint8), sd[f"{key}.weight"].view(torch.uint8)[H:2 * H])
     assert any(layer.weight_scale.numel() == H for layer in split.values())
     assert type(model.x_embedder) is nn.Linear and torch.equal(model.x_embedder.weight, sd["img_in.weight"].float())
-    x = _flux_inputs(torch.Generator().manual_seed(1))
+    x = _flux_inputs(torch.Generator().manual_seed(1), S=8, T=4)
     y = _run(model, x)
     del model
     ref = diffusers.FluxTransformer2DModel.from_single_file(_dequantized(sd, "weight_scale"), config=str(config_dir),

@@ -29,8 +29,8 @@ def _flux():
                                             pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
 
 
-def _flux_inputs(g):
-    S, T = 16, 8
+def _flux_inputs(g, S=16, T=8):
+    """inputs of the tiny FLUX transformers (in_channels 4, joint and pooled width 32): S image, T text tokens"""
     return dict(hidden_states=torch.randn(1, S, 4, generator=g),
                 encoder_hidden_states=torch.randn(1, T, 32, generator=g),
                 pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),

@@ -26,9 +26,8 @@ import time
 
 import torch
 
+from .e2e import add_model_args
 from .timing import median_time, print_table, write_json
-
-SCHEMES = ("fp8-channel", "fp8-block", "int8")
 
 
 def _log(msg):
@@ -38,16 +37,7 @@ def _log(msg):
 def _parser():
     p = argparse.ArgumentParser(prog="python -m torch_lowbit.bench --suite distributed",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--scheme", choices=SCHEMES, default="fp8-channel")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--prompt", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=32, help="generated tokens per timed run")
-    p.add_argument("--repeat", type=int, default=3)
+    add_model_args(p)
     p.add_argument("--worlds", default="1,2,4", help="world sizes, comma-separated")
     p.add_argument("--threads-per-rank", type=int, default=0, help="default: cores // world (at least 1)")
     p.add_argument("--timeout", type=float, default=900, help="seconds for each world size's run")

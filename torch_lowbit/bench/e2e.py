@@ -54,8 +54,9 @@ def _config(args):
             "int8": Int8Dynamic()}[args.scheme]
 
 
-def run(argv) -> int:
-    p = argparse.ArgumentParser(prog="python -m torch_lowbit.bench --suite e2e", description=__doc__.split("\n\n")[0])
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The scheme and the small Llama's sizes a generated checkpoint has, and the generate run timed (shared by
+    the suites that write one: e2e, distributed)."""
     p.add_argument("--scheme", choices=SCHEMES, default="fp8-channel", help="quantize_ config written to the checkpoint")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=2816)
@@ -66,6 +67,11 @@ def run(argv) -> int:
     p.add_argument("--prompt", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32, help="generated tokens per timed run")
     p.add_argument("--repeat", type=int, default=3)
+
+
+def run(argv) -> int:
+    p = argparse.ArgumentParser(prog="python -m torch_lowbit.bench --suite e2e", description=__doc__.split("\n\n")[0])
+    add_model_args(p)
     # torch's default, as a user's generate runs (and as the other suites run); on a shared, oversubscribed box
     # pass --threads 1: there every OpenMP region of a decode step waits for a descheduled thread
     p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's default)")
