@@ -1,7 +1,7 @@
 """.github/workflows/ci.yml, checked as far as Linux can: it parses, its Linux job is .ci/run, every command
 it runs exists here (repository paths, `python -m` modules, bench suites), the macOS jobs build the metallib
-on macos-14 and macos-15, and the on-demand hardware job runs the suite (twice: once under Metal's validation
-layers), the main job, metal-traffic and the cpu suite."""
+on macos-14, macos-15 and macos-26 (there the M5 library too), and the on-demand hardware job runs the suite
+(twice: once under Metal's validation layers), the main job, metal-traffic, m5 and the cpu suite."""
 import os
 import shlex
 
@@ -50,13 +50,29 @@ def test_linux_job_is_ci_run(workflow):
 
 def test_macos_jobs_build_with_apple_toolchain(workflow):
     job = workflow["jobs"]["macos"]
-    assert job["strategy"]["matrix"]["os"] == ["macos-14", "macos-15"]
+    assert job["strategy"]["matrix"]["os"] == ["macos-14", "macos-15", "macos-26"]
     assert job["runs-on"] == "${{ matrix.os }}"
     assert job["env"]["TORCH_LOWBIT_METALLIB"] == "1"  # a missing Metal compiler or a kernel error fails the job
     scripts = runs(job)
     assert any(s.startswith("pip install --no-build-isolation -e") for s in scripts)
     assert "python -m torch_lowbit.env" in scripts
     assert any(s.startswith("python -m pytest") and s.endswith("tests") for s in scripts)
+
+
+def test_macos_26_must_build_the_m5_library(workflow):
+    # the one SDK with the tensor-op headers: a probe that stops compiling there must fail CI, not skip quietly
+    steps = [s for s in workflow["jobs"]["macos"]["steps"] if s.get("if") == "matrix.os == 'macos-26'"]
+    assert len(steps) == 1 and "lowbit_apple10.metallib" in steps[0]["run"] and "assert" in steps[0]["run"]
+    names = [lib.name for lib in _metallib().libraries()]
+    assert "lowbit_apple10" in names  # the library the step checks is one the build makes
+
+
+def _metallib():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("metallib", os.path.join(ROOT, "csrc", "metal", "metallib.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_hardware_job_on_demand_on_a_self_hosted_mac(workflow):
@@ -67,6 +83,7 @@ def test_hardware_job_on_demand_on_a_self_hosted_mac(workflow):
     assert any(c[1:4] == ["-m", "pytest", "-q"] for c in argvs)
     bench = [c for c in argvs if c[1:3] == ["-m", "torch_lowbit.bench"]]
     assert any("--json" in c for c in bench) and any(c[3:5] == ["--suite", "metal-traffic"] for c in bench)
+    assert any(c[3:5] == ["--suite", "m5"] for c in bench)  # M5 vs portable, on an M5
     cpu = [c for c in bench if c[3:5] == ["--suite", "cpu"]]  # the Arm kernel sets' speed: no other job has it
     assert cpu and "--json" in cpu[0]
     upload = [s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact")]
