@@ -1,0 +1,121 @@
+"""The kernel every Metal plan picks, over a grid of shapes at the thresholds between its kernels, for each
+activation dtype, on the portable device (M1) and on M5 (emulator.device_caps). The plans choose through their
+KernelVariant tables (csrc/metal/plans.h); the names expected here are written from the documented switch points
+(design.md: GEMV at M = 1, multi-row GEMV up to 8 rows, tiled GEMM past them; grouped ops by mean rows per group;
+M5's matmul2d GEMMs for 16-bit activations only), so a table line in the wrong class or order fails here. The
+plans run on meta tensors through torch_lowbit.emulator.dry_run: nothing is computed."""
+import pytest
+import torch
+
+from torch_lowbit.emulator import device_caps, dry_run
+
+META = torch.device("meta")
+DTYPES = {torch.bfloat16: "bfloat", torch.float16: "half", torch.float32: "float"}
+DEVICES = {"m1": {}, "m5": {"apple_family": 10, "msl_version": 400}}
+ROWS = [1, 2, 8, 9, 33]  # GEMV | multi-row GEMV (2..8) | GEMM (9..)
+K, N = 64, 48            # K a multiple of 16: the vector-load variants where an op has them
+
+
+def kernels(op, *args, device="m1"):
+    with device_caps(**DEVICES[device]), dry_run() as d:
+        getattr(d.ops, op)(*args)
+        return [r["kernel"] for r in d.take()]
+
+
+def empty(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device=META)
+
+
+def fp8_weight(*lead):
+    return empty(*lead, N, K, dtype=torch.float8_e4m3fn), empty(*lead, 1, 1), [128, 128]
+
+
+def m5_gemm(device, dtype):
+    """M5 runs the matmul2d GEMMs for bf16 / fp16 activations; fp32 would be rounded there, so it never does"""
+    return device == "m5" and dtype != torch.float32
+
+
+def regime(M):
+    return "gemv" if M == 1 else "gemv_rows" if M <= 8 else "gemm"
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dense_fp8_and_transposed_kernels(device, dtype):
+    d = DTYPES[dtype]
+    w, s, block = fp8_weight()
+    wq = empty(N, K, dtype=torch.int8)
+    for M in ROWS:
+        fwd = {"gemv": "fp8_gemv", "gemv_rows": "fp8_gemv_rows",
+               "gemm": "fp8_gemm_mpp" if m5_gemm(device, dtype) else "fp8_gemm"}[regime(M)]
+        assert kernels("fp8_mm", empty(M, K, dtype=dtype), w, s, None, block, device=device) == [f"{fwd}_{d}"], M
+        g = empty(M, N, dtype=dtype)
+        # the transposed products have no M5 kernel: the portable ones run there too
+        assert kernels("fp8_mm_t", g, w, s, block, device=device) == [f"fp8_mm_t_{regime(M)}_{d}"], M
+        assert kernels("int8_weight_mm_t", g, wq, empty(N), device=device) == \
+            [f"int8_weight_mm_t_{regime(M)}_{d}"], M
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_int8_kernels(device, dtype):
+    d = DTYPES[dtype]
+    wq = empty(N, K, dtype=torch.int8)
+    for M in ROWS:
+        x = empty(M, K, dtype=dtype)
+        assert kernels("int8_quantize", x, device=device) == [f"int8_quantize_{d}"]
+        xq, xs = empty(M, K, dtype=torch.int8), empty(M)
+        mm = kernels("int8_mm", xq, xs, wq, empty(N), None, dtype, device=device)
+        # int8 x int8 feeds the tensor units exactly whatever the output dtype: M5's GEMM for every dtype
+        want = ("int8_gemv_" + d + "_k16" if M <= 8 else
+                "int8_gemm_mpp_" + d if device == "m5" else "int8_gemm_" + d + "_k16")
+        assert mm == [want], M
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dequantize_kernels(device, dtype):
+    w, s, block = fp8_weight()
+    assert kernels("fp8_dequantize", w, s, block, dtype, device=device) == [f"fp8_dequantize_{DTYPES[dtype]}"]
+    codes = empty(N, K // 2, dtype=torch.uint8)
+    got = kernels("w4_dequantize", codes, empty(N, K // 16, dtype=torch.uint8), "nvfp4", 16, K, None, empty(1),
+                  dtype, device=device)
+    assert got == [f"w4_dequantize_{DTYPES[dtype]}_e4m3_none"]
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_grouped_kernels(device, dtype):
+    d = DTYPES[dtype]
+    E = G = 4
+    w, s, block = fp8_weight(E)
+    offsets, ids = empty(G + 1, dtype=torch.int32), empty(G, dtype=torch.int32)
+    codes, w4_scale = empty(E, N, K // 2, dtype=torch.uint8), empty(E, N, K // 32, dtype=torch.uint8)
+    # decode up to 8 mean rows per group (T <= 8 G), prefill past it
+    for T in [1, 8 * G, 8 * G + 1, 100]:
+        decode = T <= 8 * G
+        fwd = "fp8_grouped_gemv" if decode else "fp8_grouped_gemm_mpp" if m5_gemm(device, dtype) else "fp8_grouped_gemm"
+        assert kernels("fp8_grouped_mm", empty(T, K, dtype=dtype), w, s, offsets, ids, block, device=device) == \
+            ["fp8_grouped_tiles", f"{fwd}_{d}"], T
+        bwd = "fp8_grouped_mm_t_gemv_rows" if decode else "fp8_grouped_mm_t_gemm"
+        assert kernels("fp8_grouped_mm_t", empty(T, N, dtype=dtype), w, s, offsets, ids, block, device=device) == \
+            ["fp8_grouped_tiles", f"{bwd}_{d}"], T
+        w4 = "w4_grouped_gemv" if decode else "w4_grouped_gemm"
+        assert kernels("w4_grouped_mm", empty(T, K, dtype=dtype), codes, w4_scale, "mxfp4", 32, offsets, ids, None,
+                       None, device=device) == ["fp8_grouped_tiles", f"{w4}_{d}_e8m0_none"], T
+        # the 4-bit transposed product: the tiled GEMM for every T
+        assert kernels("w4_grouped_mm_t", empty(T, N, dtype=dtype), codes, w4_scale, "mxfp4", 32, K, offsets, ids,
+                       None, None, device=device) == ["fp8_grouped_tiles", f"w4_grouped_mm_t_gemm_{d}_e8m0_none"], T
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_w4_dense_kernels(device, dtype):
+    d = DTYPES[dtype]
+    codes, scale, zp = empty(N, K // 2, dtype=torch.uint8), empty(N, K // 32, dtype=torch.bfloat16), \
+        empty(N, K // 32, dtype=torch.int8)
+    for M in ROWS:
+        got = kernels("w4_mm", empty(M, K, dtype=dtype), codes, scale, "int4", 32, zp, None, None, device=device)
+        assert got == [f"w4_{regime(M)}_{d}_bf16_zp"], M
+        got = kernels("w4_mm_t", empty(M, N, dtype=dtype), codes, scale, "int4", 32, K, zp, None, device=device)
+        assert got == [f"w4_mm_t_gemm_{d}_bf16_zp"], M
