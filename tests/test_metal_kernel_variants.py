@@ -3,7 +3,14 @@ activation dtype, on the portable device (M1) and on M5 (emulator.device_caps). 
 KernelVariant tables (csrc/metal/plans.h); the names expected here are written from the documented switch points
 (design.md: GEMV at M = 1, multi-row GEMV up to 8 rows, tiled GEMM past them; grouped ops by mean rows per group;
 M5's matmul2d GEMMs for 16-bit activations only), so a table line in the wrong class or order fails here. The
-plans run on meta tensors through torch_lowbit.emulator.dry_run: nothing is computed."""
+plans run on meta tensors through torch_lowbit.emulator.dry_run: nothing is computed. Then the kernels' names on
+the Metal side: every instantiation goes through metal/instantiate.h's macros."""
+import glob
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -119,3 +126,45 @@ def test_w4_dense_kernels(device, dtype):
         assert got == [f"w4_{regime(M)}_{d}_bf16_zp"], M
         got = kernels("w4_mm_t", empty(M, N, dtype=dtype), codes, scale, "int4", 32, K, zp, None, device=device)
         assert got == [f"w4_mm_t_gemm_{d}_bf16_zp"], M
+
+
+# ---------------------------------------------------------------------------------------------- host names
+# Kernels are instantiated through metal/instantiate.h's macros, which build each host_name in kernel_name's
+# scheme; the emulator and the address-space check expand those lines themselves (csrc/emu/msl_prep.py).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "csrc", "emu"))
+import msl_check  # noqa: E402
+import msl_prep  # noqa: E402
+
+METAL = sorted(glob.glob(os.path.join(ROOT, "metal", "*.metal")))
+
+
+def test_no_kernel_name_is_typed_by_hand():
+    for path in METAL:
+        src = msl_prep.mask_comments_strings(open(path, encoding="ascii").read())
+        assert "host_name" not in src, f"{path}: instantiate through metal/instantiate.h's LOWBIT_KERNEL"
+
+
+@pytest.mark.skipif(msl_check.clang_binary() is None, reason="clang is not installed")
+def test_macro_lines_expand_as_the_preprocessor_expands_them(tmp_path):
+    lines = [line for path in METAL for line in open(path, encoding="ascii") if line.startswith("LOWBIT_KERNEL")]
+    assert len(lines) > 400  # every instantiation of every kernel file (424 now)
+    src = tmp_path / "all.metal"
+    src.write_text('#include "instantiate.h"\n' + "".join(lines))
+    # the C++14 preprocessor of MSL 3.1: -pedantic-errors refuses what C++14 does not define (empty __VA_ARGS__)
+    cpp = subprocess.run([msl_check.clang_binary(), "-E", "-P", "-x", "c++", "-std=c++14", "-pedantic-errors",
+                          "-I", os.path.join(ROOT, "metal"), str(src)], capture_output=True, text=True, check=True)
+    # adjacent string literals are one literal to the compiler
+    want = [re.sub(r'"\s*"', "", line) for line in cpp.stdout.splitlines() if line.strip()]
+    got = [line for line in msl_prep.expand_kernel_macros("".join(lines)).splitlines() if line.strip()]
+    assert got == want and len(got) == len(lines)
+
+
+@pytest.mark.parametrize("line,match", [
+    ("LOWBIT_KERNEL(fp8_gemm, fp8_gemm)\n", "want"),                      # no dtype
+    ("LOWBIT_KERNEL(fp8_gemm, fp8_gemm<half>, half)\n", "identifiers"),   # a template-id for FUNC
+    ("LOWBIT_KERNEL_VARIANT(int8_gemm, int8_gemm, half)\n", "want"),      # no variant
+])
+def test_malformed_macro_lines_are_refused(line, match):
+    with pytest.raises(ValueError, match=match):
+        msl_prep.expand_kernel_macros(line)
