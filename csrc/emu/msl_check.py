@@ -13,8 +13,9 @@ variable outside `constant`, `double`, `std::` and non-ASCII bytes all fail. Exi
 
 Template kernels: OpenCL kernels cannot be templates, so each instantiation line
     template [[host_name("NAME")]] [[kernel]] decltype(FUNC<ARGS>) FUNC<ARGS>;
-(or metal/instantiate.h's LOWBIT_KERNEL line that expands to it) becomes a copy of FUNC's definition in `namespace msl_check_NAME`, with the template parameters declared
-there from ARGS, compiled as a real kernel (a #line directive keeps diagnostics on the original lines).
+(or metal/instantiate.h's LOWBIT_KERNEL line that expands to it) becomes a copy of FUNC's definition in
+`namespace msl_check_NAME`, with the template parameters declared there from ARGS, compiled as a real kernel
+(a #line directive keeps diagnostics on the original lines).
 The rewritten files live in a temporary directory; the originals are not touched.
 """
 from __future__ import annotations
