@@ -14,6 +14,9 @@ import sys
 import pytest
 import torch
 
+from conftest import backends_for
+from reference import ref_int8_mm
+from test_transposed_ops import check_int8_t
 from torch_lowbit.emulator import device_caps, dry_run
 
 META = torch.device("meta")
@@ -168,3 +171,24 @@ def test_macro_lines_expand_as_the_preprocessor_expands_them(tmp_path):
 def test_malformed_macro_lines_are_refused(line, match):
     with pytest.raises(ValueError, match=match):
         msl_prep.expand_kernel_macros(line)
+
+
+# ---------------------------------------------------------------------------------------------- int8 scale layout
+# The int8 weight's scale layout is decided once, where w_scale is checked (Int8MmArgs::w_layout, as fp8's
+# Fp8Weight::layout): one element is per tensor, N elements per channel. The edge: N == 1, where both hold.
+@pytest.mark.parametrize("backend", backends_for("int8_mm"))
+@pytest.mark.parametrize("N,ws_shape", [(1, ()), (1, (1,)), (1, (1, 1)), (5, (1,)), (5, (5,)), (5, (5, 1))])
+@pytest.mark.parametrize("M", [1, 12])  # the GEMV and the GEMM
+def test_int8_weight_scale_layouts(backend, N, ws_shape, M):
+    g = torch.Generator().manual_seed(N * 10 + len(ws_shape) + M)
+    K = 40
+    xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    xs = torch.rand(M, generator=g) + 0.5
+    ws = torch.rand(ws_shape, generator=g) + 0.5
+    out = backend.op("int8_mm")(backend.to(xq), backend.to(xs), backend.to(wq), backend.to(ws), None,
+                                torch.float32).cpu()
+    ref, _ = ref_int8_mm(xq, xs, wq, ws)
+    # exact int32 sums (|acc| < 2^24), two fp32 products
+    assert torch.allclose(out.double(), ref, rtol=3 * 2.0 ** -24, atol=0)
+    check_int8_t(backend, torch.randn(M, N, generator=g), wq, ws)
