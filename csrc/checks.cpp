@@ -200,9 +200,11 @@ Fp8GroupedMmArgs check_grouped(const char* op, const char* xname, bool transpose
   return a;
 }
 
-// w_scale of an int8 weight [N, K]: [N] / [N, 1] per channel or one element per tensor -> fp32 [N] or [1].
-at::Tensor int8_weight_scale(const char* op, const at::Tensor& w_scale, int64_t N) {
+// w_scale of an int8 weight [N, K]: [N] / [N, 1] per channel or one element per tensor -> fp32 [N] or [1], and
+// `layout` saying which (one element is per tensor, also where N == 1).
+at::Tensor int8_weight_scale(const char* op, const at::Tensor& w_scale, int64_t N, ScaleLayout& layout) {
   const at::Tensor ws = widen_scale(op, "w_scale", w_scale);
+  layout = ScaleLayout{ws.numel() == 1 ? ScaleKind::Tensor : ScaleKind::Channel};
   if (ws.numel() == 1) return shaped(ws, {1});
   const bool per_channel = ws.dim() == 1 ? ws.size(0) == N : (ws.dim() == 2 && ws.size(0) == N && ws.size(1) == 1);
   TORCH_CHECK(per_channel, op, ": w_scale must be [N] or [N, 1] (per channel) or have one element (per tensor), N = ",
@@ -262,7 +264,7 @@ Int8WeightMmTArgs check_int8_weight_mm_t(const at::Tensor& grad_out, const at::T
   a.K = wq.size(1);
   TORCH_CHECK(grad_out.size(-1) == a.N, op, ": grad_out's last dimension (", grad_out.size(-1),
               ") must equal wq's N (", a.N, "); wq is [N, K] = ", wq.sizes());
-  a.w_scale = int8_weight_scale(op, w_scale, a.N);
+  a.w_scale = int8_weight_scale(op, w_scale, a.N, a.w_layout);
   a.grad_out = flatten_rows(grad_out, &a.M);
   a.out_shape = with_last(grad_out, a.K);
   return a;
@@ -303,7 +305,7 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
               ": x_scale must have xq's leading shape ", at::IntArrayRef(lead), " (one scale per row), got ",
               x_scale.sizes());
   a.x_scale = shaped(widen_scale(op, "x_scale", x_scale), {a.M});
-  a.w_scale = int8_weight_scale(op, w_scale, a.N);
+  a.w_scale = int8_weight_scale(op, w_scale, a.N, a.w_layout);
   if (bias.has_value()) {
     const at::Tensor& b = *bias;
     check_device(op, "bias", b, xq, "xq");

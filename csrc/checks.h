@@ -65,6 +65,7 @@ struct Int8MmArgs {
   at::Tensor x_scale;              // float32 [M] contiguous
   at::Tensor wq;                   // int8 [N, K] contiguous
   at::Tensor w_scale;              // float32 [N] (per channel) or [1] (per tensor), contiguous
+  ScaleLayout w_layout;            // Channel ([N]) or Tensor ([1]): how w_scale applies, as Fp8Weight::layout
   std::optional<at::Tensor> bias;  // [N], contiguous, its own dtype (bf16 / fp16 / fp32)
   int64_t M = 0, N = 0, K = 0;
   at::ScalarType out_dtype = at::kBFloat16;
@@ -103,6 +104,7 @@ struct Int8WeightMmTArgs {
   at::Tensor grad_out;             // [M, N] contiguous, bf16 / fp16 / fp32
   at::Tensor wq;                   // int8 [N, K] contiguous
   at::Tensor w_scale;              // float32 [N] or [1], contiguous
+  ScaleLayout w_layout;            // Channel ([N]) or Tensor ([1]), as Int8MmArgs::w_layout
   int64_t M = 0, N = 0, K = 0;
   std::vector<int64_t> out_shape;  // grad_out.shape[:-1] + [K]
 };

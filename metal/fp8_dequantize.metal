@@ -4,6 +4,7 @@
 #include <metal_stdlib>
 #include "fp8.h"
 #include "scale.h"
+#include "instantiate.h"
 using namespace metal;
 
 template <typename T>
@@ -33,6 +34,6 @@ kernel void fp8_dequantize(
   }
 }
 
-template [[host_name("fp8_dequantize_float")]] [[kernel]] decltype(fp8_dequantize<float>) fp8_dequantize<float>;
-template [[host_name("fp8_dequantize_half")]] [[kernel]] decltype(fp8_dequantize<half>) fp8_dequantize<half>;
-template [[host_name("fp8_dequantize_bfloat")]] [[kernel]] decltype(fp8_dequantize<bfloat>) fp8_dequantize<bfloat>;
+LOWBIT_KERNEL(fp8_dequantize, fp8_dequantize, float)
+LOWBIT_KERNEL(fp8_dequantize, fp8_dequantize, half)
+LOWBIT_KERNEL(fp8_dequantize, fp8_dequantize, bfloat)

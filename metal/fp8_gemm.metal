@@ -3,6 +3,7 @@
 // 32 x 36 activation tile (T) and the 32 x 40 decoded weight tile (half), at most 7 KB.
 #include <metal_stdlib>
 #include "fp8_gemm.h"
+#include "instantiate.h"
 using namespace metal;
 
 template <typename T>
@@ -25,6 +26,6 @@ kernel void fp8_gemm(
                    out + ulong(m0) * p.N, n0, p.N, p.K, (p.flags & kFp8VecLoads) != 0, xs, ws, tid, sg, lane);
 }
 
-template [[host_name("fp8_gemm_float")]] [[kernel]] decltype(fp8_gemm<float>) fp8_gemm<float>;
-template [[host_name("fp8_gemm_half")]] [[kernel]] decltype(fp8_gemm<half>) fp8_gemm<half>;
-template [[host_name("fp8_gemm_bfloat")]] [[kernel]] decltype(fp8_gemm<bfloat>) fp8_gemm<bfloat>;
+LOWBIT_KERNEL(fp8_gemm, fp8_gemm, float)
+LOWBIT_KERNEL(fp8_gemm, fp8_gemm, half)
+LOWBIT_KERNEL(fp8_gemm, fp8_gemm, bfloat)

@@ -5,6 +5,7 @@
 #include <metal_stdlib>
 #include "fp8_gemm_mpp.h"
 #include "tile_order.h"
+#include "instantiate.h"
 using namespace metal;
 
 template <typename T>
@@ -26,5 +27,5 @@ kernel void fp8_gemm_mpp(
                                   fp8_mm_bias(p, bias), out + ulong(m0) * p.N, n0, p.N, p.K, ws, tid);
 }
 
-template [[host_name("fp8_gemm_mpp_half")]] [[kernel]] decltype(fp8_gemm_mpp<half>) fp8_gemm_mpp<half>;
-template [[host_name("fp8_gemm_mpp_bfloat")]] [[kernel]] decltype(fp8_gemm_mpp<bfloat>) fp8_gemm_mpp<bfloat>;
+LOWBIT_KERNEL(fp8_gemm_mpp, fp8_gemm_mpp, half)
+LOWBIT_KERNEL(fp8_gemm_mpp, fp8_gemm_mpp, bfloat)

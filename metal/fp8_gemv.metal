@@ -7,6 +7,7 @@
 // A bias is read in its own dtype (Fp8MmParams::bias_dtype).
 #include <metal_stdlib>
 #include "fp8_gemv.h"
+#include "instantiate.h"
 using namespace metal;
 
 template <typename T>
@@ -51,9 +52,9 @@ kernel void fp8_gemv_multirow(
                                                       kFp8GemvRowsSimdgroups * 32, lane);
 }
 
-template [[host_name("fp8_gemv_float")]] [[kernel]] decltype(fp8_gemv<float>) fp8_gemv<float>;
-template [[host_name("fp8_gemv_half")]] [[kernel]] decltype(fp8_gemv<half>) fp8_gemv<half>;
-template [[host_name("fp8_gemv_bfloat")]] [[kernel]] decltype(fp8_gemv<bfloat>) fp8_gemv<bfloat>;
-template [[host_name("fp8_gemv_rows_float")]] [[kernel]] decltype(fp8_gemv_multirow<float>) fp8_gemv_multirow<float>;
-template [[host_name("fp8_gemv_rows_half")]] [[kernel]] decltype(fp8_gemv_multirow<half>) fp8_gemv_multirow<half>;
-template [[host_name("fp8_gemv_rows_bfloat")]] [[kernel]] decltype(fp8_gemv_multirow<bfloat>) fp8_gemv_multirow<bfloat>;
+LOWBIT_KERNEL(fp8_gemv, fp8_gemv, float)
+LOWBIT_KERNEL(fp8_gemv, fp8_gemv, half)
+LOWBIT_KERNEL(fp8_gemv, fp8_gemv, bfloat)
+LOWBIT_KERNEL(fp8_gemv_rows, fp8_gemv_multirow, float)
+LOWBIT_KERNEL(fp8_gemv_rows, fp8_gemv_multirow, half)
+LOWBIT_KERNEL(fp8_gemv_rows, fp8_gemv_multirow, bfloat)

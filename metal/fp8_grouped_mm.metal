@@ -13,6 +13,7 @@
 #include "fp8_gemv.h"
 #include "fp8_gemm.h"
 #include "fp8_grouped.h"
+#include "instantiate.h"
 using namespace metal;
 
 template <typename T>
@@ -113,9 +114,9 @@ kernel void fp8_grouped_gemm(
                    (p.flags & kFp8VecLoads) != 0, xs, ws, tid, sg, lane);
 }
 
-template [[host_name("fp8_grouped_gemv_float")]] [[kernel]] decltype(fp8_grouped_gemv<float>) fp8_grouped_gemv<float>;
-template [[host_name("fp8_grouped_gemv_half")]] [[kernel]] decltype(fp8_grouped_gemv<half>) fp8_grouped_gemv<half>;
-template [[host_name("fp8_grouped_gemv_bfloat")]] [[kernel]] decltype(fp8_grouped_gemv<bfloat>) fp8_grouped_gemv<bfloat>;
-template [[host_name("fp8_grouped_gemm_float")]] [[kernel]] decltype(fp8_grouped_gemm<float>) fp8_grouped_gemm<float>;
-template [[host_name("fp8_grouped_gemm_half")]] [[kernel]] decltype(fp8_grouped_gemm<half>) fp8_grouped_gemm<half>;
-template [[host_name("fp8_grouped_gemm_bfloat")]] [[kernel]] decltype(fp8_grouped_gemm<bfloat>) fp8_grouped_gemm<bfloat>;
+LOWBIT_KERNEL(fp8_grouped_gemv, fp8_grouped_gemv, float)
+LOWBIT_KERNEL(fp8_grouped_gemv, fp8_grouped_gemv, half)
+LOWBIT_KERNEL(fp8_grouped_gemv, fp8_grouped_gemv, bfloat)
+LOWBIT_KERNEL(fp8_grouped_gemm, fp8_grouped_gemm, float)
+LOWBIT_KERNEL(fp8_grouped_gemm, fp8_grouped_gemm, half)
+LOWBIT_KERNEL(fp8_grouped_gemm, fp8_grouped_gemm, bfloat)

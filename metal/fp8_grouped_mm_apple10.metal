@@ -6,6 +6,7 @@
 #include <metal_stdlib>
 #include "fp8_gemm_mpp.h"
 #include "fp8_grouped.h"
+#include "instantiate.h"
 using namespace metal;
 
 template <typename T>
@@ -35,5 +36,5 @@ kernel void fp8_grouped_gemm_mpp(
                                      out + ulong(gt.m0) * p.N, n0, p.N, p.K, ws, tid);
 }
 
-template [[host_name("fp8_grouped_gemm_mpp_half")]] [[kernel]] decltype(fp8_grouped_gemm_mpp<half>) fp8_grouped_gemm_mpp<half>;
-template [[host_name("fp8_grouped_gemm_mpp_bfloat")]] [[kernel]] decltype(fp8_grouped_gemm_mpp<bfloat>) fp8_grouped_gemm_mpp<bfloat>;
+LOWBIT_KERNEL(fp8_grouped_gemm_mpp, fp8_grouped_gemm_mpp, half)
+LOWBIT_KERNEL(fp8_grouped_gemm_mpp, fp8_grouped_gemm_mpp, bfloat)

@@ -11,6 +11,7 @@
 #include <metal_stdlib>
 #include "fp8_grouped.h"
 #include "mm_t.h"
+#include "instantiate.h"
 using namespace metal;
 
 template <typename T>
@@ -81,9 +82,9 @@ kernel void fp8_grouped_mm_t_gemm(
                              p.K, p.flags, gs, ws, tid, sg, lane);
 }
 
-template [[host_name("fp8_grouped_mm_t_gemv_rows_float")]] [[kernel]] decltype(fp8_grouped_mm_t_gemv<float>) fp8_grouped_mm_t_gemv<float>;
-template [[host_name("fp8_grouped_mm_t_gemv_rows_half")]] [[kernel]] decltype(fp8_grouped_mm_t_gemv<half>) fp8_grouped_mm_t_gemv<half>;
-template [[host_name("fp8_grouped_mm_t_gemv_rows_bfloat")]] [[kernel]] decltype(fp8_grouped_mm_t_gemv<bfloat>) fp8_grouped_mm_t_gemv<bfloat>;
-template [[host_name("fp8_grouped_mm_t_gemm_float")]] [[kernel]] decltype(fp8_grouped_mm_t_gemm<float>) fp8_grouped_mm_t_gemm<float>;
-template [[host_name("fp8_grouped_mm_t_gemm_half")]] [[kernel]] decltype(fp8_grouped_mm_t_gemm<half>) fp8_grouped_mm_t_gemm<half>;
-template [[host_name("fp8_grouped_mm_t_gemm_bfloat")]] [[kernel]] decltype(fp8_grouped_mm_t_gemm<bfloat>) fp8_grouped_mm_t_gemm<bfloat>;
+LOWBIT_KERNEL(fp8_grouped_mm_t_gemv_rows, fp8_grouped_mm_t_gemv, float)
+LOWBIT_KERNEL(fp8_grouped_mm_t_gemv_rows, fp8_grouped_mm_t_gemv, half)
+LOWBIT_KERNEL(fp8_grouped_mm_t_gemv_rows, fp8_grouped_mm_t_gemv, bfloat)
+LOWBIT_KERNEL(fp8_grouped_mm_t_gemm, fp8_grouped_mm_t_gemm, float)
+LOWBIT_KERNEL(fp8_grouped_mm_t_gemm, fp8_grouped_mm_t_gemm, half)
+LOWBIT_KERNEL(fp8_grouped_mm_t_gemm, fp8_grouped_mm_t_gemm, bfloat)

@@ -17,6 +17,7 @@
 // Grid: (ceil(N / 64), ceil(M / 32)).
 #include <metal_stdlib>
 #include "int8.h"
+#include "instantiate.h"
 using namespace metal;
 
 // tile sizes: params.h (shared with the plan's grid)
@@ -115,9 +116,9 @@ kernel void int8_gemm(
   }
 }
 
-template [[host_name("int8_gemm_float")]] [[kernel]] decltype(int8_gemm<float, false>) int8_gemm<float, false>;
-template [[host_name("int8_gemm_half")]] [[kernel]] decltype(int8_gemm<half, false>) int8_gemm<half, false>;
-template [[host_name("int8_gemm_bfloat")]] [[kernel]] decltype(int8_gemm<bfloat, false>) int8_gemm<bfloat, false>;
-template [[host_name("int8_gemm_float_k16")]] [[kernel]] decltype(int8_gemm<float, true>) int8_gemm<float, true>;
-template [[host_name("int8_gemm_half_k16")]] [[kernel]] decltype(int8_gemm<half, true>) int8_gemm<half, true>;
-template [[host_name("int8_gemm_bfloat_k16")]] [[kernel]] decltype(int8_gemm<bfloat, true>) int8_gemm<bfloat, true>;
+LOWBIT_KERNEL(int8_gemm, int8_gemm, float, false)
+LOWBIT_KERNEL(int8_gemm, int8_gemm, half, false)
+LOWBIT_KERNEL(int8_gemm, int8_gemm, bfloat, false)
+LOWBIT_KERNEL_VARIANT(int8_gemm, k16, int8_gemm, float, true)
+LOWBIT_KERNEL_VARIANT(int8_gemm, k16, int8_gemm, half, true)
+LOWBIT_KERNEL_VARIANT(int8_gemm, k16, int8_gemm, bfloat, true)

@@ -19,6 +19,7 @@
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
 #include "int8.h"
 #include "tile_order.h"
+#include "instantiate.h"
 using namespace metal;
 using namespace mpp::tensor_ops;
 
@@ -72,6 +73,6 @@ kernel void int8_gemm_mpp(
   }
 }
 
-template [[host_name("int8_gemm_mpp_float")]] [[kernel]] decltype(int8_gemm_mpp<float>) int8_gemm_mpp<float>;
-template [[host_name("int8_gemm_mpp_half")]] [[kernel]] decltype(int8_gemm_mpp<half>) int8_gemm_mpp<half>;
-template [[host_name("int8_gemm_mpp_bfloat")]] [[kernel]] decltype(int8_gemm_mpp<bfloat>) int8_gemm_mpp<bfloat>;
+LOWBIT_KERNEL(int8_gemm_mpp, int8_gemm_mpp, float)
+LOWBIT_KERNEL(int8_gemm_mpp, int8_gemm_mpp, half)
+LOWBIT_KERNEL(int8_gemm_mpp, int8_gemm_mpp, bfloat)

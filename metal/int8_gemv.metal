@@ -13,6 +13,7 @@
 // one simd_sum per (row, x row), then lane kInt8GemvXRows * r + m writes out[m, r] through the fp32 epilogue.
 #include <metal_stdlib>
 #include "int8.h"
+#include "instantiate.h"
 using namespace metal;
 
 constant constexpr uint kGemvThreads = kInt8GemvSimdgroups * 32;
@@ -84,9 +85,9 @@ kernel void int8_gemv(
   }
 }
 
-template [[host_name("int8_gemv_float")]] [[kernel]] decltype(int8_gemv<float, false>) int8_gemv<float, false>;
-template [[host_name("int8_gemv_half")]] [[kernel]] decltype(int8_gemv<half, false>) int8_gemv<half, false>;
-template [[host_name("int8_gemv_bfloat")]] [[kernel]] decltype(int8_gemv<bfloat, false>) int8_gemv<bfloat, false>;
-template [[host_name("int8_gemv_float_k16")]] [[kernel]] decltype(int8_gemv<float, true>) int8_gemv<float, true>;
-template [[host_name("int8_gemv_half_k16")]] [[kernel]] decltype(int8_gemv<half, true>) int8_gemv<half, true>;
-template [[host_name("int8_gemv_bfloat_k16")]] [[kernel]] decltype(int8_gemv<bfloat, true>) int8_gemv<bfloat, true>;
+LOWBIT_KERNEL(int8_gemv, int8_gemv, float, false)
+LOWBIT_KERNEL(int8_gemv, int8_gemv, half, false)
+LOWBIT_KERNEL(int8_gemv, int8_gemv, bfloat, false)
+LOWBIT_KERNEL_VARIANT(int8_gemv, k16, int8_gemv, float, true)
+LOWBIT_KERNEL_VARIANT(int8_gemv, k16, int8_gemv, half, true)
+LOWBIT_KERNEL_VARIANT(int8_gemv, k16, int8_gemv, bfloat, true)

@@ -16,6 +16,7 @@
 // correctly rounded and would move q by one near .5 ties relative to the fp32 reference (and the CPU).
 #include <metal_stdlib>
 #include "params.h"
+#include "instantiate.h"
 using namespace metal;
 
 constant constexpr uint kQuantizeMaxSimdgroups = 32;  // 1024 threads
@@ -59,6 +60,6 @@ kernel void int8_quantize(
   }
 }
 
-template [[host_name("int8_quantize_float")]] [[kernel]] decltype(int8_quantize<float>) int8_quantize<float>;
-template [[host_name("int8_quantize_half")]] [[kernel]] decltype(int8_quantize<half>) int8_quantize<half>;
-template [[host_name("int8_quantize_bfloat")]] [[kernel]] decltype(int8_quantize<bfloat>) int8_quantize<bfloat>;
+LOWBIT_KERNEL(int8_quantize, int8_quantize, float)
+LOWBIT_KERNEL(int8_quantize, int8_quantize, half)
+LOWBIT_KERNEL(int8_quantize, int8_quantize, bfloat)

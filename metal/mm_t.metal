@@ -8,6 +8,7 @@
 // <op> is fp8_mm_t (e4m3 codes) or int8_weight_mm_t (int8 values, per-tensor or per-channel w_scale).
 #include <metal_stdlib>
 #include "mm_t.h"
+#include "instantiate.h"
 using namespace metal;
 
 template <typename T, typename Code, uint MR>
@@ -46,21 +47,21 @@ kernel void mm_t_gemm(
                           out + ulong(m0) * p.K, tgid.x * kFp8GemmTile, p.N, p.K, p.flags, gs, ws, tid, sg, lane);
 }
 
-template [[host_name("fp8_mm_t_gemv_float")]] [[kernel]] decltype(mm_t_gemv<float, Fp8Code, 1>) mm_t_gemv<float, Fp8Code, 1>;
-template [[host_name("fp8_mm_t_gemv_half")]] [[kernel]] decltype(mm_t_gemv<half, Fp8Code, 1>) mm_t_gemv<half, Fp8Code, 1>;
-template [[host_name("fp8_mm_t_gemv_bfloat")]] [[kernel]] decltype(mm_t_gemv<bfloat, Fp8Code, 1>) mm_t_gemv<bfloat, Fp8Code, 1>;
-template [[host_name("fp8_mm_t_gemv_rows_float")]] [[kernel]] decltype(mm_t_gemv<float, Fp8Code, kMmTGemvRows>) mm_t_gemv<float, Fp8Code, kMmTGemvRows>;
-template [[host_name("fp8_mm_t_gemv_rows_half")]] [[kernel]] decltype(mm_t_gemv<half, Fp8Code, kMmTGemvRows>) mm_t_gemv<half, Fp8Code, kMmTGemvRows>;
-template [[host_name("fp8_mm_t_gemv_rows_bfloat")]] [[kernel]] decltype(mm_t_gemv<bfloat, Fp8Code, kMmTGemvRows>) mm_t_gemv<bfloat, Fp8Code, kMmTGemvRows>;
-template [[host_name("fp8_mm_t_gemm_float")]] [[kernel]] decltype(mm_t_gemm<float, Fp8Code>) mm_t_gemm<float, Fp8Code>;
-template [[host_name("fp8_mm_t_gemm_half")]] [[kernel]] decltype(mm_t_gemm<half, Fp8Code>) mm_t_gemm<half, Fp8Code>;
-template [[host_name("fp8_mm_t_gemm_bfloat")]] [[kernel]] decltype(mm_t_gemm<bfloat, Fp8Code>) mm_t_gemm<bfloat, Fp8Code>;
-template [[host_name("int8_weight_mm_t_gemv_float")]] [[kernel]] decltype(mm_t_gemv<float, Int8Code, 1>) mm_t_gemv<float, Int8Code, 1>;
-template [[host_name("int8_weight_mm_t_gemv_half")]] [[kernel]] decltype(mm_t_gemv<half, Int8Code, 1>) mm_t_gemv<half, Int8Code, 1>;
-template [[host_name("int8_weight_mm_t_gemv_bfloat")]] [[kernel]] decltype(mm_t_gemv<bfloat, Int8Code, 1>) mm_t_gemv<bfloat, Int8Code, 1>;
-template [[host_name("int8_weight_mm_t_gemv_rows_float")]] [[kernel]] decltype(mm_t_gemv<float, Int8Code, kMmTGemvRows>) mm_t_gemv<float, Int8Code, kMmTGemvRows>;
-template [[host_name("int8_weight_mm_t_gemv_rows_half")]] [[kernel]] decltype(mm_t_gemv<half, Int8Code, kMmTGemvRows>) mm_t_gemv<half, Int8Code, kMmTGemvRows>;
-template [[host_name("int8_weight_mm_t_gemv_rows_bfloat")]] [[kernel]] decltype(mm_t_gemv<bfloat, Int8Code, kMmTGemvRows>) mm_t_gemv<bfloat, Int8Code, kMmTGemvRows>;
-template [[host_name("int8_weight_mm_t_gemm_float")]] [[kernel]] decltype(mm_t_gemm<float, Int8Code>) mm_t_gemm<float, Int8Code>;
-template [[host_name("int8_weight_mm_t_gemm_half")]] [[kernel]] decltype(mm_t_gemm<half, Int8Code>) mm_t_gemm<half, Int8Code>;
-template [[host_name("int8_weight_mm_t_gemm_bfloat")]] [[kernel]] decltype(mm_t_gemm<bfloat, Int8Code>) mm_t_gemm<bfloat, Int8Code>;
+LOWBIT_KERNEL(fp8_mm_t_gemv, mm_t_gemv, float, Fp8Code, 1)
+LOWBIT_KERNEL(fp8_mm_t_gemv, mm_t_gemv, half, Fp8Code, 1)
+LOWBIT_KERNEL(fp8_mm_t_gemv, mm_t_gemv, bfloat, Fp8Code, 1)
+LOWBIT_KERNEL(fp8_mm_t_gemv_rows, mm_t_gemv, float, Fp8Code, kMmTGemvRows)
+LOWBIT_KERNEL(fp8_mm_t_gemv_rows, mm_t_gemv, half, Fp8Code, kMmTGemvRows)
+LOWBIT_KERNEL(fp8_mm_t_gemv_rows, mm_t_gemv, bfloat, Fp8Code, kMmTGemvRows)
+LOWBIT_KERNEL(fp8_mm_t_gemm, mm_t_gemm, float, Fp8Code)
+LOWBIT_KERNEL(fp8_mm_t_gemm, mm_t_gemm, half, Fp8Code)
+LOWBIT_KERNEL(fp8_mm_t_gemm, mm_t_gemm, bfloat, Fp8Code)
+LOWBIT_KERNEL(int8_weight_mm_t_gemv, mm_t_gemv, float, Int8Code, 1)
+LOWBIT_KERNEL(int8_weight_mm_t_gemv, mm_t_gemv, half, Int8Code, 1)
+LOWBIT_KERNEL(int8_weight_mm_t_gemv, mm_t_gemv, bfloat, Int8Code, 1)
+LOWBIT_KERNEL(int8_weight_mm_t_gemv_rows, mm_t_gemv, float, Int8Code, kMmTGemvRows)
+LOWBIT_KERNEL(int8_weight_mm_t_gemv_rows, mm_t_gemv, half, Int8Code, kMmTGemvRows)
+LOWBIT_KERNEL(int8_weight_mm_t_gemv_rows, mm_t_gemv, bfloat, Int8Code, kMmTGemvRows)
+LOWBIT_KERNEL(int8_weight_mm_t_gemm, mm_t_gemm, float, Int8Code)
+LOWBIT_KERNEL(int8_weight_mm_t_gemm, mm_t_gemm, half, Int8Code)
+LOWBIT_KERNEL(int8_weight_mm_t_gemm, mm_t_gemm, bfloat, Int8Code)

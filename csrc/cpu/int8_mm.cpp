@@ -199,7 +199,8 @@ at::Tensor int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Te
   at::Tensor out = at::empty({a.M, a.N}, a.xq.options().dtype(a.out_dtype));
   if (a.M == 0 || a.N == 0) return shaped(out, a.out_shape);
   const at::Tensor bias_f32 = bias_as_float(a.bias);
-  const Epilogue ep{a.x_scale.data_ptr<float>(), a.w_scale.data_ptr<float>(), a.w_scale.numel() == 1 ? 0 : 1,
+  const Epilogue ep{a.x_scale.data_ptr<float>(), a.w_scale.data_ptr<float>(),
+                    a.w_layout.kind == ScaleKind::Channel ? 1 : 0,
                     bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr};
   const Int8Kernels& kern = kernel_set().int8;
   const int8_t* x = a.xq.data_ptr<int8_t>();

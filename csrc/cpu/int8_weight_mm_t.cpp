@@ -13,10 +13,8 @@ namespace {
 at::Tensor int8_weight_mm_t(const at::Tensor& grad_out, const at::Tensor& wq, const at::Tensor& w_scale) {
   const Int8WeightMmTArgs a = check_int8_weight_mm_t(grad_out, wq, w_scale);
   at::Tensor out = at::zeros({a.M, a.K}, a.grad_out.options());
-  ScaleLayout layout;
-  layout.kind = a.w_scale.numel() == 1 && a.N != 1 ? ScaleKind::Tensor : ScaleKind::Channel;
   const TransposedOperand op{reinterpret_cast<const uint8_t*>(a.wq.data_ptr<int8_t>()), WeightCode::Int8,
-                             a.w_scale.data_ptr<float>(), layout, a.N, a.K};
+                             a.w_scale.data_ptr<float>(), a.w_layout, a.N, a.K};
   LOWBIT_DISPATCH_FLOAT_TYPES(a.grad_out.scalar_type(), "int8_weight_mm_t", [&] {
     transposed_matmul<scalar_t>(a.grad_out.data_ptr<scalar_t>(), a.M, op, out.data_ptr<scalar_t>(), a.K);
   });

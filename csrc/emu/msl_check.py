@@ -13,8 +13,9 @@ variable outside `constant`, `double`, `std::` and non-ASCII bytes all fail. Exi
 
 Template kernels: OpenCL kernels cannot be templates, so each instantiation line
     template [[host_name("NAME")]] [[kernel]] decltype(FUNC<ARGS>) FUNC<ARGS>;
-becomes a copy of FUNC's definition in `namespace msl_check_NAME`, with the template parameters declared
-there from ARGS, compiled as a real kernel (a #line directive keeps diagnostics on the original lines).
+(or metal/instantiate.h's LOWBIT_KERNEL line that expands to it) becomes a copy of FUNC's definition in
+`namespace msl_check_NAME`, with the template parameters declared there from ARGS, compiled as a real kernel
+(a #line directive keeps diagnostics on the original lines).
 The rewritten files live in a temporary directory; the originals are not touched.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from msl_prep import INSTANCE, KERNEL, mask_comments_strings, split_top  # noqa: E402
+from msl_prep import INSTANCE, KERNEL, expand_kernel_macros, mask_comments_strings, split_top  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM = os.path.join(HERE, "clcpp")
@@ -99,6 +100,7 @@ def _template_params(header: str) -> List[Tuple[str, str, Optional[str]]]:
 def prepare(src: str, path: str) -> Tuple[str, Dict[str, TemplateKernel], List[Tuple[str, str, int]]]:
     """Rewrite one file: template kernel definitions and instantiation lines blanked, `[[kernel]]` -> `kernel`.
     Returns the text (same lines), its template kernels, and its instantiations (NAME, FUNC<ARGS>, line)."""
+    src = expand_kernel_macros(src)  # metal/instantiate.h's lines, as the explicit instantiations they make
     masked = mask_comments_strings(src)
     edits = []
     instances = []

@@ -9,8 +9,9 @@
 3. appends a registry entry for every non-template `kernel void NAME(` / `[[kernel]] void NAME(`.
 4. explicit instantiations of template kernels, written one per statement as
      template [[host_name("NAME")]] [[kernel]] decltype(FUNC<ARGS>) FUNC<ARGS>;
-   are blanked (default arguments are illegal in explicit instantiations) and registered as NAME calling
-   FUNC<ARGS>() instead. Instantiations produced by a macro are not seen: write them out.
+   or through metal/instantiate.h's macros (expanded here first, as Apple's preprocessor expands them:
+   expand_kernel_macros), are blanked (default arguments are illegal in explicit instantiations) and registered
+   as NAME calling FUNC<ARGS>() instead. Instantiations produced by other macros are not seen.
 5. a file that includes <MetalPerformancePrimitives/...> is MSL 4.0 with tensors (the M5 variant library):
    __METAL_VERSION__ 400 and __HAVE_TENSOR__ are defined before it, as Apple's compiler defines them.
 Line numbers are preserved (a #line directive points diagnostics at the original file).
@@ -65,9 +66,48 @@ TG_DECL = re.compile(r"(?:(?<=[;{}])|(?<=^))(\s*)(?:alignas\s*\(\s*(\d+)\s*\)\s*
 INSTANCE = re.compile(r"template\s*\[\[\s*host_name\(\s*\"(\w+)\"\s*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*"
                       r"decltype\(\s*([^;]*?)\s*\)\s*([^;]*?)\s*;")
 KERNEL = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*void\s+(\w+)\s*\(")
+# metal/instantiate.h: LOWBIT_KERNEL(BASE, FUNC, T, ARGS...) and LOWBIT_KERNEL_VARIANT(BASE, VARIANT, FUNC, T, ARGS...)
+KERNEL_MACRO = re.compile(r"^[ \t]*(LOWBIT_KERNEL(?:_VARIANT)?)\s*\(", re.M)
+
+
+def kernel_macro_instance(macro, args):
+    """(host_name, FUNC<T, ARGS...>) of one metal/instantiate.h invocation with its arguments split"""
+    variant = macro == "LOWBIT_KERNEL_VARIANT"
+    head = 3 if variant else 2
+    if len(args) < head + 1 or not all(re.fullmatch(r"\w+", a) for a in args[:head + 1]):
+        raise ValueError(f"{macro}: want (BASE, {'VARIANT, ' if variant else ''}FUNC, T[, ARGS...]) with "
+                         f"identifiers for all but ARGS, got ({', '.join(args)})")
+    base, func, dtype = args[0], args[head - 1], args[head]
+    name = f"{base}_{dtype}_{args[1]}" if variant else f"{base}_{dtype}"
+    return name, f"{func}<{', '.join(args[head:])}>"
+
+
+def expand_kernel_macros(src):
+    """src with each metal/instantiate.h invocation written out as the explicit instantiation it expands to
+    (template [[host_name("NAME")]] [[kernel]] decltype(F<A>) F<A>;), on its own lines (line numbers kept)."""
+    masked = mask_comments_strings(src)
+    out, pos = [], 0
+    for m in KERNEL_MACRO.finditer(masked):
+        if m.start() < pos:
+            continue
+        open_ = m.end() - 1
+        depth, i = 0, open_
+        while True:
+            depth += {"(": 1, ")": -1}.get(masked[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        args = [" ".join(a.split()) for a in split_top(src[open_ + 1:i])]
+        name, expr = kernel_macro_instance(m.group(1), args)
+        end = i + 1
+        line = f'template [[host_name("{name}")]] [[kernel]] decltype({expr}) {expr};'
+        out.append(src[pos:m.start()] + line + "\n" * src.count("\n", m.start(), end))
+        pos = end
+    return "".join(out) + src[pos:]
 
 
 def prep(src, path):
+    src = expand_kernel_macros(src)
     masked = mask_comments_strings(src)
     edits = []  # (start, end, replacement)
     for m in TG_DECL.finditer(masked):

@@ -3,6 +3,15 @@
 #include <ATen/ops/empty.h>
 
 namespace lowbit::metal {
+namespace {
+
+// The kernels (plans.h KernelVariant: newer-GPU variants go before the portable line); the plan sizes the
+// threadgroups to the pipeline (no geometry)
+constexpr KernelVariant<AnyShape> kFp8DequantizeKernels[] = {
+    {AnyShape::All, "fp8_dequantize", kPortableDevice},
+};
+
+}  // namespace
 
 at::Tensor plan_fp8_dequantize(Target t, const at::Tensor& weight, const at::Tensor& scale,
                                at::OptionalIntArrayRef block_size, at::ScalarType dtype) {
@@ -16,7 +25,7 @@ at::Tensor plan_fp8_dequantize(Target t, const at::Tensor& weight, const at::Ten
   p.scale = scale_params(w.layout);
   // one thread per 4 bytes of a row; 64 x 4 threads per threadgroup (fewer rows where the pipeline takes fewer)
   const uint32_t groups_k = checked_u32("K / 4", ceil_div(w.K, 4));
-  Dispatch d(kernel_name("fp8_dequantize", dtype));
+  Dispatch d(kernel_name(pick_kernel(kFp8DequantizeKernels, AnyShape::All, t.caps), dtype));
   d.buffer("weight", w.bits).buffer("scale", w.scale).buffer("out", out, Access::Write).value("params", p);
   const uint32_t rows = t.rows_that_fit(d.kernel, 64, 4);
   d.grid({uint32_t(ceil_div(groups_k, 64)), uint32_t(ceil_div(w.N, rows)), 1}, {64, rows, 1});

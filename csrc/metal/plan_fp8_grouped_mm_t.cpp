@@ -7,6 +7,16 @@
 #include "metal/plan_mm_t.h"
 
 namespace lowbit::metal {
+namespace {
+
+// The kernels of each class (plans.h KernelVariant: newer-GPU variants go before the portable line). The decode
+// class is the multi-row GEMV run once per group; the prefill class the tiled GEMM over the tile table.
+constexpr KernelVariant<MmTKernel> kFp8GroupedMmTKernels[] = {
+    {MmTKernel::GemvRows, "fp8_grouped_mm_t_gemv_rows", kPortableDevice, kMmTGemvRowsGeometry},
+    {MmTKernel::Gemm, "fp8_grouped_mm_t_gemm", kPortableDevice, kMmTGemmGeometry},
+};
+
+}  // namespace
 
 at::Tensor plan_fp8_grouped_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& weight,
                                  const at::Tensor& scale, const at::Tensor& offsets,
@@ -22,13 +32,10 @@ at::Tensor plan_fp8_grouped_mm_t(Target t, const at::Tensor& grad_out, const at:
 
   // mean rows per group: up to kMmTGemvRows, one GEMV pass per group (MoE decode)
   // (unless the GEMV's pipeline takes fewer than its 256 threads: the prefill kernel, 128, takes any rows)
-  const bool decode = T <= int64_t(kMmTGemvRows) * G &&
-                      t.fits(mm_t_kernel_name("fp8_grouped_mm_t", MmTKernel::GemvRows, a.x.scalar_type()),
-                             kMmTGemvSimdgroups * 32);
-  const std::string kernel =
-      mm_t_kernel_name("fp8_grouped_mm_t", decode ? MmTKernel::GemvRows : MmTKernel::Gemm, a.x.scalar_type());
-  run_grouped(t, kernel, "grad_out", a, p, out, decode, ceil_div(K, decode ? kMmTGemvCols : kFp8GemmTile),
-              decode ? kMmTGemvSimdgroups * 32 : kFp8GemmThreads);
+  const MmTKernel cls = T <= int64_t(kMmTGemvRows) * G ? MmTKernel::GemvRows : MmTKernel::Gemm;
+  const KernelVariant<MmTKernel>& v = pick_variant(kFp8GroupedMmTKernels, cls, MmTKernel::Gemm, t, a.x.scalar_type());
+  run_grouped(t, kernel_name(v.base, a.x.scalar_type()), "grad_out", a, p, out, v.cls == MmTKernel::GemvRows,
+              ceil_div(K, v.tile.bn), v.tile.threads);
   return out;
 }
 

@@ -55,7 +55,7 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
   p.M = checked_u32("M", a.M);
   p.N = checked_u32("N", a.N);
   p.K = checked_u32("K", a.K);
-  p.w_per_channel = a.w_scale.numel() == a.N && a.N != 1 ? 1 : 0;
+  p.w_per_channel = a.w_layout.kind == ScaleKind::Channel ? 1 : 0;
   p.has_bias = a.bias.has_value() ? 1 : 0;
   p.bias_dtype = a.bias ? kernel_dtype_code(a.bias->scalar_type()) : kDtypeFloat;
 

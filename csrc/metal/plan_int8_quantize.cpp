@@ -11,6 +11,12 @@ namespace {
 // of 32, so every simdgroup is full), so that no thread idles for K <= 256.
 constexpr int64_t kQuantizeMaxThreads = 256;
 
+// The kernels (plans.h KernelVariant: newer-GPU variants go before the portable line); the plan sizes the
+// threadgroups to the row and the pipeline (no geometry)
+constexpr KernelVariant<AnyShape> kInt8QuantizeKernels[] = {
+    {AnyShape::All, "int8_quantize", kPortableDevice},
+};
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target t, const at::Tensor& x) {
@@ -23,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor> plan_int8_quantize(Target t, const at::Tensor
     Int8QuantizeParams p{};
     p.M = checked_u32("M", a.M);
     p.K = checked_u32("K", a.K);
-    Dispatch d(kernel_name("int8_quantize", a.x.scalar_type()));
+    Dispatch d(kernel_name(pick_kernel(kInt8QuantizeKernels, AnyShape::All, t.caps), a.x.scalar_type()));
     // the threads stride over the row: fewer where the pipeline takes fewer (whole simdgroups)
     const int64_t most = std::min<int64_t>(kQuantizeMaxThreads, t.launcher.max_threads_per_threadgroup(d.kernel) / 32 * 32);
     const uint32_t threads = uint32_t(std::clamp<int64_t>(ceil_div(a.K, 32) * 32, 32, std::max<int64_t>(most, 32)));

@@ -12,6 +12,19 @@ namespace lowbit::metal {
 // fp8_grouped_tiles lays rows out in tiles of the fp8 GEMM's height; the 4-bit tile kernels run one per tile
 static_assert(kW4GemmTile == kFp8GemmTile, "the 4-bit grouped GEMMs run fp8_grouped_tiles' row tiles");
 
+namespace {
+
+// The shape classes by mean rows per group, and their kernels (plans.h KernelVariant: newer-GPU variants go before
+// the portable line)
+enum class W4GroupedClass { Decode, Prefill };
+constexpr KernelVariant<W4GroupedClass> kW4GroupedKernels[] = {
+    {W4GroupedClass::Decode, "w4_grouped_gemv", kPortableDevice,
+     {0, kW4GemvSimdgroups * kW4GemvCols, kW4GemvSimdgroups * 32, false}},
+    {W4GroupedClass::Prefill, "w4_grouped_gemm", kPortableDevice, {kW4GemmTile, kW4GemmTile, kW4GemmThreads, false}},
+};
+
+}  // namespace
+
 W4GroupedParams w4_grouped_params(const W4GroupedMmArgs& a, uint32_t flags) {
   W4GroupedParams p{};
   p.w = w4_params(a.w, a.T, flags);
@@ -49,13 +62,9 @@ at::Tensor plan_w4_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& c
   const W4GroupedParams p = w4_grouped_params(a, vector_access_ok(kW4XVecBytes, K, {a.x}) ? kW4XVec : 0u);
   // mean rows per group up to kW4GemvRows: one GEMV pass per group reads each chosen expert's codes once (MoE
   // decode); more rows per group: the tiled GEMM reuses each decoded weight tile for 32 rows
-  const bool decode = T <= int64_t(kW4GemvRows) * G;
-  if (decode) {
-    run_w4_grouped(t, "w4_grouped_gemv", "x", a, p, out, true, ceil_div(N, kW4GemvSimdgroups * kW4GemvCols),
-                   kW4GemvSimdgroups * 32);
-  } else {
-    run_w4_grouped(t, "w4_grouped_gemm", "x", a, p, out, false, ceil_div(N, kW4GemmTile), kW4GemmThreads);
-  }
+  const W4GroupedClass cls = T <= int64_t(kW4GemvRows) * G ? W4GroupedClass::Decode : W4GroupedClass::Prefill;
+  const KernelVariant<W4GroupedClass>& v = pick_variant(kW4GroupedKernels, cls, t.caps);
+  run_w4_grouped(t, v.base, "x", a, p, out, cls == W4GroupedClass::Decode, ceil_div(N, v.tile.bn), v.tile.threads);
   return out;
 }
 

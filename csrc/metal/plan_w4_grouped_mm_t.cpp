@@ -6,6 +6,14 @@
 #include <ATen/ops/empty.h>
 
 namespace lowbit::metal {
+namespace {
+
+// The kernels (plans.h KernelVariant: newer-GPU variants go before the portable line)
+constexpr KernelVariant<AnyShape> kW4GroupedMmTKernels[] = {
+    {AnyShape::All, "w4_grouped_mm_t_gemm", kPortableDevice},
+};
+
+}  // namespace
 
 at::Tensor plan_w4_grouped_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& codes,
                                 const at::Tensor& scale, const std::string& format, int64_t group_size, int64_t K,
@@ -22,8 +30,8 @@ at::Tensor plan_w4_grouped_mm_t(Target t, const at::Tensor& grad_out, const at::
 
   // as the dense w4_mm_t, the tiled GEMM for every T (over the tile table: only the row tiles that exist run)
   const W4GroupedParams p = w4_grouped_params(a, vector_access_ok(kW4XVecBytes, N, {a.x}) ? kW4XVec : 0u);
-  run_w4_grouped(t, "w4_grouped_mm_t_gemm", "grad_out", a, p, out, false, ceil_div(K, kW4GemmTile),
-                 kW4GemmThreads);
+  run_w4_grouped(t, pick_kernel(kW4GroupedMmTKernels, AnyShape::All, t.caps), "grad_out", a, p, out, false,
+                 ceil_div(K, kW4GemmTile), kW4GemmThreads);
   return out;
 }
 

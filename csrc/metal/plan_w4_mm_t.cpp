@@ -6,6 +6,14 @@
 #include <ATen/ops/empty.h>
 
 namespace lowbit::metal {
+namespace {
+
+// The kernels (plans.h KernelVariant: newer-GPU variants go before the portable line)
+constexpr KernelVariant<AnyShape> kW4MmTKernels[] = {
+    {AnyShape::All, "w4_mm_t_gemm", kPortableDevice},
+};
+
+}  // namespace
 
 at::Tensor plan_w4_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& codes, const at::Tensor& scale,
                         const std::string& format, int64_t group_size, int64_t K,
@@ -15,7 +23,7 @@ at::Tensor plan_w4_mm_t(Target t, const at::Tensor& grad_out, const at::Tensor& 
   at::Tensor out = at::empty({M, K}, a.x.options());
   if (mm_t_empty(out, N)) return out.view(a.out_shape);
   const W4Params p = w4_params(a.w, M, vector_access_ok(kW4XVecBytes, N, {a.x}) ? kW4XVec : 0u);
-  Dispatch d(w4_kernel_name("w4_mm_t_gemm", a.x.scalar_type(), a.w));
+  Dispatch d(w4_kernel_name(pick_kernel(kW4MmTKernels, AnyShape::All, t.caps), a.x.scalar_type(), a.w));
   d.buffer("grad_out", a.x);
   bind_w4_weight(d, a.w);
   d.buffer("out", out, Access::Write).value("params", p);

@@ -72,6 +72,10 @@ struct KernelVariant {
   TileGeometry tile{};
 };
 
+// The shape class of an op that runs one kernel for every shape (the dequantize and quantize ops, the 4-bit
+// transposed products): its table has one line per device generation.
+enum class AnyShape { All };
+
 inline constexpr DeviceCaps kPortableDevice{};  // every Apple GPU from M1 (Apple7, MSL 3.1)
 // Apple M5 (MTLGPUFamilyApple10) with MSL 4.0: Metal 4 tensor ops (mpp::tensor_ops::matmul2d). The mps launcher
 // reports MSL 4.0 only where it loaded the lowbit_apple10 library (csrc/metal/metallib.py: macOS 26.2 and up).
@@ -110,6 +114,16 @@ const KernelVariant<Class>& pick_variant(const KernelVariant<Class> (&table)[N],
     last = &v;
   }
   return last ? *last : pick_variant(table, cls, t.caps);
+}
+// As above, for a class whose kernels hold more threads than any other (a multi-row GEMV holds its rows in
+// registers): where its line's pipeline takes fewer threads than its geometry needs, `narrower`'s line runs (a
+// class that computes any shape in fewer threads, such as the tiled GEMM).
+template <class Class, size_t N>
+const KernelVariant<Class>& pick_variant(const KernelVariant<Class> (&table)[N], Class cls, Class narrower,
+                                         const Target& t, at::ScalarType dtype) {
+  const KernelVariant<Class>& v = pick_variant(table, cls, t, dtype);
+  if (cls == narrower || v.tile.threads == 0 || t.fits(kernel_name(v.base, dtype), v.tile.threads)) return v;
+  return pick_variant(table, narrower, t, dtype);
 }
 template <class Class, size_t N>
 const char* pick_kernel(const KernelVariant<Class> (&table)[N], Class cls, const DeviceCaps& device) {

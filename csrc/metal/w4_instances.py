@@ -31,9 +31,9 @@ def lines(path):
         for dtype in DTYPES:
             for scale_suffix, scale in SCALES:
                 for offset_suffix, offset in OFFSETS:
-                    f = f"{func}<{dtype}, {scale}, {offset}{extra}>"
-                    name = f"{base}_{dtype}_{scale_suffix}_{offset_suffix}"
-                    out.append(f'template [[host_name("{name}")]] [[kernel]] decltype({f}) {f};')
+                    # metal/instantiate.h: host_name <base>_<dtype>_<scale>_<offset>
+                    out.append(f"LOWBIT_KERNEL_VARIANT({base}, {scale_suffix}_{offset_suffix}, {func}, {dtype}, "
+                               f"{scale}, {offset}{extra})")
     return out
 
 
