@@ -25,6 +25,10 @@ enum class W4Scale : int32_t {
   E4M3 = 3,  // float8_e4m3fn (or its bits in uint8): NVFP4
   E8M0 = 4,  // 2^(b - 127), 0xFF is NaN (OCP microscaling, or torch.float8_e8m0fnu): MXFP4
 };
+// Bytes of one stored scale.
+constexpr int64_t w4_scale_bytes(W4Scale s) {
+  return s == W4Scale::F32 ? 4 : (s == W4Scale::F16 || s == W4Scale::BF16) ? 2 : 1;
+}
 constexpr uint32_t w4_scale_bit(W4Scale s) { return 1u << int32_t(s); }
 constexpr uint32_t kW4FloatScales = w4_scale_bit(W4Scale::F32) | w4_scale_bit(W4Scale::F16) | w4_scale_bit(W4Scale::BF16);
 

@@ -12,11 +12,14 @@ namespace lowbit::cpu {
 
 constexpr int64_t kGemvPrefetchBytes = 2048;
 
-// The address kGemvPrefetchBytes ahead of byte p of row r, in a tile of nr rows of K bytes at w: in the same row,
-// or past its end in row r of the next tile (at the same offset p where rows are shorter than the distance).
-inline const char* gemv_prefetch_target(const void* w, int64_t K, int r, int nr, int64_t p) {
+// The address `ahead` bytes (kGemvPrefetchBytes unless given) past byte p of row r, in a tile of nr rows of K
+// bytes at w: in the same row, or past its end in row r of the next tile (at the same offset p where rows are
+// shorter than the distance). A tile that reads a second stream beside the weight's (its group scales) fetches it
+// as far ahead in codes: a proportionally shorter distance.
+inline const char* gemv_prefetch_target(const void* w, int64_t K, int r, int nr, int64_t p,
+                                        int64_t ahead = kGemvPrefetchBytes) {
   const char* b = static_cast<const char*>(w);
-  const int64_t q = p + kGemvPrefetchBytes;
+  const int64_t q = p + ahead;
   return q < K ? b + r * K + q : b + (nr + r) * K + std::min(q - K, p);
 }
 

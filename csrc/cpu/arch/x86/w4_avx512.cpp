@@ -378,6 +378,11 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
   const __m512i lane_group = kSmall ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
   // codes per scaling of the sums: a step, a group, or the row
   const int64_t per = kSmall ? kW4Bf16Step : op.G <= 1 ? Kp : op.group;
+  // the rows' scales are a second stream (an eighth of the codes' bytes for nvfp4's): fetched as far ahead in
+  // codes as the codes are, or their misses stall every step that scales its sums
+  const int64_t sb = w4_scale_bytes(op.scale_enc), srow = std::max<int64_t>(op.G, 1) * sb;
+  const char* srows = static_cast<const char*>(op.scale) + n0 * srow;
+  const int64_t s_ahead = std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * sb);
   for (int64_t k = 0, g = 0; k < Kp; g++) {
     for (const int64_t end = std::min(Kp, k + per); k < end; k += kW4Bf16Step) {
       if (k < full) step_bf16<MR, NR, true>(part, x, ldx, w, rb, k, kW4Bf16Step, table);
@@ -389,8 +394,10 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
       base = g0 & ~int64_t(15);
       const int64_t count = std::min<int64_t>(16, std::max<int64_t>(op.G, 1) - base);
 #pragma GCC unroll 4
-      for (int r = 0; r < NR; r++)
+      for (int r = 0; r < NR; r++) {
+        _mm_prefetch(gemv_prefetch_target(srows, srow, r, NR, base * sb, s_ahead), kPrefetchHint);
         _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
+      }
     }
     if constexpr (kSmall) {
       const __m512i idx = _mm512_add_epi32(lane_group, _mm512_set1_epi32(int(g0 - base)));
