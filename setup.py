@@ -109,7 +109,10 @@ EMU_INCLUDES = [os.path.join(ROOT, "csrc", "emu", "include"), os.path.join(ROOT,
 
 
 def emu_flags():
-    flags = ["-std=c++20", "-O2", "-g0", "-fPIC", "-fno-strict-aliasing", "-Wno-unused-variable"]
+    # -fvisibility=hidden: each library keeps its own kernel state. g++ gives the static locals of template kernels
+    # (their threadgroup arrays and epochs) STB_GNU_UNIQUE binding, one copy per process, which the emulator, its
+    # traffic build and the tests' planted libraries would otherwise share; only the C API is exported.
+    flags = ["-std=c++20", "-O2", "-g0", "-fPIC", "-fno-strict-aliasing", "-Wno-unused-variable", "-fvisibility=hidden"]
     if IS_X86:
         flags.append("-mf16c")  # _Float16 conversions in hardware; the emulator is a test tool
     if IS_MAC:

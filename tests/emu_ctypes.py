@@ -23,7 +23,7 @@ PLANTED = os.path.join(ROOT, "tests", "planted")
 sys.path.insert(0, EMU)
 import msl_prep  # noqa: E402
 
-FLAGS = ["-std=c++20", "-O2", "-g0", "-fPIC", "-fno-strict-aliasing", "-w",
+FLAGS = ["-std=c++20", "-O2", "-g0", "-fPIC", "-fno-strict-aliasing", "-w", "-fvisibility=hidden",  # as setup.py's
          "-I", os.path.join(EMU, "include"), "-I", os.path.join(ROOT, "metal"), "-I", PLANTED]
 if os.uname().machine in ("x86_64", "amd64"):
     FLAGS.append("-mf16c")

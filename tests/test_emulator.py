@@ -305,3 +305,29 @@ def test_device_caps_switch_sets_and_restores():
         with torch_lowbit.emulator.device_caps(apple_family=9):
             raise RuntimeError("boom")
     assert caps() == (7, 301)
+
+
+def _exported_kernel_state(path):
+    """Dynamic symbols of a library that one copy per process would bind: STB_GNU_UNIQUE ones (g++'s binding of a
+    template kernel's static locals: its threadgroup arrays and their epochs) and any exported threadgroup storage.
+    The C++ library's own (std::, statically linked into the traffic build) are not the kernels'."""
+    import re
+    import subprocess
+    out = subprocess.run(["readelf", "-W", "--dyn-syms", path], capture_output=True, text=True, check=True).stdout
+    names = [(line.split()[-1], " UNIQUE " in line, " UND " in line) for line in out.splitlines() if line.strip()]
+    return [n for n, unique, undefined in names
+            if (unique and not re.match(r"_ZZ?N?St", n)) or ("msl_tg_" in n and not undefined)]
+
+
+@pytest.mark.skipif(not os.uname().sysname == "Linux" or not __import__("shutil").which("readelf"),
+                    reason="reads ELF symbol tables")
+@pytest.mark.parametrize("which", ["_msl_emu", "_msl_trace", "planted"])
+def test_each_emulator_library_keeps_its_kernel_state(which):
+    # The shipped emulator, its traffic build and the planted-kernel libraries are loaded into one test process and
+    # instantiate the same template kernels; with one process-wide copy of each kernel's threadgroup storage, one
+    # library's run would see another's arrays and epochs. Before -fvisibility=hidden each library exported ~850.
+    path = E.build([GEMV, MMA_BARRIER]) if which == "planted" else torch_lowbit.emulator._library(which)
+    if path is None:
+        pytest.skip(f"{which} is not built")
+    shared = _exported_kernel_state(path)
+    assert not shared, f"{os.path.basename(path)} exports {len(shared)} per-process kernel symbols, e.g. {shared[:3]}"

@@ -618,6 +618,8 @@ std::string launch_limit_errors(const char* kernel, int nbuf, const size_t* size
 }
 }  // namespace
 
+// The libraries build with hidden visibility (setup.py emu_flags); their C API, found by dlsym, is exported.
+#pragma GCC visibility push(default)
 extern "C" {
 // flags per buffer: 1 = copy back to host after the run, 2 = output only (start poisoned with 0xFF, not copied in),
 // 4 = a value (setBytes: at most 4 KiB). residues (may be null: all 0): each buffer's byte offset on the device
@@ -673,3 +675,4 @@ void msl_emu_set_tensor_ops(int layout, int sum_order, unsigned seed) {
 void msl_emu_set_natural_tg_alignment(int on) { msl::rt::g_natural_tg_alignment = on != 0; }
 int msl_emu_has_kernel(const char* kernel) { return msl::rt::find_kernel(kernel) != nullptr; }
 }
+#pragma GCC visibility pop
