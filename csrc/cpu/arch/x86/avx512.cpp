@@ -11,6 +11,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "cpu/arch/kernel_set.h"
+#include "cpu/arch/x86/avx512_sums.h"
 #include "cpu/arch/x86/fp8_avx2.h"
 #include "cpu/arch/x86/target.h"
 #include "cpu/gemv_prefetch.h"
@@ -91,8 +92,7 @@ LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t
       for (int r = 0; r < NR; r++)
         tot[m][r] = kBlock ? _mm512_fmadd_ps(_mm512_set1_ps(bscale[r][s]), acc[m][r], tot[m][r]) : acc[m][r];
   }
-  for (int m = 0; m < MR; m++)
-    for (int r = 0; r < NR; r++) sums[m * NR + r] = _mm512_reduce_add_ps(tot[m][r]);
+  for (int m = 0; m < MR; m++) store_row_sums<NR>(tot[m], sums + m * NR);
   for (int r = 0; r < NR; r++) nan[r] = nan[r] || avx2::has_nan_code(nan_acc[r]);
 }
 
@@ -176,8 +176,7 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
         tot[m][r] = kBlock ? _mm512_fmadd_ps(_mm512_set1_ps(bscale[r][s]), a, tot[m][r]) : a;
       }
   }
-  for (int m = 0; m < MR; m++)
-    for (int r = 0; r < NR; r++) sums[m * NR + r] = _mm512_reduce_add_ps(tot[m][r]);
+  for (int m = 0; m < MR; m++) store_row_sums<NR>(tot[m], sums + m * NR);
 }
 
 using GemvBf16Fn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const float* const*, const KSegments&,

@@ -13,6 +13,7 @@
 #include "cpu/arch/x86/target.h"
 
 #include <immintrin.h>
+#include "cpu/arch/x86/avx512_sums.h"
 #include "cpu/gemv_prefetch.h"
 
 namespace lowbit::cpu {
@@ -263,9 +264,11 @@ LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const W4Opera
   if constexpr (kWalk == Walk::Aligned) gemv_aligned<MR, NR>(acc, x, ldx, op, n0);
   else if constexpr (kWalk == Walk::G16) gemv_g16<MR, NR>(acc, x, ldx, op, n0);
   else gemv_general<MR, NR>(acc, x, ldx, op, n0);
-  for (int m = 0; m < MR; m++)
-    for (int r = 0; r < NR; r++)
-      sums[m * NR + r] = _mm512_reduce_add_ps(kAccs<MR> == 1 ? acc[m][r][0] : _mm512_add_ps(acc[m][r][0], acc[m][r][1]));
+  for (int m = 0; m < MR; m++) {
+    __m512 row[NR];
+    for (int r = 0; r < NR; r++) row[r] = kAccs<MR> == 1 ? acc[m][r][0] : _mm512_add_ps(acc[m][r][0], acc[m][r][1]);
+    store_row_sums<NR>(row, sums + m * NR);
+  }
 }
 
 template <Walk kWalk>
@@ -410,9 +413,7 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
     scale_parts<MR, NR>(tot, part, s);
   }
 #pragma GCC unroll 4
-  for (int m = 0; m < MR; m++)
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; r++) sums[m * NR + r] = _mm512_reduce_add_ps(tot[m][r]);
+  for (int m = 0; m < MR; m++) store_row_sums<NR>(tot[m], sums + m * NR);
 }
 
 using W4GemvBf16Fn = void (*)(const uint16_t*, int64_t, const W4Operand&, int64_t, float*);
