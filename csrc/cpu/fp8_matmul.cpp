@@ -37,24 +37,25 @@ inline float finish(const Fp8Operand& op, int64_t n, float sum, bool nan) {
   return op.bias ? v + op.bias[n] : v;
 }
 
-// finish() for a panel of the GEMM: sums s [nr][mb] (weight rows r0.., transposed) into out [mb][ldo] columns
-// r0.., through 16 x 16 blocks so that the sums are read and out is written along their rows (element by element,
-// the transposed loop took a sixth of the GEMM's time at N = 14336, M = 64): (sum * unscale) * mul (+ add), the
-// multipliers and addends of columns [n0, n0 + rn) from columns(n0, rn, mul, add).
+// finish() for a tile of the GEMM's output: the sums of columns [r0, r0 + nr) (s: their rows of the transposed
+// sums, row stride lds) for rows [m_begin, m_end) into out [..][ldo], through 16 x 16 blocks so that the sums are
+// read and out is written along their rows (element by element, the transposed loop took a sixth of the GEMM's
+// time at N = 14336, M = 64): (sum * unscale) * mul (+ add), the multipliers and addends of columns
+// [n0, n0 + rn) from columns(n0, rn, mul, add).
 template <typename T, typename Columns>
-void finish_panel(const float* s, int64_t mb, int64_t r0, int64_t nr, float unscale, bool has_add, Columns&& columns,
-                  T* out, int64_t ldo) {
+void finish_tile(const float* s, int64_t lds, int64_t m_begin, int64_t m_end, int64_t r0, int64_t nr, float unscale,
+                 bool has_add, Columns&& columns, T* out, int64_t ldo) {
   constexpr int64_t kB = 16;
   for (int64_t rb = 0; rb < nr; rb += kB) {
     const int64_t rn = std::min(kB, nr - rb);
     float scale[kB], bias[kB];
     columns(r0 + rb, rn, scale, bias);
-    for (int64_t m0 = 0; m0 < mb; m0 += kB) {
-      const int64_t mn = std::min(kB, mb - m0);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kB) {
+      const int64_t mn = std::min(kB, m_end - m0);
       float t[kB][kB];
       for (int64_t i = 0; i < rn; i++)
         for (int64_t j = 0; j < mn; j++) {
-          const float v = s[(rb + i) * mb + m0 + j] * unscale * scale[i];
+          const float v = s[(rb + i) * lds + m0 + j] * unscale * scale[i];
           t[j][i] = has_add ? v + bias[i] : v;
         }
       for (int64_t j = 0; j < mn; j++)
@@ -132,9 +133,11 @@ constexpr int64_t kWindowBytes = 512 << 10;
 constexpr int64_t kBf16SliceBytes = 128 << 10;
 // The smallest window worth a pass over the panels, whatever M: below it the calls' fixed costs dominate.
 constexpr int64_t kMinWindow = 256;
-// The sums kept across windows (fp32 [N][M block]) take at most about this much: larger M goes in M blocks, each
-// decoding the weights again.
-constexpr int64_t kSumsBytes = 32 << 20;
+// The output tiles of the finishing pass (after an M block's last window): rows x columns. Each task writes whole
+// runs of its rows: when each weight panel's task wrote its own 64 columns of every row of a large M block, the
+// writes (32 bytes per row, rows tens of KB apart: a TLB miss and a partial line each) took longer than the
+// products (M = 4096, N = 3072 on 16 Sapphire Rapids cores: 3x the GEMM's own time).
+constexpr int64_t kFinishRows = 16, kFinishCols = 1024;
 
 // The panel decoders pad only to a whole chunk; a short last segment would leave stale scratch (maybe NaN) up
 // to the segment's padded length, which the zero-padded activations still multiply (0 * NaN = NaN).
@@ -177,8 +180,7 @@ void windowed_gemm(const Engine& eng, const T* x, int64_t M, T* out, int64_t ldo
   using Act = typename Engine::Act;
   const KSegments& seg = eng.seg;
   const int64_t N = eng.N(), K = seg.K, R = Engine::kRows, panels = ceil_div(N, R);
-  const int64_t blocks = ceil_div(M * N * 4, kSumsBytes);
-  const int64_t Mb = std::min(M, ceil_div(ceil_div(M, blocks), Engine::kCols) * Engine::kCols);
+  const int64_t Mb = eng.m_block(M);
   float* sums = scratch<float>(Slot::Accum, size_t(N * Mb + ceil_div(N, 4)));
   bool* nan = reinterpret_cast<bool*>(sums + N * Mb);
   for (int64_t m0 = 0; m0 < M; m0 += Mb) {
@@ -193,7 +195,7 @@ void windowed_gemm(const Engine& eng, const T* x, int64_t M, T* out, int64_t ldo
       act_at[g0] = 0;
       for (g1 = g0; g1 < nw; g1++) {  // at least one window
         const int64_t end = act_at[g1] + eng.act_elems(mb, windows[g1]);
-        if (g1 > g0 && end * int64_t(sizeof(Act)) > Engine::kGroupBytes) break;
+        if (g1 > g0 && end * int64_t(sizeof(Act)) > eng.group_bytes(mb)) break;
         act_at[g1 + 1] = end;
       }
       Act* xp = scratch<Act>(Slot::Activations, size_t(act_at[g1]));
@@ -215,9 +217,16 @@ void windowed_gemm(const Engine& eng, const T* x, int64_t M, T* out, int64_t ldo
           eng.decode(windows[wi], r0, nr, panel, nan + r0);
           eng.multiply(windows[wi], r0, nr, panel, xp + act_at[wi], mb, wi == 0, s);
         }
-        if (g1 == nw) eng.finish(s, mb, nan, r0, nr, out + m0 * ldo, ldo);
       });
     }
+    const int64_t col_tiles = ceil_div(N, kFinishCols);
+    at::parallel_for(0, ceil_div(mb, kFinishRows) * col_tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; t++) {
+        const int64_t r = t / col_tiles * kFinishRows, n0 = t % col_tiles * kFinishCols;
+        eng.finish(sums + n0 * mb, mb, r, std::min(mb, r + kFinishRows), nan, n0, std::min(kFinishCols, N - n0),
+                   out + m0 * ldo, ldo);
+      }
+    });
   }
   release_scratch_above_cap(Slot::Activations);
   release_scratch_above_cap(Slot::Accum);
@@ -245,8 +254,13 @@ struct Fp32Engine {
 
   int64_t N() const { return op.N; }
   static constexpr int terms() { return 1; }
-  void finish(const float* s, int64_t mb, const bool* nan, int64_t r0, int64_t nr, T* out, int64_t ldo) const {
-    finish_panel(s, mb, r0, nr, kDecodeUnscale, op.bias != nullptr,
+  // M blocks: the sums kept across windows (fp32 [N][M block]) take at most about 32 MB; each block decodes the
+  // weights again
+  int64_t m_block(int64_t M) const { return std::min(M, ceil_div(M, ceil_div(M * op.N * 4, int64_t(32) << 20))); }
+  static constexpr int64_t group_bytes(int64_t) { return kGroupBytes; }
+  void finish(const float* s, int64_t lds, int64_t m_begin, int64_t m_end, const bool* nan, int64_t r0, int64_t nr,
+              T* out, int64_t ldo) const {
+    finish_tile(s, lds, m_begin, m_end, r0, nr, kDecodeUnscale, op.bias != nullptr,
                  [&](int64_t n0, int64_t rn, float* mul, float* add) {
                    for (int64_t i = 0; i < rn; i++) {
                      mul[i] = column_scale(op, n0 + i, nan[n0 + i]);
@@ -334,18 +348,28 @@ struct Bf16Engine {
   // packed activations of a group, in L2 with a decoded slice: measured at M = 64-256 on 16 and 2 Sapphire Rapids
   // cores, 0.5 and 2 MB within the noise of 1 MB
   static constexpr int64_t kGroupBytes = 1 << 20;
+  static constexpr int64_t kPanelSumsBytes = 128 << 10, kLargeGroupBytes = 16 << 20;
   const PanelWeight& pw;
   bool block = pw.block;
   KSegments seg = k_segments_for(block, pw.block_k, pw.K, kChunkLen);
 
   int64_t N() const { return pw.N; }
   int terms() const { return pw.terms; }
+  // M blocks: each panel's sums ([kRows][M block] fp32) stay in its thread's L2 through all of K. Blocks of 512
+  // rows measured 1.2-3x faster than 2048 at M = 4096 on 16 Sapphire Rapids cores; a block decodes the weights
+  // again, which at 512 rows costs a few percent.
+  int64_t m_block(int64_t M) const { return std::min(M, kPanelSumsBytes / (kRows * 4) / kCols * kCols); }
+  // A full M block's activations do not stay in L2 beside its panel sums anyway: its groups span up to 16 MB (all of
+  // K for bf16 x at K <= 16384), so that a panel's sums are finished before its thread takes the next panel (groups
+  // of 1 MB brought every panel's sums back from L3 once a group: 1.1-1.4x slower at M = 1024-4096).
+  static int64_t group_bytes(int64_t mb) { return mb * kRows * 4 >= kPanelSumsBytes ? kLargeGroupBytes : kGroupBytes; }
   int64_t max_width(int64_t mb, const KSegments&) const {
     return std::min(kBf16SliceBytes / (kRows * 2 * pw.terms),
                     std::max(kMinWindow, kWindowBytes / (kBf16Terms<T> * mb * 2)));
   }
-  void finish(const float* s, int64_t mb, const bool*, int64_t r0, int64_t nr, T* out, int64_t ldo) const {
-    finish_panel(s, mb, r0, nr, pw.unscale, pw.has_add,
+  void finish(const float* s, int64_t lds, int64_t m_begin, int64_t m_end, const bool*, int64_t r0, int64_t nr, T* out,
+              int64_t ldo) const {
+    finish_tile(s, lds, m_begin, m_end, r0, nr, pw.unscale, pw.has_add,
                  [&](int64_t n0, int64_t rn, float* mul, float* add) { pw.columns(n0, rn, mul, add); }, out, ldo);
   }
   int64_t act_elems(int64_t mb, const KWindow& w) const { return kBf16Terms<T> * mb * w.width(); }
