@@ -271,10 +271,11 @@ def test_fp8_gemm_window_groups(amx, layout, threads):
 
 @pytest.mark.parametrize("layout", ["channel", "block16x48"])
 def test_fp8_gemm_row_blocks_and_scratch_release(amx, layout):
-    # enough rows that the GEMM's fp32 sums ([N, M]) go in two row blocks; that buffer is past the cap of what a
-    # thread keeps, so it is given back after the call
+    # enough rows that the GEMM's fp32 sums ([N, M]) go in several row blocks, and enough columns that one block's
+    # sums are past the cap of what a thread keeps under either engine (AMX: blocks of 256 rows), so that buffer is
+    # given back after the call
     g = torch.Generator().manual_seed(16)
-    M, N, K = 1100, 8192, 70
+    M, N, K = 1100, 16640, 70
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     bits = random_fp8_bits((N, K), g)
     block = _LAYOUTS[layout]

@@ -195,7 +195,7 @@ void windowed_gemm(const Engine& eng, const T* x, int64_t M, T* out, int64_t ldo
       act_at[g0] = 0;
       for (g1 = g0; g1 < nw; g1++) {  // at least one window
         const int64_t end = act_at[g1] + eng.act_elems(mb, windows[g1]);
-        if (g1 > g0 && end * int64_t(sizeof(Act)) > eng.group_bytes(mb)) break;
+        if (g1 > g0 && end * int64_t(sizeof(Act)) > Engine::kGroupBytes) break;
         act_at[g1 + 1] = end;
       }
       Act* xp = scratch<Act>(Slot::Activations, size_t(act_at[g1]));
@@ -257,7 +257,6 @@ struct Fp32Engine {
   // M blocks: the sums kept across windows (fp32 [N][M block]) take at most about 32 MB; each block decodes the
   // weights again
   int64_t m_block(int64_t M) const { return std::min(M, ceil_div(M, ceil_div(M * op.N * 4, int64_t(32) << 20))); }
-  static constexpr int64_t group_bytes(int64_t) { return kGroupBytes; }
   void finish(const float* s, int64_t lds, int64_t m_begin, int64_t m_end, const bool* nan, int64_t r0, int64_t nr,
               T* out, int64_t ldo) const {
     finish_tile(s, lds, m_begin, m_end, r0, nr, kDecodeUnscale, op.bias != nullptr,
@@ -348,21 +347,17 @@ struct Bf16Engine {
   // packed activations of a group, in L2 with a decoded slice: measured at M = 64-256 on 16 and 2 Sapphire Rapids
   // cores, 0.5 and 2 MB within the noise of 1 MB
   static constexpr int64_t kGroupBytes = 1 << 20;
-  static constexpr int64_t kPanelSumsBytes = 128 << 10, kLargeGroupBytes = 16 << 20;
+  static constexpr int64_t kPanelSumsBytes = 64 << 10;
   const PanelWeight& pw;
   bool block = pw.block;
   KSegments seg = k_segments_for(block, pw.block_k, pw.K, kChunkLen);
 
   int64_t N() const { return pw.N; }
   int terms() const { return pw.terms; }
-  // M blocks: each panel's sums ([kRows][M block] fp32) stay in its thread's L2 through all of K. Blocks of 512
-  // rows measured 1.2-3x faster than 2048 at M = 4096 on 16 Sapphire Rapids cores; a block decodes the weights
-  // again, which at 512 rows costs a few percent.
+  // M blocks of 256 rows: each panel's sums ([kRows][M block] fp32, 64 KB) stay in its thread's L2 from group to
+  // group. On 16 Sapphire Rapids cores 256 rows ran M = 1024-4096 (K, N = 3072-12288) within 0.9-1.1x of 512 and
+  // 1024 rows, except M = 1024, N = 12288 (0.6x); a block decodes the weights again, a few percent of its time.
   int64_t m_block(int64_t M) const { return std::min(M, kPanelSumsBytes / (kRows * 4) / kCols * kCols); }
-  // A full M block's activations do not stay in L2 beside its panel sums anyway: its groups span up to 16 MB (all of
-  // K for bf16 x at K <= 16384), so that a panel's sums are finished before its thread takes the next panel (groups
-  // of 1 MB brought every panel's sums back from L3 once a group: 1.1-1.4x slower at M = 1024-4096).
-  static int64_t group_bytes(int64_t mb) { return mb * kRows * 4 >= kPanelSumsBytes ? kLargeGroupBytes : kGroupBytes; }
   int64_t max_width(int64_t mb, const KSegments&) const {
     return std::min(kBf16SliceBytes / (kRows * 2 * pw.terms),
                     std::max(kMinWindow, kWindowBytes / (kBf16Terms<T> * mb * 2)));
