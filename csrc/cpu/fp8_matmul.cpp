@@ -355,8 +355,8 @@ struct Bf16Engine {
   int64_t N() const { return pw.N; }
   int terms() const { return pw.terms; }
   // M blocks of 256 rows: each panel's sums ([kRows][M block] fp32, 64 KB) stay in its thread's L2 from group to
-  // group. On 16 Sapphire Rapids cores 256 rows ran M = 1024-4096 (K, N = 3072-12288) within 0.9-1.1x of 512 and
-  // 1024 rows, except M = 1024, N = 12288 (0.6x); a block decodes the weights again, a few percent of its time.
+  // group. On 16 Sapphire Rapids cores 256-row blocks took 0.9-1.1x the time of 512- and 1024-row ones at M = 1024-4096
+  // (K, N = 3072-12288), and 0.6x at M = 1024, N = 12288; a block decodes the weights again, a few percent of its time.
   int64_t m_block(int64_t M) const { return std::min(M, kPanelSumsBytes / (kRows * 4) / kCols * kCols); }
   int64_t max_width(int64_t mb, const KSegments&) const {
     return std::min(kBf16SliceBytes / (kRows * 2 * pw.terms),
