@@ -84,6 +84,8 @@ def test_every_supported_set_matches_the_references(host_objects):
 
 # Planted bugs in the x86 sets: (file, text, replacement, what the harness must notice)
 X86_PLANTS = [
+    ("csrc/cpu/arch/x86/avx512.cpp", "r[4 + c] = _mm512_shuffle_i32x4(a0, b0, 0xDD);",
+     "r[4 + c] = _mm512_shuffle_i32x4(a0, b0, 0x88);", "the AMX activation pack's transpose repeats a column"),
     ("csrc/cpu/arch/x86/avx2.cpp", "nan[r] = nan[r] || avx2::has_nan_code(nan_acc);", "nan[r] = nan[r];",
      "a NaN code neither flagged nor decoded NaN (fp32 panel decode)"),
     ("csrc/cpu/arch/x86/avx2.cpp", "_mm256_permute4x64_epi64(p, 0xD8)", "_mm256_permute4x64_epi64(p, 0xE4)",

@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <cmath>
 #include <limits>
@@ -332,6 +333,15 @@ constexpr int64_t kBf16Panel = 64;
 constexpr int64_t kBf16Cols = 64;
 constexpr int64_t kBf16Depth = 512;
 
+static_assert(2 * kVnniPackUnits == kBf16Chunk, "a pack block of bf16 pairs is one chunk");
+
+// The VNNI pair each pair of a chunk's codes goes to under a PanelWeight's order (its pairs hold consecutive codes).
+inline std::array<uint8_t, kVnniPackUnits> pair_destinations(const uint8_t* order) {
+  std::array<uint8_t, kVnniPackUnits> to{};
+  for (int q = 0; q < kBf16Chunk; q += 2) to[order[q] / 2] = uint8_t(q / 2);
+  return to;
+}
+
 // On a CPU with AMX (amx_gemm_available): decoded bf16 panels of a PanelWeight times the packed activation terms
 // in torch's oneDNN brgemm, fp32 accumulation; at M = 64 (fp8), 3x (bf16, half x) and 2x (float x) faster there
 // than fp32 panels in the fp32 GEMM. For fp8 the sums are the fp32 path's: decoded weights and bf16 terms are exact
@@ -351,6 +361,10 @@ struct Bf16Engine {
   const PanelWeight& pw;
   bool block = pw.block;
   KSegments seg = k_segments_for(block, pw.block_k, pw.K, kChunkLen);
+  // the kernel set's pack of full blocks of bf16 x (null: every block by the scalar loop), and where it puts each
+  // pair of a chunk
+  VnniPackFn pack = kernel_set().vnni_pack;
+  std::array<uint8_t, kVnniPackUnits> pack_to = pair_destinations(pw.order);
 
   int64_t N() const { return pw.N; }
   int terms() const { return pw.terms; }
@@ -370,16 +384,27 @@ struct Bf16Engine {
   int64_t act_elems(int64_t mb, const KWindow& w) const { return kBf16Terms<T> * mb * w.width(); }
   // term t at dst + t * mb * width; for each block of kBf16Cols rows, the block of rows c0.. (width cw) at
   // + c0 * width in VNNI pairs (brgemm.h), positions segment by segment in the weight's order, zero padded.
-  // A pack item is one chunk of positions for all rows: a VNNI row interleaves the rows, so items split by row
-  // would share every cache line they write.
-  int64_t pack_items(int64_t, const KWindow& w) const { return w.width() / kBf16Chunk; }
+  // A pack item is kVnniPackRows rows of one chunk of positions: 16 rows' pairs are a whole cache line of a VNNI
+  // row (kBf16Cols = 64 rows), so items never share a line but at a short last block, and a thread's run of
+  // items reads its rows' codes in order.
+  int64_t pack_items(int64_t mb, const KWindow& w) const {
+    return ceil_div(mb, kVnniPackRows) * (w.width() / kBf16Chunk);
+  }
   void pack_item(const T* x, int64_t mb, const KSegments& seg, const KWindow& w, int64_t item, uint16_t* dst) const {
-    const int64_t width = w.width(), sw = w.seg_width(), chunks = sw / kBf16Chunk;
-    const int64_t s = w.s0 + item / chunks, c = item % chunks * kBf16Chunk, p = (s - w.s0) * sw + c;
+    const int64_t width = w.width(), sw = w.seg_width(), chunks = sw / kBf16Chunk, per_rows = width / kBf16Chunk;
+    const int64_t m_lo = item / per_rows * kVnniPackRows, m_hi = std::min(mb, m_lo + kVnniPackRows);
+    const int64_t ci = item % per_rows, s = w.s0 + ci / chunks, c = ci % chunks * kBf16Chunk;
+    const int64_t p = (s - w.s0) * sw + c, c0 = m_lo / kBf16Cols * kBf16Cols, cw = std::min(kBf16Cols, mb - c0);
     int64_t k0;
     const int64_t n = w.codes(seg, s, &k0);
-    for (int64_t m = 0; m < mb; m++) {
-      const int64_t c0 = m / kBf16Cols * kBf16Cols, cw = std::min(kBf16Cols, mb - c0);
+    if constexpr (kBf16Terms<T> == 1) {
+      if (pack != nullptr && m_hi - m_lo == kVnniPackRows && c + kBf16Chunk <= n) {
+        pack(x + m_lo * seg.K + k0 + c, seg.K * 2, pack_to.data(),
+             reinterpret_cast<uint32_t*>(dst + c0 * width + p * cw) + (m_lo - c0), cw);
+        return;
+      }
+    }
+    for (int64_t m = m_lo; m < m_hi; m++) {
       const T* src = x + m * seg.K + k0;
       // positions q, q + 1 (one VNNI pair) hold consecutive codes (PanelWeight::order): for bf16 x one 32-bit copy
       uint16_t* row = dst + c0 * width + p * cw + (m - c0) * 2;

@@ -577,6 +577,37 @@ void check_xor_words(const KernelSet& s) {
   }
 }
 
+// The VNNI activation pack (where a set has one): every unit of the block where `to` sends it, nothing else written;
+// rows at an odd stride from an odd address, a random permutation of the units, VNNI rows wider than the block.
+void check_vnni_pack(const KernelSet& s) {
+  CHECK(s.vnni_pack != nullptr || !s.amx_gemm, "a set with amx_gemm has a vnni_pack");
+  if (!s.vnni_pack) return;
+  for (int64_t ldd : {int64_t(kVnniPackRows), int64_t(64), int64_t(37)}) {
+    const int64_t ldx = 4 * kVnniPackUnits + 13;  // bytes
+    Buf<uint8_t> x(size_t(kVnniPackRows * ldx + 1));
+    for (size_t i = 0; i < x.n; i++) x[i] = uint8_t(g_rng());
+    std::array<uint8_t, kVnniPackUnits> to{};
+    for (int j = 0; j < kVnniPackUnits; j++) to[size_t(j)] = uint8_t(j);
+    std::shuffle(to.begin(), to.end(), g_rng);
+    const uint32_t sentinel = 0xDEADBEEF;
+    Buf<uint32_t> dst(size_t(kVnniPackUnits * ldd), sentinel);
+    const uint8_t* rows = x.p + 1;
+    s.vnni_pack(rows, ldx, to.data(), dst.p, ldd);
+    std::vector<bool> hit(dst.n, false);
+    for (int64_t i = 0; i < kVnniPackRows; i++)
+      for (int64_t j = 0; j < kVnniPackUnits; j++) {
+        uint32_t want;
+        std::memcpy(&want, rows + i * ldx + 4 * j, 4);
+        const size_t at = size_t(to[size_t(j)] * ldd + i);
+        hit[at] = true;
+        CHECK(dst[at] == want, "vnni_pack ldd=%lld row %lld unit %lld: %08x, want %08x", (long long)ldd,
+              (long long)i, (long long)j, dst[at], want);
+      }
+    for (size_t a = 0; a < dst.n; a++)
+      if (!hit[a]) CHECK(dst[a] == sentinel, "vnni_pack ldd=%lld wrote outside the block at %zu", (long long)ldd, a);
+  }
+}
+
 void check_set(const KernelSet& s, const KernelSet& portable) {
   g_set = s.name;
   const int before = g_failures, checks = g_checks;
@@ -591,6 +622,7 @@ void check_set(const KernelSet& s, const KernelSet& portable) {
   check_axpy(s);
   check_xor_words(s);
   check_w4(s);
+  check_vnni_pack(s);
   std::printf("%s %s: %d checks\n", g_failures == before ? "ok" : "FAILED", s.name, g_checks - checks);
 }
 

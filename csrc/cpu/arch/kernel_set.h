@@ -47,6 +47,12 @@ enum CpuFeature : uint64_t {
 using AxpyRowsFn = void (*)(int64_t mr, const float* c, const float* v, int64_t n, float* acc, int64_t lda);
 // xor of the n words at p (the streaming-read baseline; the value only keeps the reads from being skipped)
 using XorWordsFn = uint64_t (*)(const uint64_t* p, int64_t n);
+// The GEMMs' activation pack into VNNI units (fp8_matmul.cpp's AMX Bf16Engine, int8_mm.cpp's strips), one block of
+// kVnniPackRows rows of x and kVnniPackUnits VNNI units (4 bytes: a pair of bf16 codes, a quad of int8): unit j of
+// row i, the 4 bytes at x + i * ldx + 4 j (ldx in bytes), goes to dst[to[j] * ldd + i]. A row of dst holds one
+// unit of every activation row (brgemm.h's VNNI order).
+constexpr int kVnniPackRows = 16, kVnniPackUnits = 32;
+using VnniPackFn = void (*)(const void* x, int64_t ldx, const uint8_t* to, uint32_t* dst, int64_t ldd);
 
 struct KernelSet {
   const char* name;   // what tests, the bench's --isa and the environment report call it
@@ -59,6 +65,7 @@ struct KernelSet {
   // Whether the GEMM regimes may hand their products to oneDNN's AMX brgemm (brgemm.h), where torch can pack
   // for it: a property of the set because the panels it packs for AMX come from its bf16 decode.
   bool amx_gemm;
+  VnniPackFn vnni_pack;  // null: the callers pack with their scalar loops
 };
 
 // The features this CPU reports (CpuFeature bits).

@@ -157,6 +157,7 @@ const KernelSet& kernel_set_bf16() {
       i8mm.axpy_rows,
       i8mm.xor_words,
       false,  // no AMX on Arm: the GEMM regimes run fp32 panels
+      nullptr,
   };
   return s;
 }

@@ -82,6 +82,7 @@ const KernelSet& kernel_set_dotprod() {
       neon.axpy_rows,
       neon.xor_words,
       false,
+      nullptr,
   };
   return s;
 }

@@ -53,6 +53,7 @@ const KernelSet& kernel_set_i8mm() {
       dotprod.axpy_rows,
       dotprod.xor_words,
       false,
+      nullptr,
   };
   return s;
 }

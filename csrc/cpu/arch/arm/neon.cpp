@@ -276,6 +276,7 @@ const KernelSet& kernel_set_neon() {
       &axpy_rows,
       &xor_words,
       false,
+      nullptr,
   };
   return s;
 }

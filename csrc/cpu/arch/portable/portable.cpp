@@ -159,6 +159,7 @@ const KernelSet& kernel_set_portable() {
       &axpy_rows,
       &xor_words,
       false,
+      nullptr,
   };
   return s;
 }

@@ -357,6 +357,7 @@ const KernelSet& kernel_set_avx2() {
       &axpy_rows,
       &xor_words,
       false,
+      nullptr,
   };
   return s;
 }

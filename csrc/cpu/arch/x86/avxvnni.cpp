@@ -65,6 +65,7 @@ const KernelSet& kernel_set_avxvnni() {
       avx2.axpy_rows,
       avx2.xor_words,
       false,
+      nullptr,
   };
   return s;
 }
