@@ -455,6 +455,20 @@ def test_int8_mm_gemm_epilogue(isa, amx, M, N, K, out_dtype):
                         acc_rtol=4 * 2.0 ** -24)
 
 
+def test_int8_mm_gemm_row_blocks(isa, amx):
+    # the AMX GEMM packs x a block of rows at a time (8 MiB of quads: 128 rows at K = 50001, then a block of 72, one
+    # whole and one narrow brgemm column block); each row's scale and each column's must meet its own sums
+    g = torch.Generator().manual_seed(50001)
+    M, N, K = 200, 19, 50001
+    xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    xs, ws, bias = torch.rand(M, generator=g) + 0.01, torch.rand(N, generator=g) + 0.01, torch.randn(N, generator=g)
+    ref, acc = ref_int8_mm(xq, xs, wq, ws, bias)
+    out = ops.int8_mm(xq, xs, wq, ws, bias, torch.float32)
+    assert_matmul_close(out, ref, acc.abs().double() * xs.double()[:, None] * ws.double() + bias.double().abs(),
+                        acc_rtol=4 * 2.0 ** -24)
+
+
 @pytest.mark.parametrize("K", [1, 7, 31, 32, 33, 64, 4095])  # below, at and past whole vector steps
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_quantize_rows_exact(isa, K, dtype):

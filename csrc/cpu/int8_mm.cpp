@@ -8,6 +8,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <type_traits>
 
 #include "checks.h"
 #include "cpu/brgemm.h"
@@ -72,15 +74,34 @@ void pack_strips(const int8_t* x, int64_t m0, int64_t mb, int64_t K, int64_t Kr,
                  XT* dst, int32_t* sums) {
   static_assert(kPackK % G == 0, "pack items start on a group");
   const int64_t items_per_strip = ceil_div(Kr, kPackK);
+  // int8 quads are 4-byte VNNI units: where the kernel set has a vector pack (kernel_set.h), it moves whole blocks
+  // of kVnniPackRows rows and kVnniPackUnits quads that lie inside the rows and K
+  constexpr bool kQuads = std::is_same_v<XT, int8_t> && G == 4;
+  const VnniPackFn vector_pack = kQuads ? kernel_set().vnni_pack : nullptr;
+  static constexpr std::array<uint8_t, kVnniPackUnits> kInOrder = [] {
+    std::array<uint8_t, kVnniPackUnits> to{};
+    for (int u = 0; u < kVnniPackUnits; u++) to[size_t(u)] = uint8_t(u);
+    return to;
+  }();
+  static_assert(kPackK % (4 * kVnniPackUnits) == 0, "pack items start on a vector block");
   at::parallel_for(0, ceil_div(mb, W) * items_per_strip, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; it++) {
       const int64_t j = it / items_per_strip, k0 = it % items_per_strip * kPackK, k1 = std::min(Kr, k0 + kPackK);
       const int64_t wj = narrow_last ? std::min(W, mb - j * W) : W;
+      XT* strip = dst + j * Kr * W;
+      // rows [0, vr) and positions [k0, kv) of this item by blocks, the rest by the loop below
+      const int64_t block_k = 4 * kVnniPackUnits;
+      const int64_t vr = vector_pack ? std::min(wj, mb - j * W) / kVnniPackRows * kVnniPackRows : 0;
+      const int64_t kv = vr > 0 ? k0 + std::max<int64_t>(0, std::min(k1, K) - k0) / block_k * block_k : k0;
+      for (int64_t r = 0; r < vr; r += kVnniPackRows)
+        for (int64_t k = k0; k < kv; k += block_k)
+          vector_pack(x + (m0 + j * W + r) * K + k, K, kInOrder.data(),
+                      reinterpret_cast<uint32_t*>(strip + k * wj) + r, wj);
       for (int64_t i = 0; i < wj; i++) {
         const int64_t m = j * W + i;
-        XT* d = dst + j * Kr * W + G * i;
+        XT* d = strip + G * i;
         const int8_t* src = m < mb ? x + (m0 + m) * K : nullptr;
-        for (int64_t k = k0; k < k1; k += G) {
+        for (int64_t k = i < vr ? kv : k0; k < k1; k += G) {
           if (src && k + G <= K)
             for (int e = 0; e < G; e++) d[k * wj + e] = XT(src[k + e]);
           else  // past K or past the rows: zeros, which meet the weight's padding
@@ -156,40 +177,49 @@ constexpr int64_t kAmxRows = 64;
 constexpr int64_t kAmxCols = 64;
 constexpr int64_t kAmxDepth = 1024;
 
+// Activation rows packed at a time: a block's packed quads (at most kAmxBlockBytes, or one kAmxCols block) stay
+// in the thread's scratch from call to call, where a packed copy of all of x (M = 4608, K = 12288: 57 MB) was
+// mapped, faulted in and given back on every call; each block reads the weights again.
+constexpr int64_t kAmxBlockBytes = 8 << 20;
+
 // int8 x int8 in AMX tiles, exact int32 sums (AMX adds int32 modulo 2^32, like the other paths). K is padded to
 // whole VNNI quads: x with zeros when packed; when K % 4 != 0, the brgemm reads w from a copy with rows K4 apart.
 template <typename T>
 void gemm_amx(const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K, const Epilogue& ep, T* out) {
   const int64_t K4 = ceil_div(K, 4) * 4;
-  // x in VNNI quads, block by block of kAmxCols rows (width mw, the brgemm's N and ldb): quad q of row b0 + j at
-  // xp + b0 * K4 + (q * mw + j) * 4
-  int8_t* xp = scratch<int8_t>(Slot::Activations, size_t(M * K4));
-  pack_strips<int8_t, 4>(x, 0, M, K, K4, kAmxCols, /*narrow_last=*/true, xp, nullptr);
-  at::parallel_for(0, ceil_div(N, kAmxRows), 1, [&](int64_t b0, int64_t b1) {
-    AmxTileScope amx;
-    int8_t* padded = K4 != K ? scratch<int8_t>(Slot::Panel, size_t(kAmxRows * K4)) : nullptr;
-    int32_t* acc = scratch<int32_t>(Slot::Tile, size_t(kAmxRows * kAmxCols));
-    for (int64_t b = b0; b < b1; b++) {
-      const int64_t r0 = b * kAmxRows, nr = std::min(kAmxRows, N - r0);
-      const int8_t* a = w + r0 * K;
-      if (padded) {
-        // rows K4 apart; what lies past K meets x's zero padding (an exact 0 in integers)
-        for (int64_t r = 0; r < nr; r++) std::copy(w + (r0 + r) * K, w + (r0 + r + 1) * K, padded + r * K4);
-        a = padded;
+  const int64_t Mb = std::min(M, std::max(kAmxCols, kAmxBlockBytes / K4 / kAmxCols * kAmxCols));
+  // a block of x in VNNI quads, kAmxCols rows at a time (width mw, the brgemm's N and ldb): quad q of the block's
+  // row c0 + j at xp + c0 * K4 + (q * mw + j) * 4
+  int8_t* xp = scratch<int8_t>(Slot::Activations, size_t(Mb * K4));
+  for (int64_t mb0 = 0; mb0 < M; mb0 += Mb) {
+    const int64_t mb = std::min(Mb, M - mb0);
+    pack_strips<int8_t, 4>(x, mb0, mb, K, K4, kAmxCols, /*narrow_last=*/true, xp, nullptr);
+    at::parallel_for(0, ceil_div(N, kAmxRows), 1, [&](int64_t b0, int64_t b1) {
+      AmxTileScope amx;
+      int8_t* padded = K4 != K ? scratch<int8_t>(Slot::Panel, size_t(kAmxRows * K4)) : nullptr;
+      int32_t* acc = scratch<int32_t>(Slot::Tile, size_t(kAmxRows * kAmxCols));
+      for (int64_t b = b0; b < b1; b++) {
+        const int64_t r0 = b * kAmxRows, nr = std::min(kAmxRows, N - r0);
+        const int8_t* a = w + r0 * K;
+        if (padded) {
+          // rows K4 apart; what lies past K meets x's zero padding (an exact 0 in integers)
+          for (int64_t r = 0; r < nr; r++) std::copy(w + (r0 + r) * K, w + (r0 + r + 1) * K, padded + r * K4);
+          a = padded;
+        }
+        for (int64_t c0 = 0; c0 < mb; c0 += kAmxCols) {
+          const int64_t mw = std::min(kAmxCols, mb - c0), m0 = mb0 + c0;
+          const int8_t* xb = xp + c0 * K4;
+          for (int64_t k = 0; k < K4; k += kAmxDepth)
+            at::native::cpublas::brgemm(nr, mw, std::min(kAmxDepth, K4 - k), K4, mw, mw, k > 0,
+                                        reinterpret_cast<const signed char*>(a + k),
+                                        reinterpret_cast<const signed char*>(xb + k * mw), acc, true);
+          for (int64_t m = 0; m < mw; m++)
+            for (int64_t r = 0; r < nr; r++) out[(m0 + m) * N + r0 + r] = T(ep(m0 + m, r0 + r, acc[r * mw + m]));
+        }
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kAmxCols) {
-        const int64_t mw = std::min(kAmxCols, M - m0);
-        const int8_t* xb = xp + m0 * K4;
-        for (int64_t k = 0; k < K4; k += kAmxDepth)
-          at::native::cpublas::brgemm(nr, mw, std::min(kAmxDepth, K4 - k), K4, mw, mw, k > 0,
-                                      reinterpret_cast<const signed char*>(a + k),
-                                      reinterpret_cast<const signed char*>(xb + k * mw), acc, true);
-        for (int64_t m = 0; m < mw; m++)
-          for (int64_t r = 0; r < nr; r++) out[(m0 + m) * N + r0 + r] = T(ep(m0 + m, r0 + r, acc[r * mw + m]));
-      }
-    }
-    release_scratch_above_cap(Slot::Panel);
-  });
+      release_scratch_above_cap(Slot::Panel);
+    });
+  }
   release_scratch_above_cap(Slot::Activations);
 }
 
