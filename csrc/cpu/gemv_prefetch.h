@@ -13,17 +13,27 @@ namespace lowbit::cpu {
 
 constexpr int64_t kGemvPrefetchBytes = 2048;
 
-// The address `ahead` bytes (kGemvPrefetchBytes unless given) past byte p along the stream of row r, in a tile of
+// The addresses `ahead` bytes (kGemvPrefetchBytes unless given) past byte p along the stream of row r, in a tile of
 // nr rows of K bytes at w: in the same row, or past its end in row r of a following tile. A tile that reads a second
 // stream beside the weight's (its group scales) fetches it as far ahead in codes: a proportionally shorter distance.
-inline const char* gemv_prefetch_target(const void* w, int64_t K, int r, int nr, int64_t p,
-                                        int64_t ahead = kGemvPrefetchBytes) {
-  const char* b = static_cast<const char*>(w);
-  const int64_t q = p + ahead;
-  if (q < K) return b + r * K + q;
-  if (K >= ahead) return b + (nr + r) * K + (q - K);
-  // rows shorter than the distance: the same offset, as many tiles on as the distance spans (loop-invariant)
-  return b + (((ahead + K - 1) / K) * nr + r) * K + p;
-}
+// Made once per tile: the rows a stream skips to its target are worked out here, not at every step (where a short
+// row's count of tiles was a 64-bit division per step that the compiler left in the loop).
+class GemvPrefetch {
+ public:
+  GemvPrefetch(const void* w, int64_t K, int nr, int64_t ahead = kGemvPrefetchBytes)
+      : base_(static_cast<const char*>(w)), K_(K), ahead_(ahead),
+        // rows shorter than the distance: the same offset, as many tiles on as the distance spans
+        skip_(K >= ahead ? nr : (ahead + K - 1) / (K > 0 ? K : 1) * nr) {}
+  const char* operator()(int r, int64_t p) const {
+    const int64_t q = p + ahead_;
+    if (q < K_) return base_ + r * K_ + q;
+    if (K_ >= ahead_) return base_ + (skip_ + r) * K_ + (q - K_);
+    return base_ + (skip_ + r) * K_ + p;
+  }
+
+ private:
+  const char* base_;
+  int64_t K_, ahead_, skip_;  // skip_: rows from a row to the one its stream goes on in
+};
 
 }  // namespace lowbit::cpu

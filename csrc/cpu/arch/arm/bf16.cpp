@@ -100,6 +100,7 @@ LOWBIT_TARGET_BF16 inline __attribute__((always_inline)) void dot_chunk(float32x
 template <int MR, int NR, bool kBlock>
 LOWBIT_TARGET_BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K,
                                          const float* const* bscale, const KSegments& seg, float* sums) {
+  const GemvPrefetch prefetch(w, K, NR);
   const Tables t = load_tables();
   float32x4_t tot[MR][NR];
   for (int m = 0; m < MR; m++)
@@ -112,7 +113,7 @@ LOWBIT_TARGET_BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, const u
       for (int r = 0; r < NR; r++) acc[m][r][0] = acc[m][r][1] = vdupq_n_f32(0.f);
     for (int64_t k = 0; k < full; k += kBf16Chunk) {
       for (int r = 0; r < NR; r++)  // each weight row its own stream (gemv_prefetch.h)
-        __builtin_prefetch(gemv_prefetch_target(w, K, r, NR, k0 + k));
+        __builtin_prefetch(prefetch(r, k0 + k));
       for (int r = 0; r < NR; r++) dot_chunk<MR, NR>(acc, r, w + r * K + k0 + k, t, xs, ldx, k);
     }
     if (full < n)  // the last, partial chunk through a zero-padded copy: never read past a weight row

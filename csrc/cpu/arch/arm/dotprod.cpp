@@ -29,6 +29,7 @@ LOWBIT_TARGET_DOTPROD inline __attribute__((always_inline)) void dot_step(int32x
 
 template <int MR, int NR>
 LOWBIT_TARGET_DOTPROD void gemv_tile_t(const int8_t* x, const int8_t* w, int64_t K, int32_t* out) {
+  const GemvPrefetch prefetch(w, K, NR);
   constexpr int kStep = 16;
   int32x4_t acc[MR][NR];
   for (int m = 0; m < MR; m++)
@@ -38,7 +39,7 @@ LOWBIT_TARGET_DOTPROD void gemv_tile_t(const int8_t* x, const int8_t* w, int64_t
   const int64_t full = K / kStep * kStep;
   for (int64_t k = 0; k < full; k += kStep) {
     if ((k & 63) == 0)  // each weight row its own stream (gemv_prefetch.h)
-      for (int r = 0; r < NR; r++) __builtin_prefetch(gemv_prefetch_target(w, K, r, NR, k));
+      for (int r = 0; r < NR; r++) __builtin_prefetch(prefetch(r, k));
     for (int m = 0; m < MR; m++) xp[m] = x + m * K + k;
     for (int r = 0; r < NR; r++) wp[r] = w + r * K + k;
     dot_step<MR, NR>(acc, xp, wp);

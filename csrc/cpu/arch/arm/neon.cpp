@@ -67,6 +67,7 @@ inline __attribute__((always_inline)) void fma_rows(float32x4_t (&acc)[MR][NR], 
 template <int MR, int NR, bool kBlock>
 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const float* const* bscale,
                  const KSegments& seg, float* sums, bool* nan) {
+  const GemvPrefetch prefetch(w, K, NR);
   float32x4_t tot[MR][NR];
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) tot[m][r] = vdupq_n_f32(0.f);
@@ -79,7 +80,7 @@ void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* w, int64_t K, const
       for (int r = 0; r < NR; r++) acc[m][r] = vdupq_n_f32(0.f);
     for (int64_t k = 0; k < full; k += kChunk) {
       if ((k & 63) == 0)  // each weight row its own stream (gemv_prefetch.h)
-        for (int r = 0; r < NR; r++) __builtin_prefetch(gemv_prefetch_target(w, K, r, NR, k0 + k));
+        for (int r = 0; r < NR; r++) __builtin_prefetch(prefetch(r, k0 + k));
       for (int r = 0; r < NR; r++) {
         float32x4_t d[8];
         decode_chunk(w + r * K + k0 + k, d, nan_acc);

@@ -43,6 +43,7 @@ LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void fma_rows(__m256 (&
 template <int MR, int NR, bool kBlock>
 LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
                                     const float* const* bscale, const KSegments& seg, float* sums, bool* nan) {
+  const GemvPrefetch prefetch(w, K, NR);
   __m256 tot[MR][NR];
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) tot[m][r] = _mm256_setzero_ps();
@@ -59,7 +60,7 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* 
       // Each weight row is its own stream, and a row of K = 4096 codes is one 4 KB page, where the hardware
       // prefetchers stop: fetch ahead along each stream (gemv_prefetch.h).
       if ((k & 63) == 0)
-        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k0 + k), _MM_HINT_T1);
+        for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k0 + k), _MM_HINT_T1);
       for (int r = 0; r < NR; r++) {
         __m256 d[4];
         avx2::decode_chunk(w + r * K + k0 + k, d, nan_acc);

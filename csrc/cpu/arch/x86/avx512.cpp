@@ -62,6 +62,7 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void fma_rows(__m512 
 template <int MR, int NR, bool kBlock>
 LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t* w, int64_t K,
                                       const float* const* bscale, const KSegments& seg, float* sums, bool* nan) {
+  const GemvPrefetch prefetch(w, K, NR);
   __m512 tot[MR][NR];
   for (int m = 0; m < MR; m++)
     for (int r = 0; r < NR; r++) tot[m][r] = _mm512_setzero_ps();
@@ -75,7 +76,7 @@ LOWBIT_TARGET_AVX512 void gemv_tile_t(const float* x, int64_t ldx, const uint8_t
       for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < full; k += kChunk) {
       if ((k & 63) == 0)  // see the AVX2 tile, and kPrefetchHint
-        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k0 + k), kPrefetchHint);
+        for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k0 + k), kPrefetchHint);
       for (int r = 0; r < NR; r++) {
         __m512 d[2];
         decode_chunk(w + r * K + k0 + k, d, nan_acc[r]);
@@ -150,6 +151,7 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void dot_rows(__m
 template <int MR, int NR, bool kBlock>
 LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K,
                                                const float* const* bscale, const KSegments& seg, float* sums) {
+  const GemvPrefetch prefetch(w, K, NR);
   const __m512i t[4] = {_mm512_load_si512(kBf16Tables.hi), _mm512_load_si512(kBf16Tables.hi + 64),
                         _mm512_load_si512(kBf16Tables.lo), _mm512_load_si512(kBf16Tables.lo + 64)};
   __m512 tot[MR][NR];
@@ -163,7 +165,7 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
       for (int r = 0; r < NR; r++) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; k += kBf16Chunk) {
       for (int r = 0; r < NR; r++)  // see gemv_prefetch.h, and kBf16GemvPrefetchHint
-        _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k0 + k), kBf16GemvPrefetchHint);
+        _mm_prefetch(prefetch(r, k0 + k), kBf16GemvPrefetchHint);
       for (int r = 0; r < NR; r++) {
         __m512i d[2];
         decode_bf16(w + r * K + k0 + k, n - k, t, d);
@@ -271,6 +273,7 @@ LOWBIT_TARGET_AVX512VNNI inline __attribute__((always_inline)) void gemv_vnni_st
 
 template <int MR, int NR>
 LOWBIT_TARGET_AVX512VNNI void gemv_tile_vnni_t(const int8_t* x, const int8_t* w, int64_t K, int32_t* out) {
+  const GemvPrefetch prefetch(w, K, NR);
   __m512i acc[MR][NR], xsum[MR];
   for (int m = 0; m < MR; m++) {
     xsum[m] = _mm512_setzero_si512();
@@ -278,7 +281,7 @@ LOWBIT_TARGET_AVX512VNNI void gemv_tile_vnni_t(const int8_t* x, const int8_t* w,
   }
   const int64_t full = K / 64 * 64;
   for (int64_t k = 0; k < full; k += 64) {
-    for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, K, r, NR, k), _MM_HINT_T2);
+    for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k), _MM_HINT_T2);
     gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, k, ~__mmask64(0));
   }
   if (full < K) gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, full, (__mmask64(1) << (K - full)) - 1);

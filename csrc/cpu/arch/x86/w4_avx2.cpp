@@ -88,6 +88,7 @@ template <int MR, int NR>
 LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
   const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
   const uint8_t* w = op.codes + n0 * rb;
+  const GemvPrefetch prefetch(w, rb, NR);
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
   __m256 acc[MR][NR];
   Table ta[NR], tb[NR];
@@ -114,7 +115,7 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand
     blocks.left -= 2 * (run - 1);
     for (const int64_t end = k + run * kW4Chunk; k < end; k += kW4Chunk) {
       if ((k & 127) == 0)
-        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), _MM_HINT_T0);
+        for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k / 2), _MM_HINT_T0);
       chunk_step<MR, NR>(acc, x, ldx, w, rb, k, kW4Chunk, ta, ta);
     }
   }

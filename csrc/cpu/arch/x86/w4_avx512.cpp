@@ -175,6 +175,7 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_aligned(__m
                                                                              const W4Operand& op, int64_t n0) {
   const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
   const uint8_t* w = op.codes + n0 * rb;
+  const GemvPrefetch prefetch(w, rb, NR);
   const int64_t per = op.G <= 1 ? full + kW4Chunk : op.group;
   GroupTables<NR> tables(op, n0);
   __m512 ta[NR];
@@ -182,7 +183,7 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_aligned(__m
     tables.table(g, ta);
     for (const int64_t end = std::min(full, k + per); k < end; k += kW4Chunk) {
       if ((k & 127) == 0)  // every 64 bytes of each row (gemv_prefetch.h)
-        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+        for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k / 2), kPrefetchHint);
       chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, kW4Chunk, ta, ta);
     }
   }
@@ -199,11 +200,12 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_g16(__m512 
                                                                          const W4Operand& op, int64_t n0) {
   const int64_t K = op.K, rb = op.row_bytes();
   const uint8_t* w = op.codes + n0 * rb;
+  const GemvPrefetch prefetch(w, rb, NR);
   GroupTables<NR> tables(op, n0);
   __m512 ta[NR], tb[NR];
   for (int64_t k = 0; k < K; k += kW4Chunk) {
     if ((k & 127) == 0)
-      for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+      for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k / 2), kPrefetchHint);
     tables.table(k / 16, ta);
     if (K - k > 16) {
       tables.table(k / 16 + 1, tb);
@@ -221,6 +223,7 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_general(__m
                                                                              const W4Operand& op, int64_t n0) {
   const int64_t K = op.K, rb = op.row_bytes(), full = K / kW4Chunk * kW4Chunk;
   const uint8_t* w = op.codes + n0 * rb;
+  const GemvPrefetch prefetch(w, rb, NR);
   GroupTables<NR> tables(op, n0);
   __m512 ta[NR], tb[NR];
   for (int r = 0; r < NR; r++) ta[r] = tb[r] = _mm512_setzero_ps();
@@ -247,7 +250,7 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void gemv_general(__m
     blocks.left -= 2 * (run - 1);
     for (const int64_t end = k + run * kW4Chunk; k < end; k += kW4Chunk) {
       if ((k & 127) == 0)
-        for (int r = 0; r < NR; r++) _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+        for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k / 2), kPrefetchHint);
       chunk_step<MR, NR, false>(acc, x, ldx, w, rb, k, kW4Chunk, ta, tb);
     }
   }
@@ -324,11 +327,12 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void decode_step_
 template <int MR, int NR, bool kFull>
 LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void step_bf16(__m512 (&part)[MR][NR][2],
                                                                                const uint16_t* x, int64_t ldx,
-                                                                               const uint8_t* w, int64_t rb, int64_t k,
+                                                                               const uint8_t* w, int64_t rb,
+                                                                               const GemvPrefetch& prefetch, int64_t k,
                                                                                int64_t valid, __m512i table) {
 #pragma GCC unroll 4
   for (int r = 0; r < NR; r++)  // one line of each row per step (gemv_prefetch.h)
-    _mm_prefetch(gemv_prefetch_target(w, rb, r, NR, k / 2), kPrefetchHint);
+    _mm_prefetch(prefetch(r, k / 2), kPrefetchHint);
 #pragma GCC unroll 4
   for (int r = 0; r < NR; r++) {
     __m512i d[4];
@@ -366,6 +370,7 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
                                                float* sums) {
   const int64_t K = op.K, rb = op.row_bytes(), Kp = w4_bf16_padded(K), full = K / kW4Bf16Step * kW4Bf16Step;
   const uint8_t* w = op.codes + n0 * rb;
+  const GemvPrefetch prefetch(w, rb, NR);
   // the values' high halves (exact bf16: gemv_bf16_takes), twice
   const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(op.values)), 16));
   const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
@@ -385,20 +390,23 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
   // codes as the codes are, or their misses stall every step that scales its sums
   const int64_t sb = w4_scale_bytes(op.scale_enc), srow = std::max<int64_t>(op.G, 1) * sb;
   const char* srows = static_cast<const char*>(op.scale) + n0 * srow;
-  const int64_t s_ahead = std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * sb);
+  const GemvPrefetch scale_prefetch(srows, srow, NR,
+                                    std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * sb));
+  // kSmall's groups (16, 32 or 64 codes) by a shift: a division by op.group ran at every step
+  const int group_shift = kSmall ? __builtin_ctzll(op.group) : 0;
   for (int64_t k = 0, g = 0; k < Kp; g++) {
     for (const int64_t end = std::min(Kp, k + per); k < end; k += kW4Bf16Step) {
-      if (k < full) step_bf16<MR, NR, true>(part, x, ldx, w, rb, k, kW4Bf16Step, table);
-      else step_bf16<MR, NR, false>(part, x, ldx, w, rb, k, K - k, table);
+      if (k < full) step_bf16<MR, NR, true>(part, x, ldx, w, rb, prefetch, k, kW4Bf16Step, table);
+      else step_bf16<MR, NR, false>(part, x, ldx, w, rb, prefetch, k, K - k, table);
     }
     // the step's first group (kSmall), or the group just summed; scales decoded 16 groups at a time
-    const int64_t g0 = kSmall ? (k - kW4Bf16Step) / op.group : op.G <= 1 ? 0 : g;
+    const int64_t g0 = kSmall ? (k - kW4Bf16Step) >> group_shift : op.G <= 1 ? 0 : g;
     if (g0 >= base + 16) {
       base = g0 & ~int64_t(15);
       const int64_t count = std::min<int64_t>(16, std::max<int64_t>(op.G, 1) - base);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; r++) {
-        _mm_prefetch(gemv_prefetch_target(srows, srow, r, NR, base * sb, s_ahead), kPrefetchHint);
+        _mm_prefetch(scale_prefetch(r, base * sb), kPrefetchHint);
         _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
       }
     }
