@@ -514,6 +514,29 @@ def test_single_fp8_state_dict_with_per_row_weight_scales(request, model):
     assert _rel(y, _run(ref, x)) < 1e-5
 
 
+@pytest.mark.parametrize("model", ["sd3", "wan"])
+def test_single_fp8_checkpoint_with_the_model_prefix_and_other_components(request, model, tmp_path):
+    """A ComfyUI checkpoint: the transformer's tensors under ``model.diffusion_model.``, beside (SD3.5's all-in-one
+    files) a scaled fp8 text encoder and a VAE that this load leaves alone: the same model as the bare file."""
+    files, config_dir = _single_files(request, model)
+    prefixed = lambda k: k if k == "scaled_fp8" else f"model.diffusion_model.{k}"  # noqa: E731
+    sd = {prefixed(k): v for k, v in load_file(str(files["comfy"])).items()}
+    if model == "sd3":
+        sd["text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"] = \
+            torch.ones(8, 8).to(torch.float8_e4m3fn)
+        sd["text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.scale_weight"] = torch.tensor(0.5)
+        sd["first_stage_model.decoder.conv_in.weight"] = torch.ones(8, 4, 3, 3, dtype=torch.bfloat16)
+    path = tmp_path / "checkpoint.safetensors"
+    save_file(sd, str(path))
+    loaded, bare = _load_single(model, path, config_dir), _load_single(model, files["comfy"], config_dir)
+    got, want = loaded.state_dict(), bare.state_dict()
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    as_bytes = lambda v: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v  # noqa: E731
+    assert all(torch.equal(as_bytes(got[k]), as_bytes(want[k])) for k in want)
+    x = SINGLE[model].inputs(torch.Generator().manual_seed(1))
+    assert torch.equal(_run(loaded, x), _run(bare, x))
+
+
 def _hub_cache(root, path, repo="someone/flux-fp8"):
     """A Hugging Face cache holding `path` as the Hub download of ``{repo}/{name}`` would (refs/main -> a snapshot,
     its file a link to the blob): (the link a user passes, the cache_dir)."""
