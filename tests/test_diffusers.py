@@ -1,14 +1,16 @@
 """TorchLowbitConfig in diffusers (torch_lowbit.diffusers_quantizer): from_pretrained of tiny FLUX / SD3 / Wan
 transformers saved by diffusers quantizes them as they load (the diffusion skip rule), save_pretrained -> reload gives
-the same model, a FluxPipeline runs on it; from_single_file of FLUX FP8 files written in the published layouts (raw
-e4m3, ComfyUI scaled fp8) keeps the stored codes, matches diffusers' own upcast load and peaks near the file size;
-bad files are refused naming the file and the tensor."""
+the same model, a FluxPipeline runs on it; from_single_file of FLUX, SD3.5 and Wan2.1 (T2V, I2V) FP8 files written in
+their published layouts (raw e4m3, ComfyUI scaled fp8, weight_scale) keeps the stored codes, matches diffusers' own
+upcast load and (FLUX) peaks near the file size; bad files are refused naming the file and the tensor."""
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
 import textwrap
+from typing import Callable, NamedTuple, Tuple
 
 import pytest
 import torch
@@ -23,7 +25,8 @@ from torch_lowbit.formats import CheckpointError
 from torch_lowbit.nn import Fp8Linear
 
 diffusers = pytest.importorskip("diffusers")
-from test_diffusion import (LAYER, MODEL_ERR, MODELS, _flux_inputs, _image, _rel, _with_transformer,  # noqa: E402
+from test_diffusion import (LAYER, MODEL_ERR, MODELS, _flux_inputs, _image, _rel, _sd3_inputs,  # noqa: E402
+                            _wan_inputs, _with_transformer,  # noqa: E402
                             tiny_flux_pipeline)  # noqa: F401  (the fixture)
 
 CONFIG = {"fp8": lambda: torch_lowbit.TorchLowbitConfig("fp8"), "int8": lambda: torch_lowbit.TorchLowbitConfig("int8")}
@@ -166,22 +169,42 @@ def test_flux_pipeline_with_a_transformer_loaded_quantized(tiny_flux_pipeline, s
 
 
 # ------------------------------------------------------------------------------------------------ single files
+# The original (published) single-file layouts of FLUX.1, SD3 / SD3.5 and Wan2.1, for tiny configs: [(key, shape,
+# stored as fp8)]. What the FP8 repacks and ComfyUI keep; diffusers' own conversion maps them to its names.
 H, MLP = 3072, 12288  # diffusers' FLUX conversion assumes FLUX.1's width
 FLUX_CONFIG = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=128,
                    num_attention_heads=24, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False,
                    axes_dims_rope=[16, 56, 56])
+# SD3.5: the qk norms (ln_q / ln_k) and a dual-attention block (attn2, SD3.5 Medium); the last block's context
+# half is "pre only" (no proj, no mlp, a 2-way modulation), as in every SD3 file
+SD3_CONFIG = dict(sample_size=8, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
+                  num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=64,
+                  out_channels=4, pos_embed_max_size=8, dual_attention_layers=[0], qk_norm="rms_norm")
+WAN_CONFIG = dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+                  text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+WAN_I2V_CONFIG = dict(WAN_CONFIG, in_channels=36, image_dim=40, added_kv_proj_dim=24)
 
 
-def flux_layout(double=1, single=1, in_channels=4, text_dim=32, pooled_dim=32, head_dim=128):
-    """[(key, shape, is a linear weight)] of Black Forest Labs' FLUX.1 file layout (what ComfyUI and the FP8
-    repacks keep)."""
+def _layout_builder():
     out = []
 
     def linear(name, n, k):
         out.extend([(f"{name}.weight", (n, k), True), (f"{name}.bias", (n,), False)])
 
+    def tensor(name, *shape, fp8=False):
+        out.append((name, shape, fp8))
+
+    return out, linear, tensor
+
+
+def flux_layout(double=1, single=1, in_channels=4, text_dim=32, pooled_dim=32, head_dim=128):
+    """Black Forest Labs' FLUX.1 layout."""
+    out, linear, tensor = _layout_builder()
+
     def qk_norm(prefix):
-        out.extend([(f"{prefix}.{norm}.scale", (head_dim,), False) for norm in ("query_norm", "key_norm")])
+        for norm in ("query_norm", "key_norm"):
+            tensor(f"{prefix}.{norm}.scale", head_dim)
 
     linear("img_in", H, in_channels)
     linear("time_in.in_layer", H, 256)
@@ -209,37 +232,146 @@ def flux_layout(double=1, single=1, in_channels=4, text_dim=32, pooled_dim=32, h
     return out
 
 
-def write_flux_fp8(path, layout: str, seed: int = 0):
-    """A FLUX FP8 file: every linear weight float8_e4m3fn (random codes of |w| <= 0.234, never NaN), biases and norm
-    scales bf16. "raw": no scales (Kijai's e4m3fn repacks); "comfy": ComfyUI's scaled fp8 -- a ``scale_weight`` per
-    weight (powers of two and thirds, [1] or 0-d), ``scale_input`` on some, the ``scaled_fp8`` marker."""
+def sd3_layout(c=SD3_CONFIG):
+    """Stability's SD3 / SD3.5 MMDiT layout (sd3_impls, ComfyUI); the patch embedding conv stored as fp8 too (not
+    a linear weight: upcast)."""
+    out, linear, tensor = _layout_builder()
+    D, p, head_dim = c["num_attention_heads"] * c["attention_head_dim"], c["patch_size"], c["attention_head_dim"]
+    tensor("pos_embed", 1, c["pos_embed_max_size"] ** 2, D)
+    tensor("x_embedder.proj.weight", D, c["in_channels"], p, p, fp8=True)
+    tensor("x_embedder.proj.bias", D)
+    linear("t_embedder.mlp.0", D, 256)
+    linear("t_embedder.mlp.2", D, D)
+    linear("y_embedder.mlp.0", D, c["pooled_projection_dim"])
+    linear("y_embedder.mlp.2", D, D)
+    linear("context_embedder", c["caption_projection_dim"], c["joint_attention_dim"])
+    for i in range(c["num_layers"]):
+        for half in ("x_block", "context_block"):
+            b = f"joint_blocks.{i}.{half}"
+            pre_only = half == "context_block" and i == c["num_layers"] - 1
+            dual = half == "x_block" and i in c["dual_attention_layers"]
+            linear(f"{b}.adaLN_modulation.1", (2 if pre_only else 9 if dual else 6) * D, D)
+            for attn in ("attn", "attn2") if dual else ("attn",):
+                linear(f"{b}.{attn}.qkv", 3 * D, D)
+                if c["qk_norm"]:
+                    tensor(f"{b}.{attn}.ln_q.weight", head_dim)
+                    tensor(f"{b}.{attn}.ln_k.weight", head_dim)
+                if not pre_only:
+                    linear(f"{b}.{attn}.proj", D, D)
+            if not pre_only:
+                linear(f"{b}.mlp.fc1", 4 * D, D)
+                linear(f"{b}.mlp.fc2", D, 4 * D)
+    linear("final_layer.linear", p * p * c["out_channels"], D)
+    linear("final_layer.adaLN_modulation.1", 2 * D, D)
+    return out
+
+
+def wan_layout(c=WAN_CONFIG):
+    """Wan-AI's Wan2.1 layout, text-to-video or (an ``image_dim``) image-to-video: the CLIP image embedder and each
+    cross attention's ``k_img`` / ``v_img``; the patch embedding conv stored as fp8 too (upcast)."""
+    out, linear, tensor = _layout_builder()
+    D, image = c["num_attention_heads"] * c["attention_head_dim"], c.get("image_dim")
+    if image:
+        tensor("img_emb.proj.0.weight", image)
+        tensor("img_emb.proj.0.bias", image)
+        linear("img_emb.proj.1", image, image)
+        linear("img_emb.proj.3", D, image)
+        tensor("img_emb.proj.4.weight", D)
+        tensor("img_emb.proj.4.bias", D)
+    tensor("patch_embedding.weight", D, c["in_channels"], *c["patch_size"], fp8=True)
+    tensor("patch_embedding.bias", D)
+    linear("text_embedding.0", D, c["text_dim"])
+    linear("text_embedding.2", D, D)
+    linear("time_embedding.0", D, c["freq_dim"])
+    linear("time_embedding.2", D, D)
+    linear("time_projection.1", 6 * D, D)
+    for i in range(c["num_layers"]):
+        b = f"blocks.{i}"
+        for attn in ("self_attn", "cross_attn"):
+            for proj in "qkvo":
+                linear(f"{b}.{attn}.{proj}", D, D)
+            tensor(f"{b}.{attn}.norm_q.weight", D)
+            tensor(f"{b}.{attn}.norm_k.weight", D)
+        if image:
+            linear(f"{b}.cross_attn.k_img", D, D)
+            linear(f"{b}.cross_attn.v_img", D, D)
+            tensor(f"{b}.cross_attn.norm_k_img.weight", D)
+        tensor(f"{b}.norm3.weight", D)  # diffusers' norm2
+        tensor(f"{b}.norm3.bias", D)
+        linear(f"{b}.ffn.0", c["ffn_dim"], D)
+        linear(f"{b}.ffn.2", D, c["ffn_dim"])
+        tensor(f"{b}.modulation", 1, 6, D)
+    linear("head.head", c["out_channels"] * math.prod(c["patch_size"]), D)
+    tensor("head.modulation", 1, 2, D)
+    return out
+
+
+def _wan_i2v_inputs(g):
+    """the tiny Wan's inputs with the image-to-video latent channels (36) and 5 CLIP image tokens (width 40)"""
+    return dict(_wan_inputs(g), hidden_states=torch.randn(1, 36, 2, 8, 8, generator=g),
+                encoder_hidden_states_image=torch.randn(1, 5, 40, generator=g))
+
+
+class SingleFileModel(NamedTuple):
+    cls: str
+    config: dict
+    layout: Callable
+    inputs: Callable
+    embedder: Tuple[str, str]  # (a linear weight of the file, its model module): kept bf16 in the weight_scale test
+
+
+SINGLE = {
+    "flux": SingleFileModel("FluxTransformer2DModel", FLUX_CONFIG, flux_layout,
+                            lambda g: _flux_inputs(g, S=8, T=4), ("img_in.weight", "x_embedder")),
+    "sd3": SingleFileModel("SD3Transformer2DModel", SD3_CONFIG, sd3_layout, _sd3_inputs,
+                           ("context_embedder.weight", "context_embedder")),
+    "wan": SingleFileModel("WanTransformer3DModel", WAN_CONFIG, wan_layout, _wan_inputs,
+                           ("text_embedding.0.weight", "condition_embedder.text_embedder.linear_1")),
+    "wan-i2v": SingleFileModel("WanTransformer3DModel", WAN_I2V_CONFIG, lambda: wan_layout(WAN_I2V_CONFIG),
+                               _wan_i2v_inputs,
+                               ("img_emb.proj.1.weight", "condition_embedder.image_embedder.ff.net.0.proj")),
+}
+
+
+def write_fp8(path, layout, fmt: str, seed: int = 0):
+    """An FP8 single file of `layout`: each tensor it stores as fp8 float8_e4m3fn (random codes of |w| <= 0.234,
+    never NaN), the others bf16. "raw": no scales (Kijai's e4m3fn repacks); "comfy": ComfyUI's scaled fp8 -- a
+    ``scale_weight`` per fp8 tensor (powers of two and thirds below 1, [1] or 0-d), ``scale_input`` on some, the
+    ``scaled_fp8`` marker."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
-    for i, (key, shape, is_weight) in enumerate(flux_layout()):
-        if is_weight:
+    for i, (key, shape, fp8) in enumerate(layout):
+        if fp8:
             n = torch.Size(shape).numel()
             words = torch.randint(-2 ** 62, 2 ** 62, ((n + 7) // 8,), dtype=torch.int64, generator=g)
             sd[key] = (words.view(torch.uint8)[:n] & 0xA7).view(torch.float8_e4m3fn).reshape(shape)  # exponent <= 4
-            if layout == "comfy":
-                scale = torch.tensor(2.0 ** -(i % 5) / (1 + 2 * (i % 2)))
+            if fmt == "comfy":
+                scale = torch.tensor(2.0 ** -(1 + i % 5) / (1 + 2 * (i % 2)))
                 sd[key[:-len("weight")] + "scale_weight"] = scale if i % 3 else scale.reshape(1)
                 if i % 4 == 0:
                     sd[key[:-len("weight")] + "scale_input"] = torch.tensor(1.0)
         else:
             sd[key] = (torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16)
-    if layout == "comfy":
+    if fmt == "comfy":
         sd["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     save_file(sd, str(path))
     return os.path.getsize(path)
 
 
 @pytest.fixture(scope="module")
-def flux_config_dir(tmp_path_factory):
-    """A directory holding the diffusers config of the FLUX files below (from_single_file's config=)."""
-    config_dir = tmp_path_factory.mktemp("flux-config")
-    with open(config_dir / "config.json", "w") as f:
-        json.dump(dict(FLUX_CONFIG, _class_name="FluxTransformer2DModel"), f)
-    return config_dir
+def single_config_dirs(tmp_path_factory):
+    """model -> a directory holding the diffusers config of its files below (from_single_file's config=)."""
+    out = {}
+    for name, spec in SINGLE.items():
+        out[name] = tmp_path_factory.mktemp(f"{name}-config")
+        with open(out[name] / "config.json", "w") as f:
+            json.dump(dict(spec.config, _class_name=spec.cls), f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def flux_config_dir(single_config_dirs):
+    return single_config_dirs["flux"]
 
 
 @pytest.fixture(scope="module")
@@ -247,15 +379,35 @@ def flux_files(tmp_path_factory, flux_config_dir):
     """Raw and ComfyUI-scaled FLUX FP8 files of one double and one single block (about 500 MB each), written once,
     and the directory holding their diffusers config."""
     root = tmp_path_factory.mktemp("flux-fp8")
-    config_dir = flux_config_dir
-    files = {layout: root / f"flux-{layout}.safetensors" for layout in ("raw", "comfy")}
-    for layout, path in files.items():
-        write_flux_fp8(path, layout)
-    return files, config_dir
+    files = {fmt: root / f"flux-{fmt}.safetensors" for fmt in ("raw", "comfy")}
+    for fmt, path in files.items():
+        write_fp8(path, flux_layout(), fmt)
+    return files, flux_config_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_single_files(tmp_path_factory, single_config_dirs):
+    """model -> (its raw and ComfyUI-scaled FP8 files, its config directory), for the models but FLUX: files of two
+    blocks, under 1 MB each."""
+    out = {}
+    root = tmp_path_factory.mktemp("single-fp8")
+    for name in [n for n in SINGLE if n != "flux"]:
+        files = {fmt: root / f"{name}-{fmt}.safetensors" for fmt in ("raw", "comfy")}
+        for fmt, path in files.items():
+            write_fp8(path, SINGLE[name].layout(), fmt)
+        out[name] = (files, single_config_dirs[name])
+    return out
+
+
+def _single_files(request, model):
+    """(files, config directory) of `model`: FLUX's ~500 MB files are written only where a FLUX test runs."""
+    if model == "flux":
+        return request.getfixturevalue("flux_files")
+    return request.getfixturevalue("tiny_single_files")[model]
 
 
 def _dequantized(tensors, scale_key="scale_weight"):
-    """A FLUX FP8 state dict as a dense float32 one, each fp8 weight times its scale (independent of torch_lowbit),
+    """An FP8 state dict as a dense float32 one, each fp8 tensor times its scale (independent of torch_lowbit),
     without the scale tensors: what diffusers' own upcast load computes with for a scaled file."""
     out = {}
     for k, t in tensors.items():
@@ -268,69 +420,121 @@ def _dequantized(tensors, scale_key="scale_weight"):
     return out
 
 
-@pytest.mark.parametrize("layout", ["raw", "comfy"])
-def test_single_fp8_file_keeps_its_codes_and_matches_diffusers_upcast(flux_files, layout):
-    files, config_dir = flux_files
-    model = diffusers.FluxTransformer2DModel.from_single_file(str(files[layout]), config=str(config_dir),
-                                                              quantization_config=CONFIG["fp8"](),
-                                                              torch_dtype=torch.float32)
-    linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Fp8Linear))]
-    assert linears and all(isinstance(model.get_submodule(n), Fp8Linear) for n in linears)
-    with safe_open(str(files[layout]), "pt") as f:  # a split weight holds the stored rows and the file's scale
-        qkv = f.get_tensor("single_blocks.0.linear1.weight").view(torch.uint8)
-        to_k = model.single_transformer_blocks[0].attn.to_k
-        assert torch.equal(to_k.weight.view(torch.uint8), qkv[H:2 * H])
-        want = f.get_tensor("single_blocks.0.linear1.scale_weight").reshape(1) if layout == "comfy" else torch.ones(1)
-        assert torch.equal(to_k.weight_scale, want)
-    x = _flux_inputs(torch.Generator().manual_seed(1), S=8, T=4)
-    y = _run(model, x)
-    del model
-    if layout == "raw":  # diffusers' own load of the same file, upcast (exact: raw e4m3 has no scales)
-        ref = diffusers.FluxTransformer2DModel.from_single_file(str(files[layout]), config=str(config_dir),
-                                                                torch_dtype=torch.float32)
-    else:  # diffusers ignores ComfyUI's scales: its load of the file with each weight times its scale
-        ref = diffusers.FluxTransformer2DModel.from_single_file(_dequantized(load_file(str(files[layout]))),
-                                                                config=str(config_dir), torch_dtype=torch.float32)
+def _stored_rows(model: str, tensors, scale_key="scale_weight"):
+    """diffusers' own conversion of `model`'s file run twice, on the fp8 codes as bytes and on each fp8 tensor's
+    row scales (1 without one): {model tensor: (uint8 codes, fp32 scale per row)} for every fp8 tensor -- what
+    the loaded layer must hold, found without torch_lowbit."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    convert = SINGLE_FILE_LOADABLE_CLASSES[SINGLE[model].cls]["checkpoint_mapping_fn"]
+    fp8 = {k for k, t in tensors.items() if t.dtype == torch.float8_e4m3fn and not k.endswith("scaled_fp8")}
+    rest = {k: t for k, t in tensors.items() if k not in fp8 and not k.endswith((scale_key, "scaled_fp8"))}
+    codes = convert(config=SINGLE[model].config, checkpoint=dict(rest, **{k: tensors[k].view(torch.uint8)
+                                                                           for k in fp8}))
+
+    def row_scales(k):
+        scale = tensors.get(k[:-len("weight")] + scale_key, torch.ones(1)).float().reshape(-1, 1)
+        return scale.expand(tensors[k].shape[0], 1)
+
+    scales = convert(config=SINGLE[model].config, checkpoint=dict(rest, **{k: row_scales(k) for k in fp8}))
+    return {k: (v, scales[k].reshape(-1)) for k, v in codes.items() if v.dtype == torch.uint8}
+
+
+def _load_single(model, source, config_dir, quantized=True):
+    cls = getattr(diffusers, SINGLE[model].cls)
+    kwargs = dict(quantization_config=CONFIG["fp8"]()) if quantized else {}
+    return cls.from_single_file(source if isinstance(source, dict) else str(source), config=str(config_dir),
+                                torch_dtype=torch.float32, **kwargs)
+
+
+def _assert_holds_stored_rows(model, loaded, rows, dense=()):
+    """Every linear layer of `loaded` (but those named `dense`) is an Fp8Linear holding its stored codes and scale
+    (one value where its rows share one)."""
+    linears = [n for n, m in loaded.named_modules() if isinstance(m, (nn.Linear, Fp8Linear)) and n not in dense]
+    assert linears and all(isinstance(loaded.get_submodule(n), Fp8Linear) for n in linears), model
+    assert {f"{n}.weight" for n in linears} <= set(rows)
+    for name in linears:
+        layer, (codes, scale) = loaded.get_submodule(name), rows[f"{name}.weight"]
+        assert torch.equal(layer.weight.view(torch.uint8), codes), name
+        assert torch.equal(layer.weight_scale, scale[:1] if bool((scale == scale[0]).all()) else scale), name
+
+
+@pytest.mark.parametrize("fmt", ["raw", "comfy"])
+@pytest.mark.parametrize("model", SINGLE)
+def test_single_fp8_file_keeps_its_codes_and_matches_diffusers_upcast(request, model, fmt):
+    """Each linear weight, renamed, split (qkv) or reordered (SD3's scale / shift swap) by diffusers' conversion, is
+    an Fp8Linear of its stored rows and their scale; the fp8 patch-embedding convs (SD3, Wan) are upcast."""
+    files, config_dir = _single_files(request, model)
+    stored = load_file(str(files[fmt]))
+    loaded = _load_single(model, files[fmt], config_dir)
+    _assert_holds_stored_rows(model, loaded, _stored_rows(model, stored))
+    x = SINGLE[model].inputs(torch.Generator().manual_seed(1))
+    y = _run(loaded, x)
+    del loaded
+    if fmt == "raw":  # diffusers' own load of the same file, upcast (exact: raw e4m3 has no scales)
+        ref = _load_single(model, files[fmt], config_dir, quantized=False)
+    else:  # diffusers ignores ComfyUI's scales: its load of the file with each fp8 tensor times its scale
+        ref = _load_single(model, _dequantized(stored), config_dir, quantized=False)
+    del stored
     y_ref = _run(ref, x)
     assert torch.isfinite(y_ref).all() and _rel(y, y_ref) < 1e-5
-    if layout == "raw":  # the same file in diffusers' own names (no conversion runs): the same model
+    if fmt == "raw":  # the same file in diffusers' own names (no conversion runs): the same model
         linear = {f"{n}.weight" for n, m in ref.named_modules() if isinstance(m, nn.Linear)}
         own = {k: v.to(torch.float8_e4m3fn) if k in linear else v for k, v in ref.state_dict().items()}
         del ref
-        model = diffusers.FluxTransformer2DModel.from_single_file(own, config=str(config_dir),
-                                                                  quantization_config=CONFIG["fp8"](),
-                                                                  torch_dtype=torch.float32)
-        assert isinstance(model.single_transformer_blocks[0].attn.to_k, Fp8Linear)
-        assert _rel(_run(model, x), y) < 1e-6
+        loaded = _load_single(model, own, config_dir)
+        assert all(isinstance(loaded.get_submodule(k[:-len(".weight")]), Fp8Linear) for k in linear)
+        assert _rel(_run(loaded, x), y) < 1e-6
 
 
-def test_single_fp8_state_dict_with_per_row_weight_scales(flux_files):
-    """``weight_scale`` layouts, here per row ([N]) on every other weight: a weight split by diffusers' conversion
-    keeps the scales of its own rows; a state dict (not a file) is read from the tensors given; an embedder stored
-    in bf16 (as many FP8 files keep them) stays high precision, as the diffusion rule says."""
-    files, config_dir = flux_files
+@pytest.mark.parametrize("model", SINGLE)
+def test_single_fp8_state_dict_with_per_row_weight_scales(request, model):
+    """``weight_scale`` layouts, here per row ([N]) on every other fp8 tensor: a weight split or reordered by
+    diffusers' conversion keeps the scales of its own rows; a state dict (not a file) is read from the tensors
+    given; an embedder stored in bf16 (as many FP8 files keep them) stays high precision, as the diffusion rule
+    says."""
+    files, config_dir = _single_files(request, model)
+    key, embedder = SINGLE[model].embedder
     sd = load_file(str(files["raw"]))
-    sd["img_in.weight"] = sd["img_in.weight"].to(torch.bfloat16)
+    sd[key] = sd[key].to(torch.bfloat16)
     g = torch.Generator().manual_seed(2)
     for i, k in enumerate([k for k, t in sd.items() if t.dtype == torch.float8_e4m3fn]):
         rows = sd[k].shape[0] if i % 2 else 1
         sd[k[:-len("weight")] + "weight_scale"] = 2.0 ** -torch.randint(0, 4, (rows,), generator=g).float()
-    model = diffusers.FluxTransformer2DModel.from_single_file(sd, config=str(config_dir), torch_dtype=torch.float32,
-                                                              quantization_config=CONFIG["fp8"]())
-    split = {"double_blocks.0.img_attn.qkv": model.transformer_blocks[0].attn.to_k,
-             "single_blocks.0.linear1": model.single_transformer_blocks[0].attn.to_k}
-    for key, layer in split.items():
-        scale = sd[f"{key}.weight_scale"]
-        assert torch.equal(layer.weight_scale, scale[H:2 * H] if scale.numel() > 1 else scale)
-        assert torch.equal(layer.weight.view(torch.uint8), sd[f"{key}.weight"].view(torch.uint8)[H:2 * H])
-    assert any(layer.weight_scale.numel() == H for layer in split.values())
-    assert type(model.x_embedder) is nn.Linear and torch.equal(model.x_embedder.weight, sd["img_in.weight"].float())
-    x = _flux_inputs(torch.Generator().manual_seed(1), S=8, T=4)
-    y = _run(model, x)
-    del model
-    ref = diffusers.FluxTransformer2DModel.from_single_file(_dequantized(sd, "weight_scale"), config=str(config_dir),
-                                                            torch_dtype=torch.float32)
+    loaded = _load_single(model, dict(sd), config_dir)
+    rows = _stored_rows(model, sd, "weight_scale")
+    assert sum(s.numel() > 1 and not bool((s == s[0]).all()) for _, s in rows.values()) > 2  # rows of their own scale
+    assert type(loaded.get_submodule(embedder)) is nn.Linear
+    assert torch.equal(loaded.get_submodule(embedder).weight, sd[key].float())
+    _assert_holds_stored_rows(model, loaded, rows, dense=(embedder,))
+    x = SINGLE[model].inputs(torch.Generator().manual_seed(1))
+    y = _run(loaded, x)
+    del loaded
+    ref = _load_single(model, _dequantized(sd, "weight_scale"), config_dir, quantized=False)
     assert _rel(y, _run(ref, x)) < 1e-5
+
+
+@pytest.mark.parametrize("model", ["sd3", "wan"])
+def test_single_fp8_checkpoint_with_the_model_prefix_and_other_components(request, model, tmp_path):
+    """A ComfyUI checkpoint: the transformer's tensors under ``model.diffusion_model.``, beside (SD3.5's all-in-one
+    files) a scaled fp8 text encoder and a VAE that this load leaves alone: the same model as the bare file."""
+    files, config_dir = _single_files(request, model)
+    prefixed = lambda k: k if k == "scaled_fp8" else f"model.diffusion_model.{k}"  # noqa: E731
+    sd = {prefixed(k): v for k, v in load_file(str(files["comfy"])).items()}
+    if model == "sd3":
+        sd["text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight"] = \
+            torch.ones(8, 8).to(torch.float8_e4m3fn)
+        sd["text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.scale_weight"] = torch.tensor(0.5)
+        sd["first_stage_model.decoder.conv_in.weight"] = torch.ones(8, 4, 3, 3, dtype=torch.bfloat16)
+    path = tmp_path / "checkpoint.safetensors"
+    save_file(sd, str(path))
+    loaded, bare = _load_single(model, path, config_dir), _load_single(model, files["comfy"], config_dir)
+    got, want = loaded.state_dict(), bare.state_dict()
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    as_bytes = lambda v: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v  # noqa: E731
+    assert all(torch.equal(as_bytes(got[k]), as_bytes(want[k])) for k in want)
+    x = SINGLE[model].inputs(torch.Generator().manual_seed(1))
+    assert torch.equal(_run(loaded, x), _run(bare, x))
 
 
 def _hub_cache(root, path, repo="someone/flux-fp8"):
@@ -426,6 +630,21 @@ def test_single_file_of_a_near_miss_is_refused_naming_the_missing_tensor(flux_co
     with pytest.raises(CheckpointError, match=rf"{path} has no tensor 'vector_in.out_layer.weight', which diffusers "
                                               r"needs to build FluxTransformer2DModel from it"):
         _single(path, flux_config_dir)
+
+
+@pytest.mark.parametrize("model,missing,model_tensor", [
+    ("sd3", "joint_blocks.1.x_block.mlp.fc1.weight", None),  # a conversion that pops each tensor it needs
+    ("wan", "blocks.1.ffn.0.weight", "blocks.1.ffn.net.0.proj.weight"),  # one that renames what it finds
+])
+def test_near_miss_single_files_of_other_models_are_refused_naming_the_file(single_config_dirs, tmp_path, model,
+                                                                           missing, model_tensor):
+    path = tmp_path / f"{model}-partial.safetensors"
+    write_fp8(path, [entry for entry in SINGLE[model].layout() if entry[0] != missing], "raw")
+    match = (rf"{path} has no tensor '{missing}', which diffusers needs to build {SINGLE[model].cls}" if model_tensor is
+             None else rf"{path}: diffusers' conversion of its tensors left these tensors of {SINGLE[model].cls} "
+                       rf"without a value: {model_tensor}; the file lacks the tensors it maps to them")
+    with pytest.raises(CheckpointError, match=match):
+        _load_single(model, path, single_config_dirs[model])
 
 
 def test_without_diffusers_the_config_still_works_with_transformers():

@@ -146,6 +146,10 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if meta and self._single is not None:  # a conversion that only renames (Wan's) leaves a missing tensor here
+            raise CheckpointError(f"{self._single.where}: diffusers' conversion of its tensors left these tensors "
+                                  f"of {type(model).__name__} without a value: {', '.join(meta[:6])}; the file lacks "
+                                  f"the tensors it maps to them")
         if meta:
             raise CheckpointError(f"after loading, {len(meta)} model tensors were given no value by the checkpoint "
                                   f"(still on the meta device): {', '.join(meta[:6])}")
