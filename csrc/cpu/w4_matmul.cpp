@@ -55,15 +55,21 @@ inline float finish(const W4Operand& op, int64_t n, float sum) {
   return op.bias ? v + op.bias[n] : v;
 }
 
-// x [M, K] -> [M][w4_padded(K)] fp32 in the packed order, zero padded.
+// x [M, K] -> [M][w4_padded(K)] fp32 in the packed order, zero padded. Whole chunks by fixed-size loops: a
+// scatter through w4_packed_pos per element took about 1 ns, 15 us of a batch-1 MoE call's serial part.
 template <typename T>
 void pack(const T* x, int64_t M, int64_t K, float* dst) {
-  const int64_t Kp = w4_padded(K);
+  const int64_t Kp = w4_padded(K), full = K / kW4Chunk * kW4Chunk;
   at::parallel_for(0, M, rows_grain(K, 1 << 14), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
       float* d = dst + m * Kp;
-      for (int64_t k = 0; k < K; k++) d[w4_packed_pos(k)] = float(x[m * K + k]);
-      for (int64_t k = K; k < Kp; k++) d[w4_packed_pos(k)] = 0.f;
+      const T* s = x + m * K;
+      for (int64_t c = 0; c < full; c += kW4Chunk)  // the chunk's even codes, then its odd ones
+        for (int i = 0; i < kW4Chunk / 2; i++) {
+          d[c + i] = float(s[c + 2 * i]);
+          d[c + kW4Chunk / 2 + i] = float(s[c + 2 * i + 1]);
+        }
+      for (int64_t k = full; k < Kp; k++) d[w4_packed_pos(k)] = k < K ? float(s[k]) : 0.f;
     }
   });
 }
@@ -231,11 +237,15 @@ template <typename T>
 void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* dst) {
   if (!acts.bf16) return pack(x, M, acts.K, static_cast<float*>(dst));
   const int64_t K = acts.K, Kp = acts.row_elems();
+  const int64_t full = K / kW4Bf16Step * kW4Bf16Step;
   for (int64_t m = 0; m < M; m++) {  // the bits of bf16 x, moved: a few KB per row
     uint16_t* d = static_cast<uint16_t*>(dst) + m * Kp;
     const uint16_t* s = reinterpret_cast<const uint16_t*>(x) + m * K;
-    for (int64_t k = 0; k < K; k++) d[w4_bf16_pos(k)] = s[k];
-    for (int64_t k = K; k < Kp; k++) d[w4_bf16_pos(k)] = 0;
+    constexpr int64_t kWords = kW4Bf16Step / 4;  // a step's 16-bit words of codes: word i holds codes 4 i .. 4 i + 3
+    for (int64_t st = 0; st < full; st += kW4Bf16Step)  // whole steps by fixed-size loops (as pack's chunks)
+      for (int64_t i = 0; i < kWords; i++)
+        for (int64_t j = 0; j < 4; j++) d[st + kWords * j + i] = s[st + 4 * i + j];
+    for (int64_t k = full; k < Kp; k++) d[w4_bf16_pos(k)] = k < K ? s[k] : uint16_t(0);
   }
 }
 
