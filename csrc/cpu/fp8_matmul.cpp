@@ -18,6 +18,7 @@
 
 #include "cpu/bf16_terms.h"
 #include "cpu/brgemm.h"
+#include "cpu/chunk_pack.h"
 #include "cpu/fp8_simd.h"
 #include "cpu/parallel.h"
 #include "cpu/workspace.h"
@@ -69,24 +70,14 @@ inline const float* block_scale_row(const Fp8Operand& op, int64_t n) {
   return op.scale + (n / op.layout.bn) * op.layout.kb;
 }
 
-// One segment of one activation row into packed positions: chunk by chunk in `order`, zero padded.
-template <typename T, typename D, size_t kC>
-inline void pack_segment(const T* src, int64_t n, int64_t padded, const std::array<uint8_t, kC>& order, D* dst) {
-  for (int64_t c = 0; c < padded; c += int64_t(kC))
-    for (size_t p = 0; p < kC; p++) {
-      const int64_t k = c + order[p];
-      dst[c + int64_t(p)] = k < n ? D(src[k]) : D(0);
-    }
-}
-
 // x [M, K] -> packed fp32 segments: segment s of row m at dst + s * seg_stride + m * row_stride.
 template <typename T>
 void pack(const T* x, int64_t M, const KSegments& seg, float* dst, int64_t row_stride, int64_t seg_stride) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++)
       for (int64_t s = 0; s < seg.count; s++)
-        pack_segment(x + m * seg.K + seg.begin(s), seg.size(s), seg.padded, kChunkOrder,
-                     dst + s * seg_stride + m * row_stride);
+        pack_chunks<kChunkOrder>(x + m * seg.K + seg.begin(s), seg.size(s), seg.padded,
+                                 dst + s * seg_stride + m * row_stride);
   });
 }
 
@@ -285,7 +276,7 @@ struct Fp32Engine {
     for (int64_t s = w.s0; s < w.s1; s++) {
       int64_t k0;
       const int64_t n = w.codes(seg, s, &k0);
-      pack_segment(x + m * seg.K + k0, n, sw, kChunkOrder, dst + (s - w.s0) * mb * sw + m * sw);
+      pack_chunks<kChunkOrder>(x + m * seg.K + k0, n, sw, dst + (s - w.s0) * mb * sw + m * sw);
     }
   }
   void decode(const KWindow& w, int64_t r0, int64_t nr, float* panel, bool* nan) const {
@@ -532,8 +523,8 @@ void pack_rows(const GemvActivations& acts, const T* x, int64_t M, void* dst) {
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; m++)
         for (int64_t s = 0; s < seg.count; s++)
-          pack_segment(bits + m * seg.K + seg.begin(s), seg.size(s), seg.padded, kBf16ChunkOrder,
-                       d + m * seg.packed_size() + s * seg.padded);
+          pack_chunks<kBf16ChunkOrder>(bits + m * seg.K + seg.begin(s), seg.size(s), seg.padded,
+                                       d + m * seg.packed_size() + s * seg.padded);
     });
   }
 }

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "cpu/arch/kernel_set.h"
+#include "cpu/chunk_pack.h"
 #include "cpu/fp8_matmul.h"
 #include "cpu/fp8_simd.h"
 #include "cpu/parallel.h"
@@ -55,16 +56,22 @@ inline float finish(const W4Operand& op, int64_t n, float sum) {
   return op.bias ? v + op.bias[n] : v;
 }
 
+// The packed orders as chunk tables (chunk_pack.h): position p of a chunk / bf16 step holds code kOrder[p].
+template <int64_t kC, int64_t (*kPos)(int64_t)>
+constexpr std::array<uint8_t, kC> packed_order() {
+  std::array<uint8_t, kC> o{};
+  for (int64_t k = 0; k < kC; k++) o[size_t(kPos(k))] = uint8_t(k);
+  return o;
+}
+constexpr auto kW4ChunkOrder = packed_order<kW4Chunk, w4_packed_pos>();
+constexpr auto kW4Bf16StepOrder = packed_order<kW4Bf16Step, w4_bf16_pos>();
+
 // x [M, K] -> [M][w4_padded(K)] fp32 in the packed order, zero padded.
 template <typename T>
 void pack(const T* x, int64_t M, int64_t K, float* dst) {
   const int64_t Kp = w4_padded(K);
   at::parallel_for(0, M, rows_grain(K, 1 << 14), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++) {
-      float* d = dst + m * Kp;
-      for (int64_t k = 0; k < K; k++) d[w4_packed_pos(k)] = float(x[m * K + k]);
-      for (int64_t k = K; k < Kp; k++) d[w4_packed_pos(k)] = 0.f;
-    }
+    for (int64_t m = m0; m < m1; m++) pack_chunks<kW4ChunkOrder>(x + m * K, K, Kp, dst + m * Kp);
   });
 }
 
@@ -231,12 +238,9 @@ template <typename T>
 void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* dst) {
   if (!acts.bf16) return pack(x, M, acts.K, static_cast<float*>(dst));
   const int64_t K = acts.K, Kp = acts.row_elems();
-  for (int64_t m = 0; m < M; m++) {  // the bits of bf16 x, moved: a few KB per row
-    uint16_t* d = static_cast<uint16_t*>(dst) + m * Kp;
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(x) + m * K;
-    for (int64_t k = 0; k < K; k++) d[w4_bf16_pos(k)] = s[k];
-    for (int64_t k = K; k < Kp; k++) d[w4_bf16_pos(k)] = 0;
-  }
+  for (int64_t m = 0; m < M; m++)  // the bits of bf16 x, moved: a few KB per row
+    pack_chunks<kW4Bf16StepOrder>(reinterpret_cast<const uint16_t*>(x) + m * K, K, Kp,
+                                  static_cast<uint16_t*>(dst) + m * Kp);
 }
 
 template <typename T>

@@ -40,14 +40,14 @@ struct W4Operand {
 constexpr int64_t kW4Chunk = 32;
 inline int64_t w4_padded(int64_t K) { return (K + kW4Chunk - 1) / kW4Chunk * kW4Chunk; }
 // The packed position of code k (see above).
-inline int64_t w4_packed_pos(int64_t k) { return (k & ~int64_t(31)) | ((k & 1) << 4) | ((k & 31) >> 1); }
+constexpr int64_t w4_packed_pos(int64_t k) { return (k & ~int64_t(31)) | ((k & 1) << 4) | ((k & 31) >> 1); }
 
 // bf16 activations (bf16 x, where the set has a bf16 tile for the weight): K in steps of 128 codes, 64 bytes of
 // codes; step position 32 j + i holds code 4 i + j, the j-th nibble of the step's 16-bit word i, so that one
 // shift and one 16-bit permute per j decode a whole step without widening the bytes.
 constexpr int64_t kW4Bf16Step = 128;
 inline int64_t w4_bf16_padded(int64_t K) { return (K + kW4Bf16Step - 1) / kW4Bf16Step * kW4Bf16Step; }
-inline int64_t w4_bf16_pos(int64_t k) { return (k & ~int64_t(127)) | ((k & 3) << 5) | ((k & 127) >> 2); }
+constexpr int64_t w4_bf16_pos(int64_t k) { return (k & ~int64_t(127)) | ((k & 3) << 5) | ((k & 127) >> 2); }
 
 // One group's decode: w = (value - zp) * scale, or value * scale + bias where has_bias.
 struct W4Group {
