@@ -84,6 +84,8 @@ def test_every_supported_set_matches_the_references(host_objects):
 
 # Planted bugs in the x86 sets: (file, text, replacement, what the harness must notice)
 X86_PLANTS = [
+    ("csrc/cpu/arch/x86/w4_avx2.cpp", "w4_group(op, byte_table, n0 + r, k / 16).scale",
+     "w4_group(op, byte_table, n0 + r, k / 32).scale", "the AVX2 group-16 walk scales a half-chunk by another group"),
     ("csrc/cpu/arch/x86/avx512.cpp", "r[4 + c] = _mm512_shuffle_i32x4(a0, b0, 0xDD);",
      "r[4 + c] = _mm512_shuffle_i32x4(a0, b0, 0x88);", "the AMX activation pack's transpose repeats a column"),
     ("csrc/cpu/arch/x86/avx2.cpp", "nan[r] = nan[r] || avx2::has_nan_code(nan_acc);", "nan[r] = nan[r];",

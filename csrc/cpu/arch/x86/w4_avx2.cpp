@@ -64,6 +64,13 @@ LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void decode_half(__m128
   }
 }
 
+// The 8 lanes' sum, in a fixed order.
+LOWBIT_TARGET_AVX2 inline float hsum(__m256 v) {
+  alignas(32) float l[8];
+  _mm256_store_ps(l, v);
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
 // One chunk at code k of the tile's rows (valid codes of it): its first half by table a, its second by b.
 template <int MR, int NR>
 LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void chunk_step(__m256 (&acc)[MR][NR], const float* x,
@@ -120,21 +127,58 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand
     }
   }
   for (int m = 0; m < MR; m++)
-    for (int r = 0; r < NR; r++) {
-      alignas(32) float l[8];
-      _mm256_store_ps(l, acc[m][r]);
-      sums[m * NR + r] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-    }
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = hsum(acc[m][r]);
 }
 
+// Groups of 16 codes with a scale alone (nvfp4; int4 g16): a table per group and row cost about as much as the
+// group's codes (two multiplies and a scale decode per 16 codes). The codes decode through the values' one table,
+// and each half-chunk's products are scaled as a sum: acc += (x_e . e + x_o . o) * scale. (At 32 codes a group
+// the tables' cost is halved and this walk's extra multiply per half measured no faster.)
+template <int MR, int NR>
+LOWBIT_TARGET_AVX2 void gemv_tile_g16_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0,
+                                                 float* sums) {
+  const int64_t K = op.K, rb = op.row_bytes();
+  const uint8_t* w = op.codes + n0 * rb;
+  const GemvPrefetch prefetch(w, rb, NR);
+  const float* byte_table = w4_byte_scale_table(op.scale_enc);
+  const Table t{_mm256_loadu_ps(op.values), _mm256_loadu_ps(op.values + 8)};
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {  // half-chunks: group k / 16
+    if ((k & 127) == 0)
+      for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k / 2), _MM_HINT_T0);
+    const int64_t valid = K - k, p = (k & ~int64_t(31)) + (k & 16) / 2;  // the half's even codes' position
+    for (int r = 0; r < NR; r++) {
+      __m256 e, o;
+      decode_half(load_half(w + r * rb + k / 2, valid), valid, t, e, o);
+      const __m256 s = _mm256_set1_ps(w4_group(op, byte_table, n0 + r, k / 16).scale);
+      for (int m = 0; m < MR; m++) {
+        const float* xp = x + m * ldx + p;
+        const __m256 part = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), o, _mm256_mul_ps(_mm256_loadu_ps(xp), e));
+        acc[m][r] = _mm256_fmadd_ps(part, s, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; m++)
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = hsum(acc[m][r]);
+}
+
+template <bool kG16>
 struct Tiles {
   template <int MR, int NR, bool>
-  static constexpr W4GemvTileFn get() { return &gemv_tile_t<MR, NR>; }
+  static constexpr W4GemvTileFn get() {
+    if constexpr (kG16) return &gemv_tile_g16_t<MR, NR>;
+    else return &gemv_tile_t<MR, NR>;
+  }
 };
 
 void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
   if (!w4_blocks_in_groups(op)) return kW4KernelsPortable.gemv_tile(mr, nr, x, ldx, op, n0, sums);
-  pick_gemv_tile<W4GemvTileFn, Tiles>(false, mr, nr)(x, ldx, op, n0, sums);
+  const bool scale_only = !op.offset || op.offset_kind == W4Offset::None;
+  if (scale_only && op.G > 1 && op.group == 16)
+    return pick_gemv_tile<W4GemvTileFn, Tiles<true>>(false, mr, nr)(x, ldx, op, n0, sums);
+  pick_gemv_tile<W4GemvTileFn, Tiles<false>>(false, mr, nr)(x, ldx, op, n0, sums);
 }
 
 // Calls fn(p, h, e, o) for each half-chunk h of each chunk of codes [k0, k0 + n) of row `row` (p: the chunk's first
