@@ -4,7 +4,9 @@
 
 #include "cpu/arch/kernel_set.h"
 
-#if LOWBIT_ARM && defined(__APPLE__)
+#if LOWBIT_X86
+#include <cpuid.h>
+#elif LOWBIT_ARM && defined(__APPLE__)
 #include <sys/sysctl.h>
 #elif LOWBIT_ARM && defined(__linux__)
 #include <sys/auxv.h>
@@ -29,12 +31,25 @@ LOWBIT_ARCH_KERNEL_SETS(LOWBIT_DECLARE_SET)
 
 namespace {
 
+#if LOWBIT_X86
+// Bit `bit` of register `reg` (0 eax, 1 ebx, 2 ecx, 3 edx) of CPUID leaf `leaf`, subleaf `sub`: for the features
+// that __builtin_cpu_supports does not name in every compiler the build takes (clang 16, of Apple clang 15's
+// generation, refuses "f16c" and "avxvnni"). Both are VEX-encoded, usable where AVX2 is (whose check covers the
+// OS's saving of the YMM state).
+bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
+  unsigned r[4] = {};
+  if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1u;
+}
+#endif
+
 uint64_t detect_features() {
   uint64_t f = 0;
 #if LOWBIT_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) f |= kFeatAvx2;
-  if (__builtin_cpu_supports("avxvnni")) f |= kFeatAvxVnni;
+  const bool f16c = cpuid_bit(1, 0, 2, 29), avx_vnni = cpuid_bit(7, 1, 0, 4);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) f |= kFeatAvx2;
+  if (__builtin_cpu_supports("avx2") && avx_vnni) f |= kFeatAvxVnni;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
       __builtin_cpu_supports("avx512bf16"))
