@@ -47,9 +47,9 @@ uint64_t detect_features() {
   uint64_t f = 0;
 #if LOWBIT_X86
   __builtin_cpu_init();
-  const bool f16c = cpuid_bit(1, 0, 2, 29), avx_vnni = cpuid_bit(7, 1, 0, 4);
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) f |= kFeatAvx2;
-  if (__builtin_cpu_supports("avx2") && avx_vnni) f |= kFeatAvxVnni;
+  const bool avx2 = __builtin_cpu_supports("avx2"), f16c = cpuid_bit(1, 0, 2, 29), avx_vnni = cpuid_bit(7, 1, 0, 4);
+  if (avx2 && __builtin_cpu_supports("fma") && f16c) f |= kFeatAvx2;
+  if (avx2 && avx_vnni) f |= kFeatAvxVnni;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
       __builtin_cpu_supports("avx512bf16"))

@@ -135,8 +135,7 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand
 // and each half-chunk's products are scaled as a sum: acc += (x_e . e + x_o . o) * scale. (At 32 codes a group
 // the tables' cost is halved and this walk's extra multiply per half measured no faster.)
 template <int MR, int NR>
-LOWBIT_TARGET_AVX2 void gemv_tile_g16_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0,
-                                                 float* sums) {
+LOWBIT_TARGET_AVX2 void gemv_tile_g16_t(const float* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
   const int64_t K = op.K, rb = op.row_bytes();
   const uint8_t* w = op.codes + n0 * rb;
   const GemvPrefetch prefetch(w, rb, NR);
