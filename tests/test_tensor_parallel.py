@@ -207,6 +207,33 @@ def test_transformers_without_tensor_parallel_styles_is_named(monkeypatch):
         transformers_tp()
 
 
+class _Plans(torch.nn.Module):
+    def __init__(self, tp_plan, ep_plan):
+        super().__init__()
+        self.tp_plan, self.ep_plan = tp_plan, ep_plan
+
+
+def test_experts_that_the_ep_plan_dispatches_are_split_over_i():
+    """transformers 5.25 moved MoE experts out of the tp_plans into ep_plans (expert parallelism, not implemented
+    here): those experts get torch_lowbit's split over I, for its own layers only; a plan naming them keeps its
+    entry, and an experts module no ep_plan dispatches gets none."""
+    from torch_lowbit.distributed.parallel import resolve_plan
+    from torch_lowbit.distributed.styles import LowbitExperts, lowbit_style
+
+    tp = {"model.layers.*.self_attn.o_proj": "rowwise"}
+    ep = {"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.experts.down_proj": "grouped_gemm"}
+    plan = resolve_plan(_Plans(tp, ep), "auto")
+    assert dict(plan) == {**tp, "model.layers.*.mlp.experts": "moe_tp_experts"}
+    assert plan.lowbit_only == {"model.layers.*.mlp.experts"}
+    kind, style = lowbit_style(plan["model.layers.*.mlp.experts"], "model.layers.0.mlp.experts")
+    assert kind == "experts" and isinstance(style, LowbitExperts)
+    named = resolve_plan(_Plans({**tp, "model.layers.*.mlp.experts": "replicate"}, ep), "auto")
+    assert named["model.layers.*.mlp.experts"] == "replicate" and not named.lowbit_only
+    user = resolve_plan(_Plans(tp, ep), {"model.layers.*.mlp.experts": "replicate"})
+    assert user["model.layers.*.mlp.experts"] == "replicate" and not user.lowbit_only
+    assert dict(resolve_plan(_Plans(tp, {}), "auto")) == tp
+
+
 @pytest.mark.parametrize("plan", ["fast", {"model.layers.*.mlp.down_proj": 3}, ["rowwise"]])
 def test_from_pretrained_bad_tp_plan_refused_before_reading(plan):
     with pytest.raises(ValueError, match=r"tp_plan must be 'auto' or a dict of module patterns to style names"):

@@ -49,14 +49,33 @@ def check_tp_plan(tp_plan) -> None:
                          f"{{'model.layers.*.mlp.down_proj': 'rowwise'}}), got {tp_plan!r}")
 
 
-def resolve_plan(model: nn.Module, tp_plan: Union[str, Dict[str, str]]) -> Dict[str, str]:
-    """The model's plan (``"auto"``) or the model's plan updated by a dict of ``{module pattern: style}``."""
+class Plan(dict):
+    """A resolved plan: {module pattern: style}. `lowbit_only` holds the patterns torch_lowbit added for its own
+    layers (experts split over I where the architecture dispatches experts by expert parallelism): they never reach
+    transformers' styles, whose experts split is deprecated and would not cut dense experts' parameters."""
+    lowbit_only: frozenset = frozenset()
+
+
+EXPERTS_SPLIT = "moe_tp_experts"
+
+
+def resolve_plan(model: nn.Module, tp_plan: Union[str, Dict[str, str]]) -> Plan:
+    """The model's plan (``"auto"``) or the model's plan updated by a dict of ``{module pattern: style}``.
+
+    Since transformers 5.25 the MoE architectures' tensor-parallel plans leave the experts out (they are split by
+    expert parallelism, ``ep_plan``'s ``ep_dispatch_experts``, which torch_lowbit does not implement); left out, every
+    rank would hold every expert. Experts modules that the ep_plan dispatches and the tp_plan does not name are split
+    over their intermediate size instead (``moe_tp_experts``: what the plans of transformers 5.24 and older asked)."""
     check_tp_plan(tp_plan)
     own = dict(getattr(model, "tp_plan", None) or {})
-    plan = own if tp_plan == "auto" else {**own, **tp_plan}
+    plan = Plan(own if tp_plan == "auto" else {**own, **tp_plan})
     if not plan:
         raise ValueError(f"tp_plan: {type(model).__name__} has no tensor-parallel plan (no base_model_tp_plan in its "
                          f"config): pass tp_plan as a dict")
+    dispatched = [k for k, v in (getattr(model, "ep_plan", None) or {}).items() if v == "ep_dispatch_experts"]
+    added = {k: EXPERTS_SPLIT for k in dispatched if k not in plan}
+    plan.update(added)
+    plan.lowbit_only = frozenset(added)
     return plan
 
 
@@ -66,7 +85,7 @@ def transformers_tp():
         from transformers.distributed import parallel_utils, tensor_parallel
     except ImportError as e:
         raise ImportError(f"torch_lowbit's tensor parallelism runs on transformers' tensor-parallel styles "
-                          f"(transformers.distributed.tensor_parallel, tested with transformers 5.24), which this "
+                          f"(transformers.distributed.tensor_parallel, tested with transformers 5.24 and 5.25), which this "
                           f"transformers lacks: {e}") from None
     return tensor_parallel, parallel_utils
 
@@ -155,7 +174,10 @@ def parallelize(model: nn.Module, mesh, plan: Dict[str, str], hook: Optional[Sha
         if style is not None:
             style.install_forward(layer, mesh, name)
     inside = tuple(n + "." for n in lowbit)
-    expanded = model._expand_parallel_plan(plan) if hasattr(model, "_expand_parallel_plan") else {}
+    own = dict(plan)
+    for k in getattr(plan, "lowbit_only", ()):
+        own.pop(k, None)
+    expanded = model._expand_parallel_plan(own) if hasattr(model, "_expand_parallel_plan") else {}
     dense = {k: v for k, v in expanded.items() if k not in lowbit and not k.startswith(inside)}
     apply_tensor_parallelism(model, mesh, dense)
     model._lowbit_tp_mesh = mesh
@@ -192,15 +214,18 @@ def quantize_parallel(model: nn.Module, config, filter_fn) -> Dict[str, str]:
     from ..quantize import _dense_experts, _swappable, quantize_
     from .styles import lowbit_style
 
-    plan = dict(getattr(model, "tp_plan", None) or {})
+    plan = resolve_plan(model, "auto")
+    any_mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
     done = {}
     for name, mod in list(model.named_modules()):
         shards = {k: p for k, p in mod._parameters.items() if isinstance(p, DTensor)}
         style_name = style_of(name, plan)
-        if (not shards or style_name is None or not (_swappable(mod) or _dense_experts(mod))
+        # experts that transformers (5.25 and newer) leaves whole on every rank, split by torch_lowbit (resolve_plan)
+        whole_experts = not shards and style_name == EXPERTS_SPLIT and _dense_experts(mod) and any_mesh is not None
+        if ((not shards and not whole_experts) or style_name is None or not (_swappable(mod) or _dense_experts(mod))
                 or not filter_fn(mod, name)):
             continue
-        mesh = next(iter(shards.values())).device_mesh
+        mesh = next(iter(shards.values())).device_mesh if shards else any_mesh
         kind, style = lowbit_style(style_name, name)
         installed = mod.__dict__.pop("forward", None)  # transformers' TP forward, on the instance
         for k, p in shards.items():

@@ -31,11 +31,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _ops
 from .layouts import SplitError
-from .parallel import transformers_tp
+from .parallel import EXPERTS_SPLIT, transformers_tp
 
 _tp = transformers_tp()[0]
-ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel, MoeExpertsParallel = (
-    _tp.ALL_PARALLEL_STYLES, _tp.ColwiseParallel, _tp.RowwiseParallel, _tp.MoeExpertsParallel)
+ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel = _tp.ALL_PARALLEL_STYLES, _tp.ColwiseParallel, _tp.RowwiseParallel
+# deprecated in transformers 5.25 (removal announced for 5.28): the experts style keeps only its input handling, which
+# the base layer's (arguments as given) replaces once it is gone -- the low-bit experts forward runs on local tensors
+MoeExpertsParallel = getattr(_tp, "MoeExpertsParallel", None)
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -175,7 +177,8 @@ class LowbitColwise(ColwiseParallel):
         module._hf_quantized_needs_local_tp = True  # transformers' flag: the forward runs on local tensors
         return super().install_forward(module, mesh)
 
-    def transform_output_post_forward(self, module, output, mesh):
+    def transform_output_post_forward(self, module, output, mesh, config=None):
+        # config: transformers >= 5.25 passes the model config (unused: the N split is plain)
         if isinstance(self.output_layouts, Shard):
             return output
         return all_gather_last_dim(output, mesh)
@@ -209,7 +212,7 @@ class LowbitRowwise(RowwiseParallel):
         return module
 
 
-class LowbitExperts(MoeExpertsParallel):
+class LowbitExperts(MoeExpertsParallel or _tp.TensorParallelLayer):
     """transformers' MoeExpertsParallel input handling; each rank's experts slice in float32, summed over the
     ranks."""
 
@@ -234,7 +237,7 @@ def lowbit_style(style_name: str, name: str):
         return "colwise", LowbitColwise(template)
     if isinstance(template, RowwiseParallel):
         return "rowwise", LowbitRowwise(template)
-    if isinstance(template, MoeExpertsParallel):
+    if style_name == EXPERTS_SPLIT or (MoeExpertsParallel is not None and isinstance(template, MoeExpertsParallel)):
         return "experts", LowbitExperts()
     raise SplitError(f"{name}: the tensor-parallel plan asks for style {style_name!r}, which torch_lowbit's low-bit "
                      f"layers do not implement (colwise*, rowwise*, moe_tp_experts)")
