@@ -11,6 +11,9 @@ torch_lowbit/*.metallib on macOS with Apple's Metal toolchain, every metal/*.met
                         TORCH_LOWBIT_METALLIB=0 skips it (the launcher then compiles the embedded source at
                         first use, as it does when an auto build's compile fails), =1 makes a missing toolchain
                         or a compiler error a build error
+
+TORCH_LOWBIT_OPTIMIZE=0 compiles _C without optimization: a quick build that checks packaging and linking (the
+kernels are then many times slower); the tests' source-archive round trip uses it.
 """
 import glob
 import os
@@ -26,6 +29,7 @@ IS_LINUX = sys.platform.startswith("linux")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 BUILD_EMULATOR = os.environ.get("TORCH_LOWBIT_EMULATOR", "1") != "0"
 BUILD_TRACE = BUILD_EMULATOR and os.environ.get("TORCH_LOWBIT_TRACE", "1") != "0"
+OPTIMIZE = os.environ.get("TORCH_LOWBIT_OPTIMIZE", "1") != "0"
 GEN = os.path.join("build", "gen")
 
 sys.path.insert(0, os.path.join(ROOT, "csrc", "emu"))
@@ -72,7 +76,7 @@ def generate_emulator_sources():
 
 
 def cxx_flags():
-    flags = ["-O3", "-g0"]
+    flags = ["-O3" if OPTIMIZE else "-O0", "-g0"]
     if not IS_MAC:
         flags.append("-fopenmp")
     return flags
