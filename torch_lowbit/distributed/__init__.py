@@ -5,7 +5,7 @@ torch.distributed's collectives (c10d all-reduce, DTensor redistribution).
 checkpoint split over the ranks: :mod:`.layouts` says how each low-bit layer's tensors split, :mod:`.shard` cuts them
 for a rank, :mod:`.styles` are the column-wise / row-wise / experts styles for the low-bit layers, :mod:`.parallel`
 applies a plan. Experts shard like linear layers (over their intermediate size, transformers' ``moe_tp_experts``),
-as the architectures' ``tp_plan`` asks; expert parallelism (``ep_plan``) is not implemented.
+also where transformers 5.25+ plans leave them to expert parallelism (``ep_plan``), which is not implemented.
 """
 from __future__ import annotations
 
