@@ -234,6 +234,19 @@ def test_experts_that_the_ep_plan_dispatches_are_split_over_i():
     assert dict(resolve_plan(_Plans(tp, {}), "auto")) == tp
 
 
+def test_transformers_expert_parallelism_is_refused_by_name():
+    """transformers cuts experts by expert and routes tokens to their ranks under ep_size > 1; quantizing such a
+    model with the experts split over I would run experts on tokens routed elsewhere: refused, naming ep_size."""
+    import types
+
+    from torch_lowbit.distributed.parallel import quantize_parallel
+
+    model = _Plans({"model.layers.*.self_attn.o_proj": "rowwise"}, {})
+    model.config = types.SimpleNamespace(distributed_config=types.SimpleNamespace(ep_size=2, tp_size=2))
+    with pytest.raises(ValueError, match=r"expert parallelism \(DistributedConfig ep_size=2\) is not supported"):
+        quantize_parallel(model, None, lambda m, fqn: True)
+
+
 @pytest.mark.parametrize("plan", ["fast", {"model.layers.*.mlp.down_proj": 3}, ["rowwise"]])
 def test_from_pretrained_bad_tp_plan_refused_before_reading(plan):
     with pytest.raises(ValueError, match=r"tp_plan must be 'auto' or a dict of module patterns to style names"):

@@ -214,6 +214,11 @@ def quantize_parallel(model: nn.Module, config, filter_fn) -> Dict[str, str]:
     from ..quantize import _dense_experts, _swappable, quantize_
     from .styles import lowbit_style
 
+    ep_size = getattr(getattr(getattr(model, "config", None), "distributed_config", None), "ep_size", None) or 1
+    if ep_size > 1:  # transformers' expert parallelism has cut the experts by expert and routes tokens to its ranks
+        raise ValueError(f"TorchLowbitConfig with expert parallelism (DistributedConfig ep_size={ep_size}) is not "
+                         f"supported: torch_lowbit splits MoE experts over their intermediate size under the tp_plan; "
+                         f"load with ep_size=1")
     plan = resolve_plan(model, "auto")
     any_mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
     done = {}
