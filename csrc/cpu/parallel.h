@@ -14,9 +14,11 @@ namespace lowbit::cpu {
 // 16 threads).
 constexpr int64_t kChunksPerThread = 16;
 
-// Chunk length for n items over the current threads: a multiple of `multiple`, at least `min_len`.
-inline int64_t stream_chunk(int64_t n, int64_t multiple, int64_t min_len) {
-  const int64_t per = (n + kChunksPerThread * at::get_num_threads() - 1) / (kChunksPerThread * at::get_num_threads());
+// Chunk length for n items over the current threads (per_thread chunks each): a multiple of `multiple`, at least
+// `min_len`.
+inline int64_t stream_chunk(int64_t n, int64_t multiple, int64_t min_len, int64_t per_thread = kChunksPerThread) {
+  const int64_t chunks = per_thread * at::get_num_threads();
+  const int64_t per = (n + chunks - 1) / chunks;
   return std::max(min_len, (per + multiple - 1) / multiple * multiple);
 }
 
