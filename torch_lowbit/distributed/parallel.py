@@ -85,8 +85,8 @@ def transformers_tp():
         from transformers.distributed import parallel_utils, tensor_parallel
     except ImportError as e:
         raise ImportError(f"torch_lowbit's tensor parallelism runs on transformers' tensor-parallel styles "
-                          f"(transformers.distributed.tensor_parallel, tested with transformers 5.24 and 5.25), which this "
-                          f"transformers lacks: {e}") from None
+                          f"(transformers.distributed.tensor_parallel, tested with transformers 5.24 and 5.25), which "
+                          f"this transformers lacks: {e}") from None
     return tensor_parallel, parallel_utils
 
 

@@ -34,7 +34,8 @@ from .layouts import SplitError
 from .parallel import EXPERTS_SPLIT, transformers_tp
 
 _tp = transformers_tp()[0]
-ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel = _tp.ALL_PARALLEL_STYLES, _tp.ColwiseParallel, _tp.RowwiseParallel
+ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel = (_tp.ALL_PARALLEL_STYLES, _tp.ColwiseParallel,
+                                                          _tp.RowwiseParallel)
 # deprecated in transformers 5.25 (removal announced for 5.28): the experts style keeps only its input handling, which
 # the base layer's (arguments as given) replaces once it is gone -- the low-bit experts forward runs on local tensors
 MoeExpertsParallel = getattr(_tp, "MoeExpertsParallel", None)
