@@ -11,6 +11,7 @@
 #include "cpu/arch/x86/target.h"
 
 #include <immintrin.h>
+#include "cpu/arch/x86/fp8_avx2.h"
 #include "cpu/gemv_prefetch.h"
 
 namespace lowbit::cpu {
@@ -62,13 +63,6 @@ LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void decode_half(__m128
     e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(v, lane2)));
     o = _mm256_and_ps(o, _mm256_castsi256_ps(_mm256_cmpgt_epi32(v, _mm256_add_epi32(lane2, _mm256_set1_epi32(1)))));
   }
-}
-
-// The 8 lanes' sum, in a fixed order.
-LOWBIT_TARGET_AVX2 inline float hsum(__m256 v) {
-  alignas(32) float l[8];
-  _mm256_store_ps(l, v);
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
 // One chunk at code k of the tile's rows (valid codes of it): its first half by table a, its second by b.
@@ -127,7 +121,7 @@ LOWBIT_TARGET_AVX2 void gemv_tile_t(const float* x, int64_t ldx, const W4Operand
     }
   }
   for (int m = 0; m < MR; m++)
-    for (int r = 0; r < NR; r++) sums[m * NR + r] = hsum(acc[m][r]);
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = avx2::hsum(acc[m][r]);
 }
 
 // Groups of 16 codes with a scale alone (nvfp4; int4 g16): a table per group and row cost about as much as the
@@ -160,7 +154,7 @@ LOWBIT_TARGET_AVX2 void gemv_tile_g16_t(const float* x, int64_t ldx, const W4Ope
     }
   }
   for (int m = 0; m < MR; m++)
-    for (int r = 0; r < NR; r++) sums[m * NR + r] = hsum(acc[m][r]);
+    for (int r = 0; r < NR; r++) sums[m * NR + r] = avx2::hsum(acc[m][r]);
 }
 
 template <bool kG16>
