@@ -355,8 +355,8 @@ def sdist_members(tarball):
                                    "runs in CI (.ci/run sets TORCH_LOWBIT_CI=1)")
 def test_sdist_round_trip(tmp_path):
     """python -m build --sdist; pip install --no-build-isolation in a fresh venv (torch from the host, emulator
-    off and no optimization to keep the build short); import it there and run one op on cpu. The shared install is not touched:
-    the venv has its own site-packages, and pip leaves packages outside it alone."""
+    off and no optimization to keep the build short); import it there and run one op on cpu. The shared install is
+    not touched: the venv has its own site-packages, and pip leaves packages outside it alone."""
     shared_before = installed_files_state()
     r = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--skip-dependency-check",
                         "--outdir", str(tmp_path), ROOT], cwd=tmp_path, stdout=subprocess.PIPE,

@@ -187,9 +187,7 @@ def test_w4_mm_t(isa, M):
     for fmt, group in [("nvfp4", 16), ("int4", 32), ("uint4", 48)]:
         codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=True, global_scale=True)
         go = torch.randn(M, N, generator=g).to(torch.bfloat16)
-        w = w4_weight_f64(fmt, codes, scale, group, K, off, gs)
-        if amx_route() and M >= 8:  # the bf16 panels (test_w4_mm_t_gemm_routes)
-            w = bf16_dequantized(fmt, codes, scale, group, K, off, gs)
+        w = transposed_weight(fmt, codes, scale, group, K, off, gs, M)
         ref, absref = go.double() @ w, go.double().abs() @ w.abs()
         out = ops.w4_mm_t(go, codes, scale, fmt, group, K, off, gs)
         assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
@@ -219,6 +217,18 @@ def bf16_dequantized(fmt, codes, scale, group, K, off, gs):
     fp32, rounded to bf16."""
     w = w4_weight_f32(fmt, codes, scale, group, K, off)
     return (w if gs is None else w * gs.float()).bfloat16().double()
+
+
+W4_GEMM_MIN_ROWS = 8  # w4_matmul.h's kW4GemmMinRows: from this many rows w4_mm_t runs its GEMM regime
+
+
+def transposed_weight(fmt, codes, scale, group, K, off, gs, rows, dtype=torch.bfloat16):
+    """The float64 weight w4_mm_t multiplies `rows` rows of `dtype` grad_out by on the CPU: the exact weight, but
+    bf16 grad_out in the GEMM regime on bf16 panels (AMX) multiplies the bf16-dequantized one
+    (test_w4_mm_t_gemm_routes)."""
+    if dtype == torch.bfloat16 and rows >= W4_GEMM_MIN_ROWS and amx_route():
+        return bf16_dequantized(fmt, codes, scale, group, K, off, gs)
+    return w4_weight_f64(fmt, codes, scale, group, K, off, gs)
 
 
 def close(out, ref, absref, acc_rtol):

@@ -5,8 +5,8 @@ and per-expert global scales; bad group bounds and expert ids refused."""
 import pytest
 import torch
 
-from reference import _grouped, assert_matmul_close, ref_w4_mm, w4_weight_f64
-from test_w4_cpu_kernels import FORMATS, amx_route, bf16_dequantized, random_w4
+from reference import _grouped, assert_matmul_close, ref_w4_mm
+from test_w4_cpu_kernels import FORMATS, random_w4, transposed_weight
 from torch_lowbit.testing import cpu_isa, forced_cpu_isa, supported_cpu_isas
 
 ops = torch.ops.lowbit
@@ -90,11 +90,9 @@ def test_grouped_mm_t(isa, fmt):
     out = ops.w4_grouped_mm_t(go, codes, scale, fmt, GROUP[fmt], K, offsets, ids, off, gs)
 
     def product(rows, e):
-        # a group of 8 rows or more runs w4_mm_t's GEMM regime: on AMX, times the bf16-dequantized weight (as
-        # test_w4_mm_t_gemm_routes), so nvfp4's global scale rounds each weight once
-        dequantize = bf16_dequantized if amx_route() and rows.shape[0] >= 8 else w4_weight_f64
-        wt = dequantize(fmt, codes[e], scale[e], GROUP[fmt], K, None if off is None else off[e],
-                        None if gs is None else gs[e:e + 1])
+        # each group through w4_mm_t: a group of W4_GEMM_MIN_ROWS rows or more in its GEMM regime
+        wt = transposed_weight(fmt, codes[e], scale[e], GROUP[fmt], K, None if off is None else off[e],
+                               None if gs is None else gs[e:e + 1], rows.shape[0], rows.dtype)
         return rows.double() @ wt, rows.double().abs() @ wt.abs()
     ref, absref = _grouped(go, offsets, ids, K, product)
     assert_matmul_close(out, ref, absref, acc_rtol=1e-5)

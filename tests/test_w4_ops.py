@@ -9,7 +9,7 @@ from torch.library import opcheck
 
 from conftest import backends_for
 from reference import (W4_VALUES_F64, assert_matmul_close, ref_matmul_t, ref_w4_mm, w4_scale_f64, w4_weight_f64)
-from test_w4_cpu_kernels import amx_route, bf16_dequantized
+from test_w4_cpu_kernels import transposed_weight
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ACC_RTOL = 1e-5  # fp32 accumulation over K (or N) <= a few hundred
@@ -82,11 +82,9 @@ def check_mm_t(backend, go, w, K):
                                 w["group_size"], K, backend.to(w["offset"]), backend.to(w["global_scale"]))
     assert out.shape == (*go.shape[:-1], K) and out.dtype == go.dtype
     N = w["codes"].shape[0]
-    w64 = w64_of(w, K)
-    if backend.name == "cpu" and go.dtype == torch.bfloat16 and rows(go).shape[0] >= 8 and amx_route():
-        # w4_mm_t's GEMM regime on AMX multiplies by the bf16-dequantized weight (test_w4_mm_t_gemm_routes)
-        w64 = bf16_dequantized(w["format"], w["codes"], w["scale"], w["group_size"], K, w["offset"],
-                               w["global_scale"])
+    # the CPU's GEMM regime may multiply by the bf16-dequantized weight (test_w4_cpu_kernels.transposed_weight)
+    w64 = (transposed_weight(w["format"], w["codes"], w["scale"], w["group_size"], K, w["offset"], w["global_scale"],
+                             rows(go).shape[0], go.dtype) if backend.name == "cpu" else w64_of(w, K))
     ref, absref = ref_matmul_t(rows(go), w64)
     assert_matmul_close(rows(out), ref, absref, acc_rtol=ACC_RTOL)
     return out
