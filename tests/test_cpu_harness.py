@@ -111,6 +111,8 @@ X86_PLANTS = [
     ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)))",
      "_mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 17)))",
      "the bf16 panel decode's second term subtracts the wrong first term"),
+    ("csrc/cpu/arch/x86/avx512.cpp", "ldb, C + i0 * ldc + j0, ldc, add || k0 > 0, last);",
+     "ldb, C + i0 * ldc + j0, ldc, add, last);", "the bf16 GEMM's later depth blocks overwrite the earlier ones' sums"),
     ("csrc/cpu/arch/portable/w4_portable.cpp", "end = std::min(k1, (g + 1) * op.group);",
      "end = std::min(k1, (g + 1) * op.group + 1);", "the portable 4-bit decode runs a group one code too far"),
 ]

@@ -608,6 +608,81 @@ void check_vnni_pack(const KernelSet& s) {
   }
 }
 
+// The bf16 GEMM (where a set has one): C (+)= A B over A row-major, B in VNNI pairs (kernel_set.h's Bf16GemmFn), on
+// row and column tails, K past one depth block and K = 0, strides wider than the operands. Small integers give
+// exact sums (checked exactly); random values are bounded against float64; a NaN in A poisons its row, an infinity
+// in B its column, a bf16 denormal in A reads as zero; nothing is written outside C's M x N.
+void check_bf16_gemm(const KernelSet& s) {
+  CHECK(s.bf16_gemm == nullptr || (s.vnni_pack != nullptr && s.fp8.decode_rows_bf16 != nullptr),
+        "a set with a bf16 GEMM packs VNNI pairs and decodes bf16 panels");
+  if (!s.bf16_gemm) return;
+  auto bf16 = [](uint16_t h) { return double(float_of_bits(uint32_t(h) << 16)); };
+  std::uniform_int_distribution<int> small(-8, 8);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (bool integers : {true, false})
+    for (int64_t M : {1, 6, 7, 13, 64})
+      for (int64_t N : {1, 16, 17, 64, 65, 130})
+        for (int64_t K : {0, 2, 30, 256, 258, 600})
+          for (bool add : {false, true}) {
+            const int64_t lda = K + 6, ldb = N + 3, ldc = N + 5;
+            std::vector<uint16_t> A(size_t(M * lda), 0x7FC0), B(size_t((K / 2) * 2 * ldb), 0x7FC0);  // NaN outside
+            for (int64_t i = 0; i < M; i++)
+              for (int64_t k = 0; k < K; k++)
+                A[size_t(i * lda + k)] = float_to_bf16_bits(integers ? float(small(g_rng)) : normal(g_rng));
+            for (int64_t k = 0; k < K; k++)
+              for (int64_t j = 0; j < N; j++)
+                B[size_t((k / 2) * 2 * ldb + 2 * j + k % 2)] =
+                    float_to_bf16_bits(integers ? float(small(g_rng)) : normal(g_rng));
+            const bool specials = !integers && K >= 30 && M > 1 && N > 2;
+            if (specials) {
+              A[size_t(lda + 3)] = 0x7FC0;    // row 1: NaN
+              A[size_t(5)] = 0x0001;          // row 0: a denormal, read as zero
+              B[size_t(4 * ldb + 2 * 2)] = 0x7F80;  // column 2: +inf at k = 4
+            }
+            const float sentinel = 12345.f;
+            Buf<float> C(size_t(M * ldc), sentinel);
+            std::vector<float> start(size_t(M * ldc), sentinel);
+            for (int64_t i = 0; i < M; i++)
+              for (int64_t j = 0; j < N; j++) start[size_t(i * ldc + j)] = add ? float(small(g_rng)) : sentinel;
+            for (size_t i = 0; i < start.size(); i++) C[i] = start[i];
+            s.bf16_gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add);
+            for (int64_t i = 0; i < M; i++)
+              for (int64_t j = 0; j < ldc; j++) {
+                const float got = C[size_t(i * ldc + j)];
+                if (j >= N) {
+                  CHECK(got == sentinel, "bf16_gemm M=%lld N=%lld K=%lld wrote C[%lld][%lld] past N", (long long)M,
+                        (long long)N, (long long)K, (long long)i, (long long)j);
+                  continue;
+                }
+                double ref = add ? double(start[size_t(i * ldc + j)]) : 0.0, mag = std::fabs(ref);
+                bool nan = false, inf = false;
+                for (int64_t k = 0; k < K; k++) {
+                  const uint16_t a = A[size_t(i * lda + k)];
+                  const double av = (a & 0x7F80) == 0 ? 0.0 : bf16(a);  // denormals (and zero) read as zero
+                  const double bv = bf16(B[size_t((k / 2) * 2 * ldb + 2 * j + k % 2)]);
+                  nan = nan || std::isnan(av) || (std::isinf(bv) && av == 0.0);
+                  inf = inf || std::isinf(bv);
+                  if (!std::isinf(bv) && !std::isnan(av)) {
+                    ref += av * bv;
+                    mag += std::fabs(av * bv);
+                  }
+                }
+                if (nan) {
+                  CHECK(std::isnan(got), "bf16_gemm M=%lld N=%lld K=%lld C[%lld][%lld] = %g, want NaN", (long long)M,
+                        (long long)N, (long long)K, (long long)i, (long long)j, got);
+                } else if (inf) {
+                  CHECK(std::isinf(got), "bf16_gemm M=%lld N=%lld K=%lld C[%lld][%lld] = %g, want inf", (long long)M,
+                        (long long)N, (long long)K, (long long)i, (long long)j, got);
+                } else {
+                  const double bound = integers ? 0.0 : double(K + 2) * std::ldexp(mag, -24);
+                  CHECK(std::fabs(double(got) - ref) <= bound,
+                        "bf16_gemm M=%lld N=%lld K=%lld add=%d C[%lld][%lld] = %.9g, want %.9g", (long long)M,
+                        (long long)N, (long long)K, int(add), (long long)i, (long long)j, got, ref);
+                }
+              }
+          }
+}
+
 void check_set(const KernelSet& s, const KernelSet& portable) {
   g_set = s.name;
   const int before = g_failures, checks = g_checks;
@@ -623,6 +698,7 @@ void check_set(const KernelSet& s, const KernelSet& portable) {
   check_xor_words(s);
   check_w4(s);
   check_vnni_pack(s);
+  check_bf16_gemm(s);
   std::printf("%s %s: %d checks\n", g_failures == before ? "ok" : "FAILED", s.name, g_checks - checks);
 }
 

@@ -53,6 +53,12 @@ using XorWordsFn = uint64_t (*)(const uint64_t* p, int64_t n);
 // unit of every activation row (brgemm.h's VNNI order).
 constexpr int kVnniPackRows = 16, kVnniPackUnits = 32;
 using VnniPackFn = void (*)(const void* x, int64_t ldx, const uint8_t* to, uint32_t* dst, int64_t ldd);
+// The bf16 panel GEMM's product on CPUs without AMX (fp8_matmul.cpp's Bf16Engine; brgemm.h's operands):
+// C[i * ldc + j] (+= where add) sum over k < K of A[i * lda + k] * B[(k / 2) * 2 * ldb + 2 * j + k % 2] for i < M,
+// j < N: A row-major, B in VNNI pairs, bf16 bits, K even. Products exact, fp32 sums; bf16 denormals read as zero,
+// as AMX reads them.
+using Bf16GemmFn = void (*)(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
+                            int64_t ldb, float* C, int64_t ldc, bool add);
 
 struct KernelSet {
   const char* name;   // what tests, the bench's --isa and the environment report call it
@@ -66,6 +72,9 @@ struct KernelSet {
   // for it: a property of the set because the panels it packs for AMX come from its bf16 decode.
   bool amx_gemm;
   VnniPackFn vnni_pack;  // null: the callers pack with their scalar loops
+  // null: without AMX the GEMM regimes decode fp32 panels into torch's fp32 GEMM (a set with one has a vnni_pack
+  // and a bf16 panel decode)
+  Bf16GemmFn bf16_gemm = nullptr;
 };
 
 // The features this CPU reports (CpuFeature bits).

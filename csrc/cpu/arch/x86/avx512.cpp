@@ -1,10 +1,11 @@
 // The AVX-512 kernel set (F, BW, VL, VNNI, VBMI, BF16, and AVX-VNNI: a CPU without it, such as Ice Lake, runs the
 // AVX2 set). AMX is a flag of this set: the GEMM regimes hand bf16 / int8 panels to oneDNN's AMX brgemm where
-// torch can pack for it (brgemm.h).
+// torch can pack for it (brgemm.h); elsewhere the bf16 panels go to this set's own bf16 GEMM (vdpbf16ps).
 //
 // fp8 GEMV tiles, float activations: the AVX2 decode's half vectors converted 16 at a time (vcvtph2ps zmm), which
 // drops the lane extracts and halves the conversions and FMAs per code. At batch 1 the decode bounds the AVX2 tile
 // below memory bandwidth; this one keeps up with it.
+#include <algorithm>
 #include <cstring>
 
 // GCC 12 warns about the undefined pass-through operand inside its own AVX-512 intrinsics headers
@@ -328,6 +329,78 @@ LOWBIT_TARGET_AVX512 inline void transpose16x16(__m512i (&r)[16]) {
   }
 }
 
+namespace bf16_gemm {
+// kernel_set.h's Bf16GemmFn. Register tile: kTileRows rows of A times kTileVecs vectors of 16 columns of B, 24
+// accumulators beside the 4 B vectors and a broadcast A pair; each k pair loads 4 B vectors and 6 pairs for 24 dot
+// products (vdpbf16ps, as the GEMV tiles). The tiles go through K in blocks of kDepth, each block's B (kDepth / 2
+// rows of 64 columns: 32 KB) read from L1 by every tile row of A.
+constexpr int kTileRows = 6, kTileVecs = 4;
+constexpr int64_t kDepth = 256;
+
+template <int R, int V>
+LOWBIT_TARGET_AVX512BF16 void tile(int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
+                                   int64_t ldc, bool add, __mmask16 last) {
+  // every loop over the tile unrolled before GCC's scalar replacement, which then keeps the accumulators in
+  // registers (without, GCC 12 stores them to the stack on every k step from 4 x 4 up)
+  __mmask16 mask[V];
+#pragma GCC unroll 8
+  for (int v = 0; v < V; v++) mask[v] = v == V - 1 ? last : __mmask16(0xFFFF);
+  __m512 acc[R][V];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; v++)
+      acc[i][v] = add ? _mm512_maskz_loadu_ps(mask[v], C + i * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    const uint16_t* b = B + k * ldb;  // VNNI row k / 2
+    __m512i bv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; v++) bv[v] = _mm512_maskz_loadu_epi32(mask[v], b + 32 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+      int32_t pair;
+      std::memcpy(&pair, A + i * lda + k, sizeof(pair));
+      const __m512i a = _mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)a, (__m512bh)bv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; v++) _mm512_mask_storeu_ps(C + i * ldc + 16 * v, mask[v], acc[i][v]);
+}
+
+using TileFn = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, __mmask16);
+template <int R>
+struct TileRow {
+  static constexpr TileFn get(int v) {
+    return v == 1 ? &tile<R, 1> : v == 2 ? &tile<R, 2> : v == 3 ? &tile<R, 3> : &tile<R, 4>;
+  }
+};
+static_assert(kTileRows == 6 && kTileVecs == 4, "the table below lists every tile");
+#define LOWBIT_TILE_ROW(R) {TileRow<R>::get(1), TileRow<R>::get(2), TileRow<R>::get(3), TileRow<R>::get(4)}
+constexpr TileFn kTiles[kTileRows][kTileVecs] = {LOWBIT_TILE_ROW(1), LOWBIT_TILE_ROW(2), LOWBIT_TILE_ROW(3),
+                                                 LOWBIT_TILE_ROW(4), LOWBIT_TILE_ROW(5), LOWBIT_TILE_ROW(6)};
+#undef LOWBIT_TILE_ROW
+
+void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
+          int64_t ldc, bool add) {
+  if (K == 0 && !add)  // an empty sum
+    for (int64_t i = 0; i < M; i++) std::fill(C + i * ldc, C + i * ldc + N, 0.f);
+  for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
+    const int64_t kd = std::min(kDepth, K - k0);
+    for (int64_t j0 = 0; j0 < N; j0 += 16 * kTileVecs) {
+      const int64_t nj = std::min<int64_t>(16 * kTileVecs, N - j0), vecs = (nj + 15) / 16;
+      const __mmask16 last = __mmask16((1u << (nj - 16 * (vecs - 1))) - 1);
+      for (int64_t i0 = 0; i0 < M; i0 += kTileRows)
+        kTiles[std::min<int64_t>(kTileRows, M - i0) - 1][vecs - 1](kd, A + i0 * lda + k0, lda, B + k0 * ldb + 2 * j0,
+                                                                    ldb, C + i0 * ldc + j0, ldc, add || k0 > 0, last);
+    }
+  }
+}
+}  // namespace bf16_gemm
+
 // kernel_set.h's VnniPackFn: the block's two halves of 16 units, each a 16 x 16 transpose (the scalar packs moved
 // a unit, or a byte, at a time: a fifth of the AMX fp8 GEMM's time at M = 4096).
 LOWBIT_TARGET_AVX512 void vnni_pack(const void* x, int64_t ldx, const uint8_t* to, uint32_t* dst, int64_t ldd) {
@@ -358,6 +431,7 @@ const KernelSet& kernel_set_avx512() {
       avx2.xor_words,
       true,
       &vnni_pack,
+      &bf16_gemm::gemm,
   };
   return s;
 }
