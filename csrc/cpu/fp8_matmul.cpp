@@ -333,9 +333,10 @@ inline std::array<uint8_t, kVnniPackUnits> pair_destinations(const uint8_t* orde
   return to;
 }
 
-// On a CPU with AMX (amx_gemm_available): decoded bf16 panels of a PanelWeight times the packed activation terms
-// in torch's oneDNN brgemm, fp32 accumulation; at M = 64 (fp8), 3x (bf16, half x) and 2x (float x) faster there
-// than fp32 panels in the fp32 GEMM. For fp8 the sums are the fp32 path's: decoded weights and bf16 terms are exact
+// Decoded bf16 panels of a PanelWeight times the packed activation terms, fp32 accumulation: on a CPU with AMX
+// (amx_gemm_available) in torch's oneDNN brgemm -- at M = 64 (fp8), 3x (bf16, half x) and 2x (float x) faster
+// there than fp32 panels in the fp32 GEMM -- and elsewhere in the kernel set's bf16 GEMM (AVX-512 BF16), on the
+// same operands. For fp8 the sums are the fp32 path's: decoded weights and bf16 terms are exact
 // in bf16, their products exact in fp32. (AMX, like vdpbf16ps, reads bf16 denormals -- below 1e-38 -- as zero.)
 // Decoded NaN codes are NaN and flow through the sums. Block scales multiply each segment's sums. A weight of two
 // terms (PanelWeight) is two panels, each multiplied with the activation terms as PanelWeight says.
@@ -356,6 +357,8 @@ struct Bf16Engine {
   // pair of a chunk
   VnniPackFn pack = kernel_set().vnni_pack;
   std::array<uint8_t, kVnniPackUnits> pack_to = pair_destinations(pw.order);
+  // null: oneDNN's AMX brgemm multiplies
+  Bf16GemmFn gemm = amx_gemm_available() ? nullptr : kernel_set().bf16_gemm;
 
   int64_t N() const { return pw.N; }
   int terms() const { return pw.terms; }
@@ -448,8 +451,14 @@ struct Bf16Engine {
         for (int tw = 0; tw < pw.terms; tw++)
           for (int t = 0; t < (tw == 0 ? kBf16Terms<T> : 1); t++)
             for (int64_t k = 0; k < sw; k += kBf16Depth) {
-              at::native::cpublas::brgemm(nr, cw, std::min(kBf16Depth, sw - k), width, cw, ldc, acc,
-                                          a + tw * kRows * width + p + k, xb + t * mb * width + (p + k) * cw, c, true);
+              const int64_t depth = std::min(kBf16Depth, sw - k);
+              const auto* ak = a + tw * kRows * width + p + k;
+              const auto* bk = xb + t * mb * width + (p + k) * cw;
+              if (gemm != nullptr)
+                gemm(nr, cw, depth, reinterpret_cast<const uint16_t*>(ak), width,
+                     reinterpret_cast<const uint16_t*>(bk), cw, c, ldc, acc);
+              else
+                at::native::cpublas::brgemm(nr, cw, depth, width, cw, ldc, acc, ak, bk, c, true);
               acc = true;
             }
         if (block) {
@@ -491,19 +500,22 @@ struct Fp8PanelWeight final : PanelWeight {
   const float* block_scale_row(int64_t n) const override { return lowbit::cpu::block_scale_row(op, n); }
 };
 
-// Whether the GEMM regime runs on AMX (as bf16 panels and bf16 terms of x).
-bool bf16_amx_gemm(const Fp8Kernels& kern) { return kern.decode_rows_bf16 != nullptr && amx_gemm_available(); }
+// Whether the GEMM regime runs as bf16 panels and bf16 terms of x.
+bool bf16_panels(const Fp8Kernels& kern) { return kern.decode_rows_bf16 != nullptr && bf16_panel_gemm_available(); }
 
 }  // namespace
 
-bool bf16_panel_gemm_available() { return amx_gemm_available(); }
+bool bf16_panel_gemm_available() { return amx_gemm_available() || kernel_set().bf16_gemm != nullptr; }
 
 template <typename T>
 void bf16_panel_gemm(const T* x, int64_t M, const PanelWeight& w, T* out, int64_t ldo) {
   windowed_gemm(Bf16Engine<T>{w}, x, M, out, ldo);
 }
 
-int64_t gemm_min_rows() { return bf16_amx_gemm(kernel_set().fp8) ? kAmxGemmMinRows : kGemmMinRows; }
+int64_t gemm_min_rows() {
+  if (!bf16_panels(kernel_set().fp8)) return kGemmMinRows;
+  return amx_gemm_available() ? kAmxGemmMinRows : kBf16GemmMinRows;
+}
 
 template <typename T>
 GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K) {
@@ -568,9 +580,8 @@ void fp8_matmul(const T* x, int64_t M, const Fp8Operand& op, T* out, int64_t ldo
     return;
   }
   const Fp8Kernels& kern = kernel_set().fp8;
-  const bool amx = bf16_amx_gemm(kern);
-  if (M >= (amx ? kAmxGemmMinRows : kGemmMinRows)) {
-    if (amx) return bf16_panel_gemm(x, M, Fp8PanelWeight(op, kern), out, ldo);
+  if (M >= gemm_min_rows()) {
+    if (bf16_panels(kern)) return bf16_panel_gemm(x, M, Fp8PanelWeight(op, kern), out, ldo);
     return windowed_gemm(Fp32Engine<T>{kern, op}, x, M, out, ldo);
   }
   const GemvActivations acts = gemv_activations<T>(kern, op.layout, op.K);

@@ -63,6 +63,10 @@ constexpr int64_t kGemmMinRows = 8;
 // The same on AMX: there the GEMM (bf16 x, K = 4096, N = 14336: 6.5 ms from 5 rows to 16, weights in L3) beats
 // the tiles from 5 rows (4.6 ms at 4 rows, 7.9 ms at 6: a second group of rows decodes the weights again).
 constexpr int64_t kAmxGemmMinRows = 5;
+// The same for the kernel set's bf16 GEMM (bf16 panels without AMX): its fixed cost -- the whole weight decoded to
+// bf16 panels -- is larger against the tiles' (bf16 x, K = 4096, N = 14336 on 2 Zen 5 cores: equal at 16-20 rows;
+// 3.2 against 6.6 ms at 8).
+constexpr int64_t kBf16GemmMinRows = 16;
 
 // How the GEMV tiles see the activations: fp32 in chunks of 32 codes, or -- bf16 x, where the kernels have a
 // bf16 dot product -- the bf16 values themselves in chunks of 64.
@@ -74,8 +78,8 @@ struct GemvActivations {
 template <typename T>
 GemvActivations gemv_activations(const Fp8Kernels& kern, const ScaleLayout& layout, int64_t K);
 
-// The number of activation rows from which fp8_matmul runs its GEMM regime now (kAmxGemmMinRows where
-// amx_gemm_available(), else kGemmMinRows): fewer rows run the GEMV tiles.
+// The number of activation rows from which fp8_matmul runs its GEMM regime now (kAmxGemmMinRows on AMX,
+// kBf16GemmMinRows on the set's bf16 GEMM, else kGemmMinRows): fewer rows run the GEMV tiles.
 int64_t gemm_min_rows();
 
 // out[m * ldo + n] = sum_k x[m, k] * dec(w[n, k]) * scale(n, k) (+ bias[n]), rounded once to T; x is [M, K].
