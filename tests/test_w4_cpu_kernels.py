@@ -14,6 +14,8 @@ from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa, supporte
 ISAS = supported_cpu_isas()
 ops = torch.ops.lowbit
 FORMATS = ["nvfp4", "mxfp4", "int4", "uint4"]
+# Rows that run w4_mm's GEMM regime on every route (w4_matmul.cpp's w4_gemm_min_rows: 8 on AMX, up to 64 elsewhere)
+GEMM_ROWS = 64
 
 
 @pytest.fixture(params=ISAS)
@@ -64,7 +66,7 @@ def test_w4_mm_regimes(isa, fmt, M):
     check_mm(x, fmt, group, w, bias=torch.randn(N, generator=g))
 
 
-@pytest.mark.parametrize("M", [1, 3, 9])
+@pytest.mark.parametrize("M", [1, 3, 9, GEMM_ROWS])
 @pytest.mark.parametrize("group", [16, 48, 128, 4096, 24, 5])  # multiples of 16, per channel, others
 @pytest.mark.parametrize("K", [255, 1000])
 def test_w4_mm_group_sizes_and_tails(isa, M, group, K):
@@ -113,15 +115,41 @@ def test_w4_mm_bf16_gemv_nonfinite(isa, M, group):
         assert_matmul_close(out[keep], ref[keep], absref[keep], acc_rtol=1e-5)
 
 
+@pytest.mark.parametrize("M", [40, 70])
+@pytest.mark.parametrize("group", [64, 128, 192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_w4_mm_gemm_group_scales(isa, M, group, dtype):
+    # integer codes (less int8 zero points) in groups of whole bf16 chunks: without AMX the bf16 panels hold the
+    # codes and the group scales multiply each group's sums (w4_matmul.cpp's w4_grouped_exact); a partial last
+    # group; a NaN scale reaches only its column, an inf scale makes its column nonfinite, a NaN x only its row
+    g = torch.Generator().manual_seed(M + group)
+    N, K = 45, 1000 + 37
+    for fmt, offset, sdt in [("int4", True, torch.float32), ("int4", False, torch.bfloat16),
+                             ("uint4", False, torch.float16)]:
+        codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=offset, scale_dtype=sdt)
+        scale[3, 1] = math.nan
+        scale[5, -1] = math.inf
+        x = torch.randn(M, K, generator=g).to(dtype)
+        x[M - 1, 7] = math.nan
+        bias = torch.randn(N, generator=g)
+        out = ops.w4_mm(x, codes, scale, fmt, group, off, gs, bias)
+        ref, absref = ref_w4_mm(x, fmt, codes, scale, group, off, gs, bias)
+        assert torch.isnan(out[:, 3]).all() and torch.isnan(out[M - 1]).all()
+        assert not torch.isfinite(out[:, 5]).any()
+        keep = torch.isfinite(ref)
+        assert torch.equal(keep, torch.isfinite(out)), fmt
+        assert_matmul_close(out[keep], ref[keep], absref[keep], acc_rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 12])
+@pytest.mark.parametrize("M", [1, 12, GEMM_ROWS])
 def test_w4_mm_activation_dtypes(isa, dtype, M):
     g = torch.Generator().manual_seed(M)
     w = random_w4("int4", 45, 320, 32, g, offset=False, scale_dtype=torch.float32)
     check_mm(torch.randn(M, 320, generator=g).to(dtype), "int4", 32, w)
 
 
-@pytest.mark.parametrize("M", [1, 4, 10])
+@pytest.mark.parametrize("M", [1, 4, 10, GEMM_ROWS])
 def test_w4_mm_nonfinite_activations_and_scales(isa, M):
     # NaN / inf in x reach every output of their row; a NaN or inf scale only its column (as in float64)
     g = torch.Generator().manual_seed(5)
@@ -143,7 +171,7 @@ def test_w4_mm_nonfinite_activations_and_scales(isa, M):
         assert torch.isnan(out[:, 3]).all() and not torch.isnan(out[:, 4]).all()
 
 
-@pytest.mark.parametrize("M", [1, 9])
+@pytest.mark.parametrize("M", [1, 9, GEMM_ROWS])
 def test_w4_mm_scale_inf_with_zero_codes_in_the_padding(isa, M):
     # odd K: the unused high nibble of the last byte must not reach the sum (its table entry 0 * inf is NaN)
     g = torch.Generator().manual_seed(11)

@@ -3,7 +3,7 @@
 // w4_grouped_mm's small groups (the decode case: a token's few experts, a few rows each) are scheduled together,
 // as fp8_grouped_mm's: their rows packed once, then (group, column range) items in one parallel loop taken by
 // whichever thread is free (parallel.h), so that the chosen experts' weights stream on every thread at once
-// instead of one short parallel region per group. Groups of kW4GemmMinRows rows or more run the GEMM one by one.
+// instead of one short parallel region per group. Groups of w4_gemm_min_rows rows or more run the GEMM one by one.
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -75,8 +75,11 @@ at::Tensor w4_grouped_mm(const at::Tensor& x, const at::Tensor& codes, const at:
   const int64_t K = a.w.K, N = a.w.N;
   std::vector<SmallGroup> small;
   int64_t small_rows = 0;
+  int64_t gemm_rows = 0;
+  LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "w4_grouped_mm",
+                              [&] { gemm_rows = w4_gemm_min_rows<scalar_t>(w4_operand(a.w, 0)); });
   at::Tensor out = for_each_group(a, N, [&](int64_t e, int64_t r0, int64_t rows, at::Tensor& out) {
-    if (rows < kW4GemmMinRows && K > 0) {  // after the big groups (w4_matmul reuses the activation scratch)
+    if (rows < gemm_rows && K > 0) {  // after the big groups (w4_matmul reuses the activation scratch)
       small.push_back({e, r0, r0 + rows, small_rows});
       small_rows += rows;
       return;

@@ -13,12 +13,15 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cpu/arch/kernel_set.h"
+#include "cpu/brgemm.h"
 #include "cpu/chunk_pack.h"
 #include "cpu/fp8_matmul.h"
 #include "cpu/fp8_simd.h"
 #include "cpu/parallel.h"
+#include "cpu/transposed_matmul.h"
 #include "cpu/workspace.h"
 
 namespace lowbit::cpu {
@@ -155,13 +158,31 @@ constexpr std::array<uint8_t, kBf16Chunk> make_natural_order() {
 }
 constexpr std::array<uint8_t, kBf16Chunk> kNaturalOrder = make_natural_order();
 
+// Whether the weight runs as one exact bf16 term per code with its group scales on the groups' partial sums (the
+// panel GEMM's block scales), where w4_exact_in_bf16 does not hold: every value minus its zero point is exact in
+// bf16 (integers below 256: int4 / uint4 codes less int8 zero points), no biases, and groups of whole chunks of
+// the panel GEMM (smaller groups would pad each one to a chunk). Half the products of two terms, and exact ones:
+// the sums are the GEMV's (w4_kernels.h: each group's sum scaled once). Off on AMX, whose brgemm calls per
+// group cost more than its second term (the comment above).
+bool w4_grouped_exact(const W4Operand& op) {
+  if (op.offset_kind == W4Offset::Bias || op.G <= 1 || op.group % kBf16Chunk != 0 || amx_gemm_available()) return false;
+  for (int c = 0; c < 16; c++) {
+    const float v = op.values[c];
+    if (v != std::nearbyint(v) || std::fabs(v) > 127.f) return false;  // minus an int8 zero point: below 256
+  }
+  return true;
+}
+
 // A 4-bit weight as the bf16 panel GEMM reads it (fp8_matmul.h): the set's bf16 decode, natural order; the
-// global scale and the bias after the K reduction.
+// global scale and the bias after the K reduction. Grouped (w4_grouped_exact): the decode sees unit scales --
+// values less zero points -- and the group scales, in fp32, multiply each group's sums.
 struct W4PanelWeight final : PanelWeight {
   W4Operand op;  // global = 1 for the decode: the global scale multiplies the sums
   const W4Kernels& kern;
   float global;
-  W4PanelWeight(const W4Operand& o, const W4Kernels& k, int term_count) : op(o), kern(k) {
+  std::vector<uint8_t> unit_scales;   // grouped: an E8M0 1 for each group, the scales the decode sees
+  std::vector<float> group_scales;    // grouped: [N][G] fp32
+  W4PanelWeight(const W4Operand& o, const W4Kernels& k, int term_count, bool grouped = false) : op(o), kern(k) {
     op.global = 1.f;
     global = o.global;
     N = op.N;
@@ -169,7 +190,18 @@ struct W4PanelWeight final : PanelWeight {
     terms = term_count;
     order = kNaturalOrder.data();
     has_add = op.bias != nullptr;
+    if (grouped) {
+      block = true;
+      block_k = op.group;
+      const int64_t count = op.N * op.G;
+      group_scales.resize(size_t(count));
+      for (int64_t i = 0; i < count; i++) group_scales[size_t(i)] = w4_scale_to_float(o.scale_enc, o.scale, i);
+      unit_scales.assign(size_t(count), uint8_t(127));
+      op.scale = unit_scales.data();
+      op.scale_enc = W4Scale::E8M0;
+    }
   }
+  const float* block_scale_row(int64_t n) const override { return group_scales.data() + n * op.G; }
   void decode(int64_t r0, int64_t nr, int64_t k0, int64_t n, uint16_t* dst, int64_t ld,
               int64_t term_stride) const override {
     kern.decode_rows_bf16(op, r0, nr, k0, n, terms, dst, ld, term_stride);
@@ -182,17 +214,39 @@ struct W4PanelWeight final : PanelWeight {
   }
 };
 
-// The bf16 panels run now: the set decodes to bf16 and the CPU runs torch's brgemm on AMX.
-bool w4_amx(const W4Kernels& kern) { return kern.decode_rows_bf16 != nullptr && bf16_panel_gemm_available(); }
+// The bf16 panels run now: the set decodes to bf16, and the CPU runs torch's brgemm on AMX or the set's bf16 GEMM.
+bool w4_bf16_panels(const W4Kernels& kern) {
+  return kern.decode_rows_bf16 != nullptr && bf16_panel_gemm_available();
+}
 
-// The GEMM regime on AMX; false where it does not run (see above).
+// How w4_mm's GEMM regime multiplies op for x of type T (see the numerics above).
+enum class W4GemmRoute { Bf16OneTerm, Bf16Grouped, Bf16TwoTerms, Fp32 };
 template <typename T>
-bool amx_gemm(const W4Kernels& kern, const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
-  if (!w4_amx(kern)) return false;
-  const bool exact = w4_exact_in_bf16(op);
-  if (!exact && std::is_same_v<T, float>) return false;
-  bf16_panel_gemm(x, M, W4PanelWeight(op, kern, exact ? 1 : 2), out, ldo);
+W4GemmRoute w4_gemm_route(const W4Kernels& kern, const W4Operand& op) {
+  if (!w4_bf16_panels(kern)) return W4GemmRoute::Fp32;
+  if (w4_exact_in_bf16(op)) return W4GemmRoute::Bf16OneTerm;
+  if (w4_grouped_exact(op)) return W4GemmRoute::Bf16Grouped;
+  return std::is_same_v<T, float> ? W4GemmRoute::Fp32 : W4GemmRoute::Bf16TwoTerms;
+}
+
+// The bf16 panel GEMM where the route has it; false for the fp32 panels.
+template <typename T>
+bool bf16_gemm(W4GemmRoute route, const W4Kernels& kern, const T* x, int64_t M, const W4Operand& op, T* out,
+               int64_t ldo) {
+  if (route == W4GemmRoute::Fp32) return false;
+  bf16_panel_gemm(x, M, W4PanelWeight(op, kern, route == W4GemmRoute::Bf16TwoTerms ? 2 : 1,
+                                      route == W4GemmRoute::Bf16Grouped),
+                  out, ldo);
   return true;
+}
+
+// From this many rows w4_mm runs its GEMM regime: the GEMV tiles decode the weight again for every 4 rows, the
+// GEMM once per M block but into panels, at a cost that AMX's brgemm hides. Elsewhere, measured at K = 4096,
+// N = 14336 on 2 Zen 5 cores (bf16 x; GEMV and GEMM equal at): one-term bf16 panels 28-32 rows, two-term 64, fp32
+// panels 16-32 (mxfp4, int4).
+int64_t w4_gemm_min_rows(W4GemmRoute route) {
+  if (route != W4GemmRoute::Fp32 && amx_gemm_available()) return kW4GemmMinRows;
+  return route == W4GemmRoute::Bf16TwoTerms ? 64 : route == W4GemmRoute::Fp32 ? 24 : 32;
 }
 
 // w4_mm_t's GEMM regime on AMX for bf16 g: column panels (all N rows, kc codes) decoded to bf16 by all threads,
@@ -202,7 +256,7 @@ bool amx_gemm_t(const W4Kernels& kern, const T* g, int64_t M, const W4Operand& o
   if constexpr (!std::is_same_v<T, c10::BFloat16>) {
     return false;
   } else {
-    if (M < kW4GemmMinRows || !w4_amx(kern)) return false;
+    if (M < kW4GemmMinRows || kern.decode_rows_bf16 == nullptr || !transposed_panels_bf16()) return false;
     const int64_t N = op.N, K = op.K;
     const int64_t bytes = std::max(int64_t(8) << 20, (int64_t(2) << 20) * int64_t(at::get_num_threads()));
     const int64_t kc = std::min(std::max<int64_t>(bytes / (N * 2) / kBf16Chunk * kBf16Chunk, 256),
@@ -264,6 +318,11 @@ void w4_gemv_rows(const W4Kernels& kern, const W4GemvActivations& acts, const vo
 }
 
 template <typename T>
+int64_t w4_gemm_min_rows(const W4Operand& op) {
+  return w4_gemm_min_rows(w4_gemm_route<T>(kernel_set().w4, op));
+}
+
+template <typename T>
 void w4_matmul(const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
   if (M == 0 || op.N == 0) return;
   if (op.K == 0) {  // an empty sum: bias or zero
@@ -272,8 +331,9 @@ void w4_matmul(const T* x, int64_t M, const W4Operand& op, T* out, int64_t ldo) 
     return;
   }
   const W4Kernels& kern = kernel_set().w4;
-  if (M >= kW4GemmMinRows && amx_gemm(kern, x, M, op, out, ldo)) return;
-  if (M >= kW4GemmMinRows) {
+  const W4GemmRoute route = w4_gemm_route<T>(kern, op);
+  if (M >= w4_gemm_min_rows(route) && bf16_gemm(route, kern, x, M, op, out, ldo)) return;
+  if (M >= w4_gemm_min_rows(route)) {
     float* xp = scratch<float>(Slot::Activations, size_t(M * w4_padded(op.K)));
     pack(x, M, op.K, xp);
     panel_gemm(kern, xp, M, op, out, ldo);
@@ -340,7 +400,8 @@ void w4_dequantize_to(const W4Operand& op, T* out) {
                                 int64_t, int64_t, T*, int64_t); \
   template void w4_matmul<T>(const T*, int64_t, const W4Operand&, T*, int64_t);   \
   template void w4_matmul_t<T>(const T*, int64_t, const W4Operand&, T*, int64_t); \
-  template void w4_dequantize_to<T>(const W4Operand&, T*);
+  template void w4_dequantize_to<T>(const W4Operand&, T*); \
+  template int64_t w4_gemm_min_rows<T>(const W4Operand&);
 LOWBIT_W4_INSTANTIATE(float)
 LOWBIT_W4_INSTANTIATE(c10::BFloat16)
 LOWBIT_W4_INSTANTIATE(c10::Half)

@@ -23,9 +23,12 @@ namespace lowbit::cpu {
 // The operand of expert e of a checked weight (e = 0 when ungrouped). Reads global_scale on the host.
 W4Operand w4_operand(const W4Weight& w, int64_t e = 0, const float* bias = nullptr);
 
-// From this many activation rows w4_mm runs the panel GEMM (below it the GEMV tiles, which decode the weight
-// again for every 4 rows).
+// From this many activation rows w4_mm runs the panel GEMM on AMX, and w4_mm_t its GEMM regime (below it the GEMV
+// tiles, which decode the weight again for every 4 rows).
 constexpr int64_t kW4GemmMinRows = 8;
+// From how many rows of type T w4_mm runs its GEMM regime for op now (kW4GemmMinRows on AMX; more elsewhere).
+template <typename T>
+int64_t w4_gemm_min_rows(const W4Operand& op);
 
 // How the GEMV tiles see the activations: fp32 in w4_kernels.h's packed order, or -- bf16 x, where the kernel set
 // has a bf16 tile that takes the weight -- the bf16 values themselves in its bf16 order.
@@ -40,7 +43,7 @@ W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op
 
 // Pieces for callers that schedule many small products themselves (w4_grouped_mm's decode case): w4_pack_rows
 // writes x [M, K] as M packed rows of acts.row_bytes(); w4_gemv_rows then computes output columns [n0, n1) of
-// those rows (M < kW4GemmMinRows) on the calling thread, global scale and bias applied.
+// those rows (M < w4_gemm_min_rows) on the calling thread, global scale and bias applied.
 template <typename T>
 void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* dst);
 template <typename T>
