@@ -6,6 +6,7 @@
 
 #include "cpu/arch/kernel_set.h"
 #include "cpu/brgemm.h"
+#include "cpu/fp8_matmul.h"
 #include "cpu/int8_mm.h"
 #include "cpu/read_bandwidth.h"
 #include "cpu/transposed_matmul.h"
@@ -169,6 +170,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether that regime multiplies bf16 grad_out by the bf16-dequantized weight now (AMX)");
   m.def("_cpu_amx_gemm", &lowbit::cpu::amx_gemm_available,
         "whether the GEMM regimes of fp8_mm and int8_mm run on oneDNN's AMX brgemm now");
+  m.def("_cpu_bf16_panel_gemm", &lowbit::cpu::bf16_panel_gemm_available,
+        "whether the GEMM regimes of fp8_mm and w4_mm multiply bf16 panels now (AMX, or the kernel set's bf16 GEMM)");
   m.def(
       "_cpu_poison_workspaces", [](bool on) { lowbit::cpu::g_poison_scratch = on; },
       "hand out the CPU kernels' scratch buffers filled with 0xFF and ending at an inaccessible page (a test switch)");

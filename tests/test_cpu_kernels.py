@@ -15,7 +15,7 @@ _THREADS = torch.get_num_threads()
 from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
     ref_int8_mm, ref_int8_quantize
 from torch_lowbit import _C
-from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa, supported_cpu_isas
+from torch_lowbit.testing import cpu_amx_gemm, cpu_gemm_route, cpu_isa, forced_cpu_isa, supported_cpu_isas
 
 ISAS = supported_cpu_isas()  # the levels this CPU supports, portable first
 ops = torch.ops.lowbit
@@ -168,9 +168,10 @@ def test_fp8_dequantize_same_bits_on_every_path(isa):
 
 @pytest.fixture(params=["amx", "no_amx"])
 def amx(request):
-    """The GEMM regimes with and without AMX: fp8_mm with bf16 x in oneDNN's AMX brgemm or as fp32 panels in
-    torch's fp32 GEMM, int8_mm in oneDNN's AMX int8 brgemm or our micro-kernels. Without is what CPUs lacking AMX
-    run; here it is forced by disabling torch.backends.mkldnn. Request it after `isa`, whose cap it depends on."""
+    """The GEMM regimes with and without AMX: fp8_mm's bf16 panels in oneDNN's AMX brgemm, or without it in the
+    kernel set's bf16 GEMM (avx512 cap) or as fp32 panels in torch's fp32 GEMM (below it); int8_mm in oneDNN's
+    AMX int8 brgemm or our micro-kernels. Without is what CPUs lacking AMX run; here it is forced by disabling
+    torch.backends.mkldnn. Request it after `isa`, whose cap it depends on."""
     on = request.param == "amx"
     enabled = torch.backends.mkldnn.enabled
     if on and not cpu_amx_gemm():
@@ -181,6 +182,12 @@ def amx(request):
         yield request.param
     finally:
         torch.backends.mkldnn.enabled = enabled
+
+
+def test_gemm_route_follows_the_cap(isa, amx):
+    # AMX where on; else the set's bf16 GEMM at the avx512 cap (AVX-512 BF16 is part of that set), fp32 panels below
+    want = "amx" if amx == "amx" else "bf16" if isa == "avx512" else "fp32"
+    assert cpu_gemm_route() == want
 
 
 def test_fp8_mm_gemm_float_x_extremes(amx):

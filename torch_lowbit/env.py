@@ -4,7 +4,7 @@ Prints the versions (torch_lowbit, torch, Python, OS), the device torch_lowbit w
 install holds: on a Mac the GPU, its Apple family and how the Metal kernels were loaded (a precompiled
 metallib or the embedded source, which this command compiles if needed, and why a metallib that exists did not
 load) and each kernel's limit on threads per threadgroup; on the CPU the instruction-set
-level and whether the AMX GEMM route is on; which extensions were built (emulator, traffic build).
+level and the GEMM route (AMX, AVX-512 BF16 or fp32 panels); which extensions were built (emulator, traffic build).
 """
 import platform
 import sys
@@ -70,7 +70,7 @@ def report():
     lines += _mps_lines()
     lines += [
         f"cpu instruction set: {testing.cpu_isa()}",
-        f"cpu AMX GEMM route: {'on' if testing.cpu_amx_gemm() else 'off'}",
+        f"cpu GEMM route: {testing.GEMM_ROUTE_NAMES[testing.cpu_gemm_route()]}",
         f"cpu threads: {torch.get_num_threads()}",
         f"MSL emulator (_msl_emu): {'built' if emulator.available() else 'not built'}",
         f"traffic build (_msl_trace): {'built' if emulator.trace_available() else 'not built'}",

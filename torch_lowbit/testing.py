@@ -41,9 +41,22 @@ def forced_cpu_isa(name: str):
 def cpu_amx_gemm() -> bool:
     """Whether the GEMM regimes (enough rows) of ``fp8_mm`` and ``int8_mm`` run on AMX now, through
     oneDNN's brgemm in torch: the CPU has AMX, the cap is at ``"avx512"`` and ``torch.backends.mkldnn`` is enabled.
-    Otherwise fp8_mm uses fp32 panels in torch's fp32 GEMM and int8_mm its own AVX-512 / AVX2 micro-kernels.
+    Otherwise fp8_mm multiplies bf16 panels in the kernel set's bf16 GEMM (AVX-512 BF16) or fp32 panels in
+    torch's fp32 GEMM (``cpu_gemm_route``), and int8_mm uses its own AVX-512 / AVX2 micro-kernels.
     ``torch.backends.mkldnn.enabled = False`` turns AMX off."""
     return _C._cpu_amx_gemm()
+
+
+def cpu_gemm_route() -> str:
+    """How the GEMM regimes (enough rows) of ``fp8_mm`` and ``w4_mm`` multiply now: ``"amx"`` (bf16 panels in
+    oneDNN's AMX brgemm, see ``cpu_amx_gemm``), ``"bf16"`` (bf16 panels in the kernel set's own bf16 GEMM:
+    AVX-512 BF16 without AMX) or ``"fp32"`` (fp32 panels in torch's fp32 GEMM: below the avx512 cap)."""
+    if _C._cpu_amx_gemm():
+        return "amx"
+    return "bf16" if _C._cpu_bf16_panel_gemm() else "fp32"
+
+
+GEMM_ROUTE_NAMES = {"amx": "AMX (oneDNN brgemm)", "bf16": "bf16 panels (AVX-512 BF16)", "fp32": "fp32 panels"}
 
 
 def force_portable():

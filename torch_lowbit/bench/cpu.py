@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _C
-from ..testing import CPU_ISA_LEVELS, cpu_amx_gemm, cpu_isa, forced_cpu_isa
+from ..testing import CPU_ISA_LEVELS, GEMM_ROUTE_NAMES, cpu_amx_gemm, cpu_gemm_route, cpu_isa, forced_cpu_isa
 from .timing import median_time, print_table, write_json
 
 
@@ -128,7 +128,7 @@ def run(argv) -> int:
         p.error(f"--threads must be comma-separated positive integers or 'all', got {args.threads!r}")
     rows, meta = [], {}
     with forced_cpu_isa(args.isa):
-        ran_isa, ran_amx = cpu_isa(), cpu_amx_gemm()  # what the cap runs, for the JSON (read inside it)
+        ran_isa, ran_amx, ran_route = cpu_isa(), cpu_amx_gemm(), cpu_gemm_route()  # what the cap runs (read inside it)
         for n in counts:
             torch.set_num_threads(n)
             for row in _run(args, meta):
@@ -139,7 +139,8 @@ def run(argv) -> int:
                        ("base_ms", "baseline ms", "{:.3f}"), ("ratio", "ratio", "{:.2f}"), ("goal", "goal", None),
                        ("met", "met", None)])
     if args.json:
-        write_json(args.json, rows, suite="cpu", threads=counts, isa=ran_isa, amx_gemm=ran_amx, **meta)
+        write_json(args.json, rows, suite="cpu", threads=counts, isa=ran_isa, amx_gemm=ran_amx,
+                   gemm_route=ran_route, **meta)
         print(f"wrote {args.json}")
     return 0
 
@@ -178,7 +179,8 @@ def _run(args, meta):
     gK, gN, G = (512, 384, 8) if quick else (2048, 1536, 8)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    gemm = "AMX (oneDNN brgemm)" if cpu_amx_gemm() else "fp32 GEMM / int8 micro-kernels"
+    route = cpu_gemm_route()
+    gemm = GEMM_ROUTE_NAMES[route] + ("" if route == "amx" else ", int8 micro-kernels")
     print(f"cpu suite: K={K} N={N}, {torch.get_num_threads()} threads, kernels: {cpu_isa()}, GEMM regimes: {gemm}, "
           f"{platform.processor() or platform.machine()}", flush=True)
     rows = []

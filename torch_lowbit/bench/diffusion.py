@@ -369,13 +369,13 @@ def run(argv) -> int:
     from ..diffusion import diffusion_filter
     from ..quantize import quantize_
 
-    from ..testing import cpu_amx_gemm, cpu_isa
+    from ..testing import GEMM_ROUTE_NAMES, cpu_amx_gemm, cpu_gemm_route, cpu_isa
 
     start = time.perf_counter()
-    cpu = dict(isa=cpu_isa(), amx_gemm=cpu_amx_gemm())
+    cpu = dict(isa=cpu_isa(), amx_gemm=cpu_amx_gemm(), gemm_route=cpu_gemm_route())
     log(f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads "
         f"({'--threads' if args.threads else 'torch default'}), {platform.machine()}, cpu kernels {cpu['isa']}, "
-        f"AMX GEMM route {'on' if cpu['amx_gemm'] else 'off'}")
+        f"GEMM route {GEMM_ROUTE_NAMES[cpu['gemm_route']]}")
     model, what = build_model(args)
     log(f"built {what}: {args.double_blocks} double + {args.single_blocks} single blocks, hidden {args.hidden} "
         f"({args.heads} heads x {args.hidden // args.heads}), {args.image_tokens} image + {args.text_tokens} text "
@@ -428,7 +428,7 @@ def run(argv) -> int:
                          layers_quantized=converted[mode], step_ms_rounds=[s * 1e3 for s in times[mode]]))
     where = f"{args.device}, {torch.get_num_threads()} threads"
     if args.device == "cpu":
-        where += f", cpu kernels {cpu['isa']}, AMX GEMM route {'on' if cpu['amx_gemm'] else 'off'}"
+        where += f", cpu kernels {cpu['isa']}, GEMM route {GEMM_ROUTE_NAMES[cpu['gemm_route']]}"
     print(f"diffusion: one denoising step, {what}; {args.double_blocks} double + {args.single_blocks} single blocks "
           f"(FLUX.1-dev: 19 + 38), hidden {args.hidden} ({args.heads} heads x {args.hidden // args.heads}), MLP 4x, "
           f"joint_attention_dim {args.joint_dim}, {args.image_tokens} image + {args.text_tokens} text tokens, batch 1, "
