@@ -113,6 +113,9 @@ X86_PLANTS = [
      "the bf16 panel decode's second term subtracts the wrong first term"),
     ("csrc/cpu/arch/x86/avx512.cpp", "ldb, C + i0 * ldc + j0, ldc, add || k0 > 0, last);",
      "ldb, C + i0 * ldc + j0, ldc, add, last);", "the bf16 GEMM's later depth blocks overwrite the earlier ones' sums"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_setzero_si512(), 0xFF00, 0x00100010)",
+     "_mm512_setzero_si512(), 0xFF00, 0x00000010)",
+     "the one-term bf16 panel decode takes a chunk's odd codes of its second group from the first group's table"),
     ("csrc/cpu/arch/portable/w4_portable.cpp", "end = std::min(k1, (g + 1) * op.group);",
      "end = std::min(k1, (g + 1) * op.group + 1);", "the portable 4-bit decode runs a group one code too far"),
 ]

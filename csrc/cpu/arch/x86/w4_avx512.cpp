@@ -523,6 +523,43 @@ LOWBIT_TARGET_AVX512 inline void store_bf16_terms(__m512 v, int terms, uint16_t*
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + term_stride), _mm512_cvtepi32_epi16(bf16_round16(rest)));
 }
 
+// One row's codes [k0, k0 + n) as one bf16 term each (the GEMM's panels of weights exact in bf16): each group's
+// 16 weights rounded to bf16 once, then one 16-bit permute per chunk picks them -- the chunk's first group in
+// words 0-15 of the table, its second (groups of 16) in words 16-31 -- instead of rounding every decoded weight.
+// The same bits as store_bf16_terms on the per-element decode.
+LOWBIT_TARGET_AVX512 inline __m256i bf16_group_table(__m512 values, const W4Group& p, __m512 global) {
+  return _mm512_cvtepi32_epi16(bf16_round16(_mm512_mul_ps(group_table(values, p), global)));
+}
+
+LOWBIT_TARGET_AVX512 void decode_row_bf16_one_term(const W4Operand& op, int64_t row, int64_t k0, int64_t n,
+                                                   uint16_t* d) {
+  const float* byte_table = w4_byte_scale_table(op.scale_enc);
+  const __m512 values = _mm512_loadu_ps(op.values), global = _mm512_set1_ps(op.global);
+  // byte i of a chunk -> dword i: code 2i (low nibble) in its low word, code 2i + 1 in its high word; bytes 8..15
+  // (codes 16..31) index the second table
+  const __m512i second = _mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xFF00, 0x00100010);
+  W4BlockGroups blocks(op, k0 / 16);
+  const uint8_t* codes = op.codes + row * op.row_bytes();
+  const int64_t k1 = std::min(op.K, k0 + n);
+  int64_t ga = -1;
+  __m256i ta = _mm256_setzero_si256();
+  for (int64_t k = k0; k < k1; k += kW4Chunk) {
+    const int64_t valid = k1 - k, g0 = blocks.next(), g1 = valid > 16 ? blocks.next() : g0;
+    if (g0 != ga) ta = bf16_group_table(values, w4_group(op, byte_table, row, g0), global);
+    const __m256i tb = g1 != g0 ? bf16_group_table(values, w4_group(op, byte_table, row, g1), global) : ta;
+    const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
+    const __m512i idx = _mm512_add_epi32(_mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xF)),
+                                                         _mm512_and_si512(_mm512_slli_epi32(b, 12),
+                                                                          _mm512_set1_epi32(0xF0000))),
+                                         second);
+    __m512i w = _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(ta), tb, 1));
+    if (valid < kW4Chunk) w = _mm512_maskz_mov_epi16(__mmask32((uint64_t(1) << valid) - 1), w);
+    _mm512_storeu_si512(d + (k - k0), w);
+    ta = tb;
+    ga = g1;
+  }
+}
+
 LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n,
                                            int terms, uint16_t* dst, int64_t ldd, int64_t term_stride) {
   if (!w4_blocks_in_groups(op))
@@ -535,10 +572,14 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
   const __m512 global = _mm512_set1_ps(op.global);
   for (int64_t r = 0; r < nrows; r++) {
     uint16_t* d = dst + r * ldd;
-    for_each_chunk(op, n0 + r, k0, n, [&](int64_t p, __m512 e, __m512 o) LOWBIT_TARGET_AVX512 {
-      store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, lo, o), global), terms, d + p, term_stride);
-      store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, hi, o), global), terms, d + p + 16, term_stride);
-    });
+    if (terms == 1) {
+      decode_row_bf16_one_term(op, n0 + r, k0, n, d);
+    } else {
+      for_each_chunk(op, n0 + r, k0, n, [&](int64_t p, __m512 e, __m512 o) LOWBIT_TARGET_AVX512 {
+        store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, lo, o), global), terms, d + p, term_stride);
+        store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, hi, o), global), terms, d + p + 16, term_stride);
+      });
+    }
     for (int t = 0; t < terms; t++) std::memset(d + t * term_stride + written, 0, size_t(padded - written) * 2);
   }
 }
