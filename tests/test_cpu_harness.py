@@ -82,6 +82,30 @@ def test_every_supported_set_matches_the_references(host_objects):
     assert lines[-1] == "selected " + [name for name, ok in cpu_kernel_sets() if ok][-1], r.stdout
 
 
+def vex_vnni_instructions(obj):
+    """The VEX-encoded byte / word dot products (AVX-VNNI) in an object file's code."""
+    r = run([shutil.which("objdump"), "-d", "--no-show-raw-insn", obj])
+    assert r.returncode == 0, r.stderr
+    return [line.strip() for line in r.stdout.splitlines() if "{vex}" in line and "vpdp" in line]
+
+
+@needs_host_cxx
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or shutil.which("objdump") is None,
+                    reason="x86 kernel sets, objdump")
+def test_avx512_set_runs_without_avx_vnni(host_objects, tmp_path):
+    # Zen 4 has AVX-512 VNNI and BF16 but not AVX-VNNI, and runs the avx512 set: none of the set's code may be
+    # VEX-encoded VNNI (its targets leave avxvnni out, so the compiler cannot emit it); a function built with
+    # avxvnni shows what the scan finds
+    out, objs = host_objects
+    for src in ("csrc/cpu/arch/x86/avx512.cpp", "csrc/cpu/arch/x86/w4_avx512.cpp"):
+        assert vex_vnni_instructions(objs[src.replace("/", os.sep)]) == [], src
+    plant = tmp_path / "vex.cpp"
+    plant.write_text('#include <immintrin.h>\n__attribute__((target("avxvnni"))) __m256i f(__m256i a, __m256i b, '
+                     '__m256i c) { return _mm256_dpbusd_avx_epi32(a, b, c); }\n')
+    obj = compile_objects(HOST_CXX, ["-O1"], [str(plant)], str(tmp_path))[0]
+    assert vex_vnni_instructions(obj) != []
+
+
 # Planted bugs in the x86 sets: (file, text, replacement, what the harness must notice)
 X86_PLANTS = [
     ("csrc/cpu/arch/x86/w4_avx2.cpp", "w4_group(op, byte_table, n0 + r, k / 16).scale",

@@ -1,5 +1,6 @@
-// The AVX-512 kernel set (F, BW, VL, VNNI, VBMI, BF16, and AVX-VNNI: a CPU without it, such as Ice Lake, runs the
-// AVX2 set). AMX is a flag of this set: the GEMM regimes hand bf16 / int8 panels to oneDNN's AMX brgemm where
+// The AVX-512 kernel set (F, BW, VL, VNNI, VBMI, BF16: Sapphire Rapids and later, Zen 4 and later; a CPU without
+// BF16, such as Ice Lake, runs the AVX2 set). It needs no AVX-VNNI (Zen 4 has none): its byte dot products are
+// AVX-512 VNNI's. AMX is a flag of this set: the GEMM regimes hand bf16 / int8 panels to oneDNN's AMX brgemm where
 // torch can pack for it (brgemm.h); elsewhere the bf16 panels go to this set's own bf16 GEMM (vdpbf16ps).
 //
 // fp8 GEMV tiles, float activations: the AVX2 decode's half vectors converted 16 at a time (vcvtph2ps zmm), which
@@ -420,7 +421,7 @@ const KernelSet& kernel_set_avx512() {
   const KernelSet& avx2 = kernel_set_avx2();
   static const KernelSet s{
       "avx512",
-      kFeatAvx2 | kFeatAvxVnni | kFeatAvx512,
+      kFeatAvx2 | kFeatAvx512,
       // the fp32 GEMM panel decode and fp8_dequantize stay AVX2: the panel decode's cost is spread over all M
       // rows, and dequantize is bound by its writes
       Fp8Kernels{&fp8::gemv_tile, &fp8::gemv_tile_bf16, avx2.fp8.decode_rows, &fp8::decode_rows_bf16,
