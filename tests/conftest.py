@@ -52,7 +52,8 @@ class Backend:
     def transposed_weight(self, w64, rows, dtype):
         """The weight this backend's transposed products (fp8_mm_t, fp8_grouped_mm_t, int8_weight_mm_t) multiply
         `rows` rows of grad_out of `dtype` by: w64, the exact dequantized weight (decode exact, fp32 accumulation),
-        except in the CPU's GEMM regime for bf16 on AMX, which multiplies by the bf16-dequantized weight:
+        except in the CPU's GEMM regime for bf16 on bf16 hardware (AMX, AVX-512 BF16), which multiplies by the
+        bf16-dequantized weight:
         dec * scale rounded to fp32 (exact in w64, so w64.float()) and then to bf16, as fp8_dequantize gives it."""
         from torch_lowbit import _C
         if (self.name == "cpu" and dtype == torch.bfloat16 and rows >= _C._cpu_transposed_gemm_min_rows()

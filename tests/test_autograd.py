@@ -15,6 +15,7 @@ from conftest import backends_for
 from reference import (assert_matmul_close, fp8_weight_f64, random_fp8_bits, ref_fp8_grouped_mm_t, ref_matmul_t,
                        w4_weight_f64)
 from test_fp8_mm import make_scale
+from test_w4_cpu_kernels import transposed_weight
 from torch_lowbit.nn import Fp8Linear, Int8Linear
 from torch_lowbit.nn.experts import Fp8Experts
 
@@ -480,7 +481,10 @@ def test_w4_mm_grad_x_and_bias(backend, dtype, kind, M):
     go = torch.randn(2, M, N, generator=g).to(dtype)
     backend.op("w4_mm")(x, codes, scale, fmt, gs, offset, glob, bias).backward(go)
     assert x.grad.shape == x.shape and x.grad.dtype == dtype
-    ref, absref = ref_matmul_t(rows(go), w4_weight_f64(fmt, codes, scale, gs, K, offset, glob))
+    # the CPU's GEMM regime may multiply by the bf16-dequantized weight (test_w4_cpu_kernels.transposed_weight)
+    w64 = (transposed_weight(fmt, codes, scale, gs, K, offset, glob, 2 * M, dtype) if backend.name == "cpu"
+           else w4_weight_f64(fmt, codes, scale, gs, K, offset, glob))
+    ref, absref = ref_matmul_t(rows(go), w64)
     assert_matmul_close(rows(x.grad), ref, absref, acc_rtol=ACC_RTOL)
     assert_matmul_close(bias.grad, go.double().sum((0, 1)), go.double().abs().sum((0, 1)), acc_rtol=ACC_RTOL)
 
@@ -540,11 +544,16 @@ def _w4_experts(E, N, K, kind, seed=0):
 _GROUPS = (torch.tensor([0, 1, 1, 13, 17], dtype=torch.int32), torch.tensor([2, 0, 1, -1], dtype=torch.int32))
 
 
-def _w4_grouped_ref_t(go, codes, scale, fmt, gs, K, offset, glob):
+def _w4_grouped_ref_t(backend, go, codes, scale, fmt, gs, K, offset, glob):
     from reference import _grouped
     offsets, ids = _GROUPS
-    return _grouped(go, offsets, ids, K, lambda rows, e: ref_matmul_t(rows, w4_weight_f64(
-        fmt, codes[e], scale[e], gs, K, None if offset is None else offset[e], None if glob is None else glob[e])))
+
+    def weight(rows, e):  # the CPU's GEMM regime may multiply by the bf16-dequantized weight
+        args = (fmt, codes[e], scale[e], gs, K, None if offset is None else offset[e], None if glob is None else glob[e])
+        if backend.name == "cpu":
+            return transposed_weight(*args, rows.shape[0], go.dtype)
+        return w4_weight_f64(*args)
+    return _grouped(go, offsets, ids, K, lambda rows, e: ref_matmul_t(rows, weight(rows, e)))
 
 
 @pytest.mark.parametrize("backend", backends_for("w4_grouped_mm"))
@@ -558,7 +567,7 @@ def test_w4_grouped_mm_grad_x(backend, dtype, kind):
     go = torch.randn(T, N, generator=g).to(dtype)
     backend.op("w4_grouped_mm")(x, codes, scale, fmt, gs, *_GROUPS, offset, glob).backward(go)
     assert x.grad.dtype == dtype
-    ref, absref = _w4_grouped_ref_t(go, codes, scale, fmt, gs, K, offset, glob)
+    ref, absref = _w4_grouped_ref_t(backend, go, codes, scale, fmt, gs, K, offset, glob)
     assert_matmul_close(x.grad, ref, absref, acc_rtol=ACC_RTOL)
     assert (x.grad[13:] == 0).all() and (x.grad[1:13] != 0).any()  # rows of expert -1 and in no group: zero
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from reference import W4_VALUES_F64, assert_matmul_close, ref_w4_mm, w4_codes_f64, w4_scale_f64, w4_weight_f64
-from torch_lowbit.testing import cpu_amx_gemm, cpu_isa, forced_cpu_isa, supported_cpu_isas
+from torch_lowbit import _C
+from torch_lowbit.testing import cpu_isa, forced_cpu_isa, supported_cpu_isas
 
 ISAS = supported_cpu_isas()
 ops = torch.ops.lowbit
@@ -221,10 +222,11 @@ def test_w4_mm_t(isa, M):
         assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
 
 
-# ---- the GEMM regime and w4_mm_t on AMX (bf16 panels: csrc/cpu/w4_matmul.cpp) ----
-def amx_route():
-    """Whether w4_mm's GEMM regime and w4_mm_t's run on bf16 panels now (cpu_amx_gemm: AMX, cap avx512)."""
-    return cpu_amx_gemm()
+# ---- the GEMM regimes on bf16 panels (csrc/cpu/w4_matmul.cpp) ----
+def bf16_transposed_route():
+    """Whether w4_mm_t's GEMM regime multiplies bf16 grad_out by bf16 panels now (torch's bf16 GEMM on AMX or
+    AVX-512 BF16: the cap at avx512 and torch.backends.mkldnn enabled)."""
+    return _C._cpu_transposed_panels_bf16()
 
 
 def w4_weight_f32(fmt, codes, scale, group, K, off):
@@ -252,9 +254,9 @@ W4_GEMM_MIN_ROWS = 8  # w4_matmul.h's kW4GemmMinRows: from this many rows w4_mm_
 
 def transposed_weight(fmt, codes, scale, group, K, off, gs, rows, dtype=torch.bfloat16):
     """The float64 weight w4_mm_t multiplies `rows` rows of `dtype` grad_out by on the CPU: the exact weight, but
-    bf16 grad_out in the GEMM regime on bf16 panels (AMX) multiplies the bf16-dequantized one
+    bf16 grad_out in the GEMM regime on bf16 panels (AMX, AVX-512 BF16) multiplies the bf16-dequantized one
     (test_w4_mm_t_gemm_routes)."""
-    if dtype == torch.bfloat16 and rows >= W4_GEMM_MIN_ROWS and amx_route():
+    if dtype == torch.bfloat16 and rows >= W4_GEMM_MIN_ROWS and bf16_transposed_route():
         return bf16_dequantized(fmt, codes, scale, group, K, off, gs)
     return w4_weight_f64(fmt, codes, scale, group, K, off, gs)
 
@@ -277,7 +279,7 @@ TWO_TERM_RTOL = 2.0 ** -14
                                                     ("uint4", torch.bfloat16, True), ("nvfp4", None, False),
                                                     ("mxfp4", None, False)])
 def test_w4_mm_gemm_bf16_terms(isa, fmt, scale_dtype, offset, dtype):
-    # every set; on AMX (the avx512 cap) the bf16 panels: one exact term (nvfp4, mxfp4) or hi + lo (int4, uint4),
+    # every set; at the avx512 cap the bf16 panels: one exact term (nvfp4, mxfp4) or hi + lo (int4, uint4),
     # float x with a two-term weight on the fp32 path
     g = torch.Generator().manual_seed(len(fmt) + (offset << 3))
     N, K, M = 40, 2000 + 17, 64
@@ -299,14 +301,14 @@ def test_w4_mm_gemm_bf16_terms(isa, fmt, scale_dtype, offset, dtype):
                                                      ("nvfp4", 16, False, False), ("nvfp4", 16, False, True),
                                                      ("mxfp4", 32, False, False)])
 def test_w4_mm_t_gemm_routes(isa, M, fmt, group, offset, gscale):
-    # bf16 grad_out on AMX: grad_out times the bf16-dequantized weight (global * w in fp32, rounded once to bf16;
+    # bf16 grad_out on bf16 hardware: grad_out times the bf16-dequantized weight (global * w in fp32, rounded once to bf16;
     # exact for nvfp4 / mxfp4 without a global scale); every other set the exact weight
     g = torch.Generator().manual_seed(M + group)
     N, K = 300, 1000 + 37
     codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=offset, global_scale=gscale)
     go = torch.randn(M, N, generator=g).to(torch.bfloat16)
     w = w4_weight_f64(fmt, codes, scale, group, K, off, gs)
-    if amx_route():
+    if bf16_transposed_route():
         w = bf16_dequantized(fmt, codes, scale, group, K, off, gs)
     out = ops.w4_mm_t(go, codes, scale, fmt, group, K, off, gs)
     assert_matmul_close(out, go.double() @ w, go.double().abs() @ w.abs(), acc_rtol=1e-5)

@@ -82,8 +82,8 @@ def fp8_mm_t(grad_out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     -> ``[..., K]`` in grad_out's dtype (fp32 accumulation), read from the fp8 weight as stored. Same weight and
     scale layouts as :func:`fp8_mm`.
 
-    Precision (this and the other transposed products): the weight is exact, except on a CPU with AMX for bf16
-    grad_out of 8 rows or more, where it is multiplied as :func:`fp8_dequantize` gives it in bf16 -- the product a
+    Precision (this and the other transposed products): the weight is exact, except on a CPU with AMX or
+    AVX-512 BF16 (``torch_lowbit.testing.cpu_gemm_route()`` not ``"fp32"``) for bf16 grad_out of 8 rows or more, where it is multiplied as :func:`fp8_dequantize` gives it in bf16 -- the product a
     bf16 layer on the dequantized weight computes in its own backward pass.
     """
     return torch.ops.lowbit.fp8_mm_t(grad_out, weight, scale, _blocks("fp8_mm_t", block_size))

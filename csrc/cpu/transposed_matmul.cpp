@@ -1,5 +1,6 @@
 #include "cpu/transposed_matmul.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -190,7 +191,11 @@ void panel_gemm(const RowDecoder& decode, const T* g, int64_t M, const Transpose
 }  // namespace
 
 int64_t transposed_gemm_min_rows() { return kGemmMinRows; }
-bool transposed_panels_bf16() { return amx_gemm_available(); }
+// torch's bf16 GEMM runs on bf16 hardware: AMX, or AVX-512 BF16 (the CPUs whose kernel set has a bf16 GEMM) through
+// oneDNN while torch.backends.mkldnn is enabled (else torch's own loops: no faster than fp32 panels).
+bool transposed_panels_bf16() {
+  return amx_gemm_available() || (kernel_set().bf16_gemm != nullptr && at::globalContext().userEnabledMkldnn());
+}
 
 template <typename T>
 void transposed_matmul(const T* g, int64_t M, const TransposedOperand& op, T* out, int64_t ldo) {

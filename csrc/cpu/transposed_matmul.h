@@ -29,8 +29,9 @@ struct TransposedOperand {
 
 // From this many rows of g the GEMM regime runs (below it the row walk); see transposed_matmul.cpp.
 int64_t transposed_gemm_min_rows();
-// Whether the GEMM regime dequantizes to bf16 panels for bf16 g now (else fp32): where the CPU runs bf16 GEMMs
-// on AMX. Then out is the product of g and the bf16-dequantized weight (fp8_dequantize's bits), not the exact one.
+// Whether the GEMM regime dequantizes to bf16 panels for bf16 g now (else fp32): where torch's bf16 GEMM runs on
+// bf16 hardware (AMX, AVX-512 BF16). Then out is the product of g and the bf16-dequantized weight (fp8_dequantize's
+// bits), not the exact one.
 bool transposed_panels_bf16();
 
 // out[m * ldo + k] for m < M, k < K, rounded once to T; g is [M, N] contiguous.
