@@ -255,3 +255,66 @@ def test_load_quantized_keeps_the_models_bias_dtype_and_dtype_overrides_it(check
     model = _meta_model()
     load_quantized(model, checkpoint[0], dtype=torch.bfloat16)
     assert model.model.layers[1].mlp.experts.down_bias.dtype == torch.bfloat16
+
+
+# ---- saving: gpt-oss's own layout back (save_quantized, save_pretrained)
+@pytest.mark.parametrize("how", ["save_quantized", "save_pretrained"])
+def test_save_writes_gptoss_layout_that_both_loaders_read_back(checkpoint, reference, tmp_path, how):
+    # the experts go back as blocks / scales / biases under gpt-oss's names with quant_method mxfp4 (before: one
+    # Linear per expert in compressed-tensors, which transformers loaded with random experts and no error)
+    import json
+
+    from safetensors.torch import load_file
+
+    model = torch_lowbit.from_pretrained(checkpoint[0], dtype=torch.float32, device="cpu")
+    out = str(tmp_path / "saved")
+    if how == "save_quantized":
+        torch_lowbit.save_quantized(model, out)
+    else:
+        model.save_pretrained(out)
+    with open(f"{out}/config.json") as f:
+        assert json.load(f)["quantization_config"] == QC
+    saved, original = load_file(f"{out}/model.safetensors"), checkpoint[1]
+    assert sorted(saved) == sorted(original)
+    for k, v in original.items():  # codes and scales as read; the rest as loaded (fp32 of the stored bf16)
+        assert saved[k].dtype == (v.dtype if v.dtype == torch.uint8 else torch.float32), k
+        assert torch.equal(saved[k], v.to(saved[k].dtype)), k
+    ids = _prompt()
+    again = torch_lowbit.from_pretrained(out, dtype=torch.float32, device="cpu")
+    theirs = GptOssForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(ids).logits
+        assert torch.equal(again(ids).logits, model(ids).logits)
+        err = (theirs(ids).logits - want).abs().max().item()
+    assert err <= 1e-5 * want.abs().max().item(), err
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(theirs.generate(ids, **kw), reference.generate(ids, **kw))
+
+
+def test_save_refuses_gptoss_experts_beside_compressed_tensors_layers(tmp_path):
+    # one config.json names one quantization method: refused by name, nothing written; keeping only the experts
+    # low-bit (dequantize_model(experts="keep")) saves
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(tiny_config()).eval()
+    torch_lowbit.quantize_(model, torch_lowbit.Mxfp4WeightOnly())
+    out = tmp_path / "saved"
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts holds gpt-oss's MXFP4 experts.*"
+                                         r"model\.layers\.0\.self_attn\.\w+_proj is a torch_lowbit layer"):
+        torch_lowbit.save_quantized(model, out)
+    assert not out.exists()
+    kept = torch_lowbit.dequantize_model(model, experts="keep")
+    torch_lowbit.save_quantized(kept, out)
+    again = torch_lowbit.from_pretrained(str(out), dtype=torch.float32, device="cpu")
+    ids = _prompt()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, kept.float()(ids).logits)
+
+
+def test_save_refuses_experts_with_biases_in_compressed_tensors_layout(tmp_path):
+    # a W4Experts with biases (not gpt-oss's) has no per-expert Linear form: refused, never written without them
+    from torch_lowbit.nn.w4_experts import W4Experts
+
+    model = torch.nn.Module()
+    model.experts = W4Experts(2, 64, 32, format="int4", group_size=32, bias=True)
+    with pytest.raises(ValueError, match=r"experts is a W4Experts with expert biases"):
+        torch_lowbit.save_quantized(model, tmp_path / "saved")

@@ -495,10 +495,12 @@ def parse_size(value, what: str = "max_shard_size") -> int:
 
 
 def _checkpoint(model: nn.Module, caller: str):
-    """What a save writes: (tensors under checkpoint names, schemes per quantized module, dense Linears)."""
+    """What a save writes: (tensors under checkpoint names, config.json's quantization_config)."""
+    from .formats import gpt_oss
     from .formats.hf_names import checkpoint_key_renaming
     from .formats.moe import is_experts_module
     from .nn import Fp8Experts, Fp8Linear, Int8Experts, Int8Linear
+    from .nn.gptoss_experts import GptOssW4Experts
     from .nn.w4_experts import W4Experts
     from .nn.w4_linear import W4Linear
 
@@ -510,6 +512,7 @@ def _checkpoint(model: nn.Module, caller: str):
     quantized: Dict[str, torch.Tensor] = {}
     schemes: Dict[str, tuple] = {}  # module (model names) -> (kind, granularity, block)
     w4_layers: Dict[str, nn.Module] = {}
+    gptoss: Dict[str, nn.Module] = {}  # written in gpt-oss's own MXFP4 layout (formats/gpt_oss.py)
     dense_linears: List[str] = []
     dense_experts: List[str] = []
     done: List[str] = []
@@ -521,7 +524,10 @@ def _checkpoint(model: nn.Module, caller: str):
     for name, mod in model.named_modules():
         if any(name.startswith(p + ".") for p in done):
             continue
-        if isinstance(mod, W4Linear):  # written together: formats/ct_w4.py picks the config groups for all of them
+        if isinstance(mod, GptOssW4Experts):  # its arithmetic (interleaved rows, biases, clamp) is gpt-oss's own
+            gptoss[name] = mod
+            done.append(name)
+        elif isinstance(mod, W4Linear):  # written together: formats/ct_w4.py picks the config groups for all of them
             w4_layers[name] = mod
             done.append(name)
         elif isinstance(mod, (Fp8Linear, Int8Linear)):
@@ -554,7 +560,16 @@ def _checkpoint(model: nn.Module, caller: str):
                       f"torch_lowbit.from_pretrained reads but transformers (5.17 to 5.24 at least) refuses to load; "
                       f"quantize the experts to FP8 (Fp8WeightOnly) for a checkpoint transformers loads too",
                       stacklevel=3)
-    if not schemes:
+    if gptoss and schemes:  # config.json holds one quantization method
+        other = sorted(schemes)[0]
+        raise ValueError(f"{caller}: {sorted(gptoss)[0]} holds gpt-oss's MXFP4 experts, written in gpt-oss's own "
+                         f"checkpoint layout (quant_method 'mxfp4'), and {other} is a torch_lowbit layer written as "
+                         f"compressed-tensors; one checkpoint holds one quantization method: quantize only the "
+                         f"experts (as gpt-oss ships them), or save torch_lowbit.dequantize_model(model, "
+                         f"experts='keep')")
+    if gptoss:
+        quantized.update(gpt_oss.checkpoint_tensors(gptoss, caller))
+    elif not schemes:
         raise ValueError(f"{caller}: the model holds no torch_lowbit layer (Fp8Linear, Int8Linear, W4Linear, "
                          f"Fp8Experts, Int8Experts, W4Experts); quantize it first with "
                          f"torch_lowbit.quantize_(model, ...)")
@@ -569,7 +584,9 @@ def _checkpoint(model: nn.Module, caller: str):
         rest = revert_weight_conversion(model, {k: v for k, v in dense.items() if k not in fused})
         dense = {**rest, **{rename(k): v for k, v in fused.items()}}
         quantized = {rename(k): v for k, v in quantized.items()}
-    return {**dense, **quantized}, schemes, dense_linears
+    qconfig = (gpt_oss.quantization_config(dense_experts) if gptoss
+               else _quantization_config(schemes, dense_linears))
+    return {**dense, **quantized}, qconfig
 
 
 def save_quantized(model: nn.Module, path, *, max_shard_size=4 * 2 ** 30) -> List[str]:
@@ -598,10 +615,10 @@ def _save(model, path, max_shard_size, caller, config_updates=None) -> List[str]
 
     max_shard_size = parse_size(max_shard_size)
     path = os.fspath(path)
-    tensors, schemes, dense_linears = _checkpoint(model, caller)
+    tensors, qconfig = _checkpoint(model, caller)
     with atomic_directory(path) as tmp:
         names = _write_shards(tensors, tmp, max_shard_size, caller)
-        _write_config(model, tmp, schemes, dense_linears, path, config_updates)
+        _write_config(model, tmp, qconfig, path, config_updates)
     return [os.path.join(path, n) for n in names]
 
 
@@ -673,7 +690,7 @@ def _quantization_config(schemes: Dict[str, tuple], dense_linears: List[str]) ->
             "transform_config": {}, "producer": "torch_lowbit"}
 
 
-def _write_config(model, path, schemes, dense_linears, target, updates=None):
+def _write_config(model, path, qconfig, target, updates=None):
     """config.json (the model's config with the checkpoint's ``quantization_config``) and generation_config.json,
     written fresh into `path` (a new directory: nothing there to write through). A model without a transformers
     config keeps the fields of the config.json already at `target`, if that is a regular file (never a link)."""
@@ -690,7 +707,7 @@ def _write_config(model, path, schemes, dense_linears, target, updates=None):
     else:
         data = {}
     data.update(updates or {})
-    data["quantization_config"] = _quantization_config(schemes, dense_linears)
+    data["quantization_config"] = qconfig
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(data, f, indent=2, sort_keys=True, default=str)
     gen = getattr(model, "generation_config", None)

@@ -208,7 +208,12 @@ class ExpertWeight:
 def expert_weights(name: str, layer) -> Dict[str, ExpertWeight]:
     """A W4Experts' weights one Linear per expert and projection, under the per-expert names checkpoints use
     (``{name}.{e}.gate_proj`` = gate rows of gate_up, ``up_proj`` the rest, ``down_proj``), as
-    compressed-tensors writes MoE experts."""
+    compressed-tensors writes MoE experts. Layers whose arithmetic that layout cannot hold are refused: a per-expert
+    Linear has no bias, and the loaders run [gate; up] SwiGLU."""
+    if layer.gate_up_bias is not None or layer.down_bias is not None or layer.activation != "swiglu":
+        raise ValueError(f"save_quantized: {name} is a W4Experts with expert biases or the activation "
+                         f"{layer.activation!r}, which compressed-tensors' per-expert Linears cannot hold (the biases "
+                         f"would be dropped, the activation read as SwiGLU)")
     E, H, I = layer.num_experts, layer.hidden_size, layer.intermediate_size
     out = {}
     for e in range(E):

@@ -71,3 +71,32 @@ class GptOssMxfp4(CheckpointFormat):
 
 
 FORMAT = GptOssMxfp4()
+
+# What gpt-oss's published checkpoints keep out of the MXFP4 conversion (their config.json)
+MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def checkpoint_tensors(layers: dict, caller: str) -> dict:
+    """The tensors a save writes for {module name: GptOssW4Experts}: the layout above, the blocks being the
+    layer's codes with the last dim split (a view), the scales and biases as held (biases of a layer without
+    them: zeros, the same arithmetic)."""
+    out = {}
+    for name, m in layers.items():
+        if m.format != "mxfp4" or m.group_size != 32:
+            raise ValueError(f"{caller}: {name} is a GptOssW4Experts of format {m.format!r}, group {m.group_size}; "
+                             f"gpt-oss's checkpoint layout holds MXFP4 in groups of 32 only")
+        for p, proj in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+            packed, scale, bias = (getattr(m, f"{p}_{t}") for t in ("packed", "scale", "bias"))
+            E, rows, nbytes = packed.shape
+            if nbytes % 16:
+                raise ValueError(f"{caller}: {name}.{proj} has {2 * nbytes} codes per row, not whole blocks of 32 "
+                                 f"(gpt-oss's layout stores [E, rows, cols/32, 16] blocks)")
+            out[f"{name}.{proj}_blocks"] = packed.reshape(E, rows, nbytes // 16, 16)
+            out[f"{name}.{proj}_scales"] = scale.view(torch.uint8)
+            out[f"{name}.{proj}_bias"] = bias if bias is not None else torch.zeros(E, rows, dtype=torch.bfloat16)
+    return out
+
+
+def quantization_config(dense_experts) -> dict:
+    """config.json's quantization_config for such a checkpoint; experts modules kept dense are not converted."""
+    return {"quant_method": "mxfp4", "modules_to_not_convert": MODULES_TO_NOT_CONVERT + sorted(dense_experts)}
