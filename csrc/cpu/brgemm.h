@@ -24,12 +24,16 @@ constexpr int64_t vnni_offset(int64_t k, int64_t j, int64_t width) {
   return (k / G) * G * width + j * G + k % G;
 }
 
-// Releases the AMX tile state a thread's brgemm calls configured, before the thread runs other work.
+// Releases the AMX tile state a thread's brgemm calls configured, before the thread runs other work (nothing to
+// release where the GEMMs do not run on AMX: the bf16 panel GEMM's scope on other CPUs).
 struct AmxTileScope {
   AmxTileScope() = default;
   AmxTileScope(const AmxTileScope&) = delete;
   AmxTileScope& operator=(const AmxTileScope&) = delete;
-  ~AmxTileScope() { at::native::cpublas::brgemm_release(true); }
+  ~AmxTileScope() {
+    if (amx) at::native::cpublas::brgemm_release(true);
+  }
+  bool amx = amx_gemm_available();
 };
 
 }  // namespace lowbit::cpu

@@ -424,6 +424,15 @@ struct Bf16Engine {
   // term t of the panel at panel + t * kRows * width (row stride width)
   void decode(const KWindow& w, int64_t r0, int64_t nr, uint16_t* panel, bool*) const {
     const int64_t width = w.width(), term_stride = kRows * width;
+    if (seg.padded == seg.len && w.p0 == 0 && w.p1 == seg.padded) {
+      // whole segments of whole chunks lie in the panel as the codes do along K: one decode for the window (per
+      // segment, a 4-bit decode set up its walk and group tables again for each row every 64-128 codes)
+      const int64_t k0 = seg.begin(w.s0), n = std::min(seg.K, seg.begin(w.s1)) - k0;
+      pw.decode(r0, nr, k0, n, panel, width, term_stride);
+      for (int t = 0; t < pw.terms; t++)
+        zero_segment_tail(panel + t * term_stride, width, nr, ceil_div(n, kBf16Chunk) * kBf16Chunk, width);
+      return;
+    }
     for (int64_t s = w.s0; s < w.s1; s++) {
       int64_t k0;
       const int64_t n = w.codes(seg, s, &k0);
@@ -433,9 +442,45 @@ struct Bf16Engine {
         zero_segment_tail(segment + t * term_stride, width, nr, ceil_div(n, kBf16Chunk) * kBf16Chunk, w.seg_width());
     }
   }
+  // Block scales on the kernel set's bf16 GEMM: the window's segments in one call per pair of terms, each
+  // segment's sums scaled (and offset) in registers; brgemm's path below scales each segment's sums in memory,
+  // which at 64-128 codes a segment cost as much as the products.
+  void multiply_segments(const KWindow& w, int64_t r0, int64_t nr, const uint16_t* panel, const uint16_t* xp,
+                         int64_t mb, bool first, float* sums) const {
+    const int64_t width = w.width(), sw = w.seg_width(), ns = w.s1 - w.s0;
+    const float* scales[kRows];
+    const float* offsets[kRows];
+    for (int64_t r = 0; r < nr; r++) {
+      scales[r] = pw.block_scale_row(r0 + r) + w.s0;
+      if (pw.block_offsets) offsets[r] = pw.block_offset_row(r0 + r) + w.s0;
+    }
+    // block offsets: each segment's sums of x (all its bf16 terms), a row of bf16 ones through the same product
+    static const std::vector<uint16_t> ones(size_t(kBf16SliceBytes / (kRows * 2)), uint16_t(0x3F80));  // max_width
+    TORCH_INTERNAL_ASSERT(sw <= int64_t(ones.size()));
+    float* xsum = pw.block_offsets ? scratch<float>(Slot::Tile, size_t(ns * kBf16Cols)) : nullptr;
+    for (int64_t c0 = 0; c0 < mb; c0 += kBf16Cols) {
+      const int64_t cw = std::min(kBf16Cols, mb - c0);
+      const uint16_t* xb = xp + c0 * width;
+      if (xsum != nullptr)
+        for (int64_t s = 0; s < ns; s++)
+          for (int t = 0; t < kBf16Terms<T>; t++)
+            gemm(1, cw, sw, ones.data(), sw, xb + t * mb * width + s * sw * cw, cw, xsum + s * cw, cw, t > 0,
+                 nullptr);
+      bool acc = !first;
+      for (int tw = 0; tw < pw.terms; tw++)
+        for (int t = 0; t < (tw == 0 ? kBf16Terms<T> : 1); t++) {
+          // the offsets once: with the first pair of terms
+          const Bf16Segments segs{sw, scales, tw == 0 && t == 0 && xsum != nullptr ? offsets : nullptr, xsum, cw};
+          gemm(nr, cw, width, panel + tw * kRows * width, width, xb + t * mb * width, cw, sums + c0, mb, acc, &segs);
+          acc = true;
+        }
+    }
+  }
   void multiply(const KWindow& w, int64_t r0, int64_t nr, const uint16_t* panel, const uint16_t* xp, int64_t mb,
                 bool first, float* sums) const {
     const int64_t width = w.width(), sw = w.seg_width();
+    if (block && gemm != nullptr) return multiply_segments(w, r0, nr, panel, xp, mb, first, sums);
+    TORCH_INTERNAL_ASSERT(!pw.block_offsets, "block offsets run on the kernel set's bf16 GEMM only");
     float* part = block ? scratch<float>(Slot::Tile, size_t(kBf16Panel * kBf16Cols)) : nullptr;
     const auto* a = reinterpret_cast<const c10::BFloat16*>(panel);
     for (int64_t c0 = 0; c0 < mb; c0 += kBf16Cols) {
@@ -456,7 +501,7 @@ struct Bf16Engine {
               const auto* bk = xb + t * mb * width + (p + k) * cw;
               if (gemm != nullptr)
                 gemm(nr, cw, depth, reinterpret_cast<const uint16_t*>(ak), width,
-                     reinterpret_cast<const uint16_t*>(bk), cw, c, ldc, acc);
+                     reinterpret_cast<const uint16_t*>(bk), cw, c, ldc, acc, nullptr);
               else
                 at::native::cpublas::brgemm(nr, cw, depth, width, cw, ldc, acc, ak, bk, c, true);
               acc = true;

@@ -3,7 +3,8 @@
 // Regimes (chosen by fp8_matmul from M): few rows -> GEMV-style tiles that decode each weight chunk once for
 // all rows, weight rows split across threads; more rows -> a GEMM that decodes a panel of weight rows once and
 // multiplies it with all activation rows in an optimized GEMM: bf16 panels and x as 1-3 bf16 terms in oneDNN's
-// AMX brgemm where amx_gemm_available() (brgemm.h), fp32 panels and torch's fp32 GEMM otherwise. No dequantized
+// AMX brgemm where amx_gemm_available() (brgemm.h) or in the kernel set's bf16 GEMM (AVX-512 BF16), fp32 panels
+// and torch's fp32 GEMM otherwise. No dequantized
 // copy of the weight exists; scratch memory is per-thread and reused across calls (workspace.h).
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -24,7 +25,7 @@ struct Fp8Operand {
   const float* bias = nullptr;
 };
 
-// A weight as the bf16 panel GEMM (bf16_panel_gemm; AMX) reads it: fp8 and 4-bit weights implement it, so that
+// A weight as the bf16 panel GEMM (bf16_panel_gemm) reads it: fp8 and 4-bit weights implement it, so that
 // both run one engine. The GEMM multiplies decoded bf16 panels with x as 1-3 exact bf16 terms (bf16_terms.h);
 // a weight whose decode is not exact in one bf16 word gives two (hi + lo), each multiplied with x's first term
 // and the first with every term of x (lo x lo, at most 2^-16 of a product, is left out).
@@ -48,9 +49,13 @@ struct PanelWeight {
   virtual void columns(int64_t n0, int64_t nr, float* mul, float* add) const = 0;
   // block: row n's scales, one per segment
   virtual const float* block_scale_row(int64_t) const { return nullptr; }
+  // block: row n's offsets, one per segment, each added times the segment's sum of x (null: none) -- a weight
+  // w = q * scale + offset multiplies as scale * sum(q x) + offset * sum(x)
+  virtual const float* block_offset_row(int64_t) const { return nullptr; }
+  bool block_offsets = false;
 };
 
-// Whether bf16_panel_gemm can run now (amx_gemm_available()).
+// Whether bf16_panel_gemm can run now: AMX (amx_gemm_available()), or the kernel set has a bf16 GEMM.
 bool bf16_panel_gemm_available();
 
 // out[m * ldo + n] for the rows of x [M, K] through the bf16 panel GEMM (where bf16_panel_gemm_available()).

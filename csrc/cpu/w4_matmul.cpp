@@ -160,12 +160,13 @@ constexpr std::array<uint8_t, kBf16Chunk> kNaturalOrder = make_natural_order();
 
 // Whether the weight runs as one exact bf16 term per code with its group scales on the groups' partial sums (the
 // panel GEMM's block scales), where w4_exact_in_bf16 does not hold: every value minus its zero point is exact in
-// bf16 (integers below 256: int4 / uint4 codes less int8 zero points), no biases, and groups of whole chunks of
-// the panel GEMM (smaller groups would pad each one to a chunk). Half the products of two terms, and exact ones:
-// the sums are the GEMV's (w4_kernels.h: each group's sum scaled once). Off on AMX, whose brgemm calls per
-// group cost more than its second term (the comment above).
+// bf16 (integers below 256: int4 / uint4 codes less int8 zero points), and groups of whole chunks of the panel GEMM
+// (smaller groups would pad each one to a chunk). Biases (MLX's w = q * scale + bias) add bias * the group's sum
+// of x (block offsets). Half the products of two terms, and exact ones: the sums are the GEMV's (w4_kernels.h:
+// each group's sum scaled once; the bias, too, multiplies a sum). Off on AMX, whose brgemm calls per group cost
+// more than its second term (the comment above).
 bool w4_grouped_exact(const W4Operand& op) {
-  if (op.offset_kind == W4Offset::Bias || op.G <= 1 || op.group % kBf16Chunk != 0 || amx_gemm_available()) return false;
+  if (op.G <= 1 || op.group % kBf16Chunk != 0 || amx_gemm_available()) return false;
   for (int c = 0; c < 16; c++) {
     const float v = op.values[c];
     if (v != std::nearbyint(v) || std::fabs(v) > 127.f) return false;  // minus an int8 zero point: below 256
@@ -182,6 +183,7 @@ struct W4PanelWeight final : PanelWeight {
   float global;
   std::vector<uint8_t> unit_scales;   // grouped: an E8M0 1 for each group, the scales the decode sees
   std::vector<float> group_scales;    // grouped: [N][G] fp32
+  std::vector<float> group_biases;    // grouped, with biases: [N][G] fp32 (the decode sees none)
   W4PanelWeight(const W4Operand& o, const W4Kernels& k, int term_count, bool grouped = false) : op(o), kern(k) {
     op.global = 1.f;
     global = o.global;
@@ -199,9 +201,17 @@ struct W4PanelWeight final : PanelWeight {
       unit_scales.assign(size_t(count), uint8_t(127));
       op.scale = unit_scales.data();
       op.scale_enc = W4Scale::E8M0;
+      if (o.offset_kind == W4Offset::Bias && o.offset != nullptr) {
+        group_biases.resize(size_t(count));
+        for (int64_t i = 0; i < count; i++) group_biases[size_t(i)] = w4_scale_to_float(o.scale_enc, o.offset, i);
+        op.offset = nullptr;
+        op.offset_kind = W4Offset::None;
+        block_offsets = true;
+      }
     }
   }
   const float* block_scale_row(int64_t n) const override { return group_scales.data() + n * op.G; }
+  const float* block_offset_row(int64_t n) const override { return group_biases.data() + n * op.G; }
   void decode(int64_t r0, int64_t nr, int64_t k0, int64_t n, uint16_t* dst, int64_t ld,
               int64_t term_stride) const override {
     kern.decode_rows_bf16(op, r0, nr, k0, n, terms, dst, ld, term_stride);

@@ -4,12 +4,12 @@
 //
 // w4_mm regimes (chosen from M): few rows -> GEMV tiles that stream the packed codes once, decode each chunk in
 // registers for up to 4 activation rows (packed once per call, w4_kernels.h's order), weight rows split across
-// threads; more rows -> on AMX (bf16_panel_gemm_available), bf16 panels through fp8_matmul's bf16 panel GEMM (one
+// threads; more rows -> where bf16_panel_gemm_available, bf16 panels through fp8_matmul's bf16 panel GEMM (one
 // exact term, or hi + lo: w4_matmul.cpp says when and what it costs in accuracy); elsewhere, and for float x with a
 // two-term weight, panels of weight rows decoded to fp32 (exact: the same bits as the per-element decode) window by
 // window along K and multiplied with the packed activations in torch's fp32 GEMM, one panel per task.
-// w4_mm_t: fp32 panels in torch's fp32 GEMM; for bf16 grad_out on AMX, bf16-dequantized column panels in torch's
-// bf16 GEMM.
+// w4_mm_t: fp32 panels in torch's fp32 GEMM; for bf16 grad_out where transposed_panels_bf16, bf16-dequantized
+// column panels in torch's bf16 GEMM.
 #pragma once
 #include <ATen/core/Tensor.h>
 

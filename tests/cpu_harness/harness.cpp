@@ -645,7 +645,7 @@ void check_bf16_gemm(const KernelSet& s) {
             for (int64_t i = 0; i < M; i++)
               for (int64_t j = 0; j < N; j++) start[size_t(i * ldc + j)] = add ? float(small(g_rng)) : sentinel;
             for (size_t i = 0; i < start.size(); i++) C[i] = start[i];
-            s.bf16_gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add);
+            s.bf16_gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, nullptr);
             for (int64_t i = 0; i < M; i++)
               for (int64_t j = 0; j < ldc; j++) {
                 const float got = C[size_t(i * ldc + j)];
@@ -683,6 +683,66 @@ void check_bf16_gemm(const KernelSet& s) {
           }
 }
 
+// The bf16 GEMM with segments (Bf16Segments): each segment's sums scaled per row, offsets times the segments' sums
+// of x added once a segment -- segments shorter and longer than the GEMM's depth blocks, a partial last one, rows
+// and columns with tails, with and without offsets and add; against float64.
+void check_bf16_gemm_segments(const KernelSet& s) {
+  if (!s.bf16_gemm) return;
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int64_t M : {1, 3, 4, 7})
+    for (int64_t N : {5, 16, 64, 70})
+      for (int64_t K : {64, 320, 600})
+        for (int64_t len : {2, 64, 128, 300})
+          for (int variant = 0; variant < 3; variant++) {  // plain; offsets; offsets and add
+            const bool offsets = variant > 0, add = variant == 2;
+            const int64_t lda = K + 2, ldb = N + 1, ldc = N + 3, ns = (K + len - 1) / len, ldx = N + 2;
+            std::vector<uint16_t> A(size_t(M * lda)), B(size_t(K * ldb));
+            for (auto& v : A) v = float_to_bf16_bits(normal(g_rng));
+            for (auto& v : B) v = float_to_bf16_bits(normal(g_rng));
+            std::vector<float> scale(size_t(M * ns)), offset(size_t(M * ns)), xsum(size_t(ns * ldx));
+            for (auto& v : scale) v = normal(g_rng);
+            for (auto& v : offset) v = normal(g_rng);
+            for (auto& v : xsum) v = normal(g_rng);
+            std::vector<const float*> srow(static_cast<size_t>(M)), orow(static_cast<size_t>(M));
+            for (int64_t i = 0; i < M; i++) {
+              srow[size_t(i)] = scale.data() + i * ns;
+              orow[size_t(i)] = offset.data() + i * ns;
+            }
+            const Bf16Segments segs{len, srow.data(), offsets ? orow.data() : nullptr, xsum.data(), ldx};
+            Buf<float> C(size_t(M * ldc), 7.f);
+            s.bf16_gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, &segs);
+            auto val = [&](uint16_t h) { return double(float_of_bits(uint32_t(h) << 16)); };
+            for (int64_t i = 0; i < M; i++)
+              for (int64_t j = 0; j < N; j++) {
+                double ref = add ? 7.0 : 0.0, mag = std::fabs(ref);
+                for (int64_t sg = 0; sg < ns; sg++) {
+                  double part = 0, part_mag = 0;
+                  for (int64_t k = sg * len; k < std::min(K, (sg + 1) * len); k++) {
+                    const double p = val(A[size_t(i * lda + k)]) * val(B[size_t((k / 2) * 2 * ldb + 2 * j + k % 2)]);
+                    part += p;
+                    part_mag += std::fabs(p);
+                  }
+                  ref += scale[size_t(i * ns + sg)] * part;
+                  mag += std::fabs(scale[size_t(i * ns + sg)]) * part_mag;
+                  if (offsets) {
+                    const double o = double(offset[size_t(i * ns + sg)]) * xsum[size_t(sg * ldx + j)];
+                    ref += o;
+                    mag += std::fabs(o);
+                  }
+                }
+                const float got = C[size_t(i * ldc + j)];
+                CHECK(std::fabs(double(got) - ref) <= double(K + 2 * ns + 2) * std::ldexp(mag, -24),
+                      "bf16_gemm segments M=%lld N=%lld K=%lld len=%lld variant=%d C[%lld][%lld] = %.9g, want %.9g",
+                      (long long)M, (long long)N, (long long)K, (long long)len, variant, (long long)i, (long long)j,
+                      got, ref);
+              }
+            for (int64_t i = 0; i < M; i++)
+              for (int64_t j = N; j < ldc; j++)
+                CHECK(C[size_t(i * ldc + j)] == 7.f, "bf16_gemm segments wrote C[%lld][%lld] past N", (long long)i,
+                      (long long)j);
+          }
+}
+
 void check_set(const KernelSet& s, const KernelSet& portable) {
   g_set = s.name;
   const int before = g_failures, checks = g_checks;
@@ -699,6 +759,7 @@ void check_set(const KernelSet& s, const KernelSet& portable) {
   check_w4(s);
   check_vnni_pack(s);
   check_bf16_gemm(s);
+  check_bf16_gemm_segments(s);
   std::printf("%s %s: %d checks\n", g_failures == before ? "ok" : "FAILED", s.name, g_checks - checks);
 }
 

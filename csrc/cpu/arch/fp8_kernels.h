@@ -8,7 +8,7 @@
 // - GEMV-style tiles read MR packed activation rows [MR][ldx] and NR weight rows.
 // - The GEMM decodes a panel of weight rows into the same packed positions and multiplies it with the packed
 //   activations in an optimized GEMM (fp8_matmul.cpp): fp32 panels, or bf16 panels (kBf16ChunkOrder) for the
-//   AMX brgemm.
+//   AMX brgemm or the set's bf16 GEMM.
 #pragma once
 #include <cstdint>
 
@@ -75,7 +75,7 @@ struct Fp8Kernels {
   // (packed positions, zero padding). nan[r] |= row r holds a NaN code in that range.
   void (*decode_rows)(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, float* dst, int64_t ldd,
                       bool* nan);
-  // The same to bf16 bits, for the AMX bf16 GEMM (null in sets without amx_gemm; Arm's bf16 set has none):
+  // The same to bf16 bits, for the bf16 panel GEMM (null in sets without amx_gemm; Arm's bf16 set has none):
   // dst[r * ldd + p], p < n rounded up to kBf16Chunk, positions in kBf16ChunkOrder, zero padding. dec(code) / 256
   // is exact in bf16, and NaN codes decode to NaN.
   void (*decode_rows_bf16)(const uint8_t* w, int64_t K, int64_t nrows, int64_t k0, int64_t n, uint16_t* dst,

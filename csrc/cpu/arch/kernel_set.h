@@ -47,18 +47,28 @@ enum CpuFeature : uint64_t {
 using AxpyRowsFn = void (*)(int64_t mr, const float* c, const float* v, int64_t n, float* acc, int64_t lda);
 // xor of the n words at p (the streaming-read baseline; the value only keeps the reads from being skipped)
 using XorWordsFn = uint64_t (*)(const uint64_t* p, int64_t n);
-// The GEMMs' activation pack into VNNI units (fp8_matmul.cpp's AMX Bf16Engine, int8_mm.cpp's strips), one block of
+// The GEMMs' activation pack into VNNI units (fp8_matmul.cpp's Bf16Engine, int8_mm.cpp's strips), one block of
 // kVnniPackRows rows of x and kVnniPackUnits VNNI units (4 bytes: a pair of bf16 codes, a quad of int8): unit j of
 // row i, the 4 bytes at x + i * ldx + 4 j (ldx in bytes), goes to dst[to[j] * ldd + i]. A row of dst holds one
 // unit of every activation row (brgemm.h's VNNI order).
 constexpr int kVnniPackRows = 16, kVnniPackUnits = 32;
 using VnniPackFn = void (*)(const void* x, int64_t ldx, const uint8_t* to, uint32_t* dst, int64_t ldd);
+// Scales along K for the bf16 GEMM: K in segments of len positions (even), segment s of row i multiplied by
+// scales[i][s] and, where offsets is not null, offsets[i][s] * xsum[s * ldx + j] added for column j (once per
+// segment: a weight q * scale + offset times x, with xsum the segment's sums of x).
+struct Bf16Segments {
+  int64_t len = 0;
+  const float* const* scales = nullptr;
+  const float* const* offsets = nullptr;
+  const float* xsum = nullptr;
+  int64_t ldx = 0;
+};
 // The bf16 panel GEMM's product on CPUs without AMX (fp8_matmul.cpp's Bf16Engine; brgemm.h's operands):
 // C[i * ldc + j] (+= where add) sum over k < K of A[i * lda + k] * B[(k / 2) * 2 * ldb + 2 * j + k % 2] for i < M,
-// j < N: A row-major, B in VNNI pairs, bf16 bits, K even. Products exact, fp32 sums; bf16 denormals read as zero,
-// as AMX reads them.
+// j < N: A row-major, B in VNNI pairs, bf16 bits, K even; with segs, scaled segment by segment as Bf16Segments
+// says. Products exact, fp32 sums (a segment's sums scaled in fp32); bf16 denormals read as zero, as AMX reads them.
 using Bf16GemmFn = void (*)(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
-                            int64_t ldb, float* C, int64_t ldc, bool add);
+                            int64_t ldb, float* C, int64_t ldc, bool add, const Bf16Segments* segs);
 
 struct KernelSet {
   const char* name;   // what tests, the bench's --isa and the environment report call it

@@ -114,7 +114,7 @@ struct W4BlockGroups {
   }
 };
 
-// bf16 panels for the GEMMs on AMX (w4_matmul.cpp): decoded weights in natural order, each as `terms` bf16
+// bf16 panels for the bf16 panel GEMMs (w4_matmul.cpp): decoded weights in natural order, each as `terms` bf16
 // words whose sum approximates the fp32 decode -- term 0 its rounding to nearest even, term 1 (terms = 2) the
 // rounding of the exact remainder w - term 0, so |w - t0 - t1| <= 2^-16 |w|. NaN: a quiet NaN (remainder 0);
 // +-inf: inf (remainder 0); a finite value that would round to inf is truncated (stays finite). Subnormal

@@ -331,28 +331,27 @@ LOWBIT_TARGET_AVX512 inline void transpose16x16(__m512i (&r)[16]) {
 }
 
 namespace bf16_gemm {
-// kernel_set.h's Bf16GemmFn. Register tile: kTileRows rows of A times kTileVecs vectors of 16 columns of B, 24
-// accumulators beside the 4 B vectors and a broadcast A pair; each k pair loads 4 B vectors and 6 pairs for 24 dot
-// products (vdpbf16ps, as the GEMV tiles). The tiles go through K in blocks of kDepth, each block's B (kDepth / 2
-// rows of 64 columns: 32 KB) read from L1 by every tile row of A.
+// kernel_set.h's Bf16GemmFn. Register tile: R rows of A times V vectors of 16 columns of B; each k pair loads V B
+// vectors and R pairs of A for R x V dot products (vdpbf16ps, as the GEMV tiles). The plain product's tile is 6 x 4:
+// 24 accumulators beside the 4 B vectors and a broadcast A pair; with scales too. The tiles go through K in blocks of
+// kDepth, each block's B (kDepth / 2 rows of 64 columns: 32 KB) read from L1 by every tile row of A.
 constexpr int kTileRows = 6, kTileVecs = 4;
 constexpr int64_t kDepth = 256;
 
-template <int R, int V>
-LOWBIT_TARGET_AVX512BF16 void tile(int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
-                                   int64_t ldc, bool add, __mmask16 last) {
-  // every loop over the tile unrolled before GCC's scalar replacement, which then keeps the accumulators in
-  // registers (without, GCC 12 stores them to the stack on every k step from 4 x 4 up)
-  __mmask16 mask[V];
+// Every loop over a tile is unrolled before GCC's scalar replacement, which then keeps the accumulators in
+// registers (without, GCC 12 stores them to the stack on every k step from 4 x 4 up).
+template <int V>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void column_masks(__mmask16 last, __mmask16 (&mask)[V]) {
 #pragma GCC unroll 8
   for (int v = 0; v < V; v++) mask[v] = v == V - 1 ? last : __mmask16(0xFFFF);
-  __m512 acc[R][V];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; i++)
-#pragma GCC unroll 8
-    for (int v = 0; v < V; v++)
-      acc[i][v] = add ? _mm512_maskz_loadu_ps(mask[v], C + i * ldc + 16 * v) : _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 2) {
+}
+
+// acc (+)= A[:, k0:k1] B[k0:k1, :] for the tile's rows and columns
+template <int R, int V>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void dot_steps(
+    __m512 (&acc)[R][V], int64_t k0, int64_t k1, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+    const __mmask16 (&mask)[V]) {
+  for (int64_t k = k0; k < k1; k += 2) {
     const uint16_t* b = B + k * ldb;  // VNNI row k / 2
     __m512i bv[V];
 #pragma GCC unroll 8
@@ -366,27 +365,108 @@ LOWBIT_TARGET_AVX512BF16 void tile(int64_t K, const uint16_t* A, int64_t lda, co
       for (int v = 0; v < V; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)a, (__m512bh)bv[v]);
     }
   }
+}
+
+template <int R, int V>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void load_or_zero(__m512 (&t)[R][V], bool add,
+                                                                                  const float* C, int64_t ldc,
+                                                                                  const __mmask16 (&mask)[V]) {
 #pragma GCC unroll 8
   for (int i = 0; i < R; i++)
 #pragma GCC unroll 8
-    for (int v = 0; v < V; v++) _mm512_mask_storeu_ps(C + i * ldc + 16 * v, mask[v], acc[i][v]);
+    for (int v = 0; v < V; v++)
+      t[i][v] = add ? _mm512_maskz_loadu_ps(mask[v], C + i * ldc + 16 * v) : _mm512_setzero_ps();
+}
+
+template <int R, int V>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void store(const __m512 (&t)[R][V], float* C,
+                                                                           int64_t ldc, const __mmask16 (&mask)[V]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+    for (int v = 0; v < V; v++) _mm512_mask_storeu_ps(C + i * ldc + 16 * v, mask[v], t[i][v]);
+}
+
+// What the scaled tiles read beside the operands (see Bf16GemmFn): k0, k1 the depth block, seg the segment length.
+struct Segments {
+  int64_t k0, k1, seg;
+  const float* const* scales;
+  const float* const* offsets;
+  const float* xsum;
+  int64_t ldx;
+};
+
+template <int R, int V>
+LOWBIT_TARGET_AVX512BF16 void tile(int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
+                                   int64_t ldc, bool add, __mmask16 last) {
+  __mmask16 mask[V];
+  column_masks<V>(last, mask);
+  __m512 acc[R][V];
+  load_or_zero<R, V>(acc, add, C, ldc, mask);
+  dot_steps<R, V>(acc, 0, K, A, lda, B, ldb, mask);
+  store<R, V>(acc, C, ldc, mask);
+}
+
+// Segment by segment: C += scale_i(s) * (the segment's sums of row i) (+ offset_i(s) * xsum(s), once a segment:
+// where the block holds its first position), C read and written at each segment's end (in L1: the registers hold
+// one segment's sums). A segment cut by the block's end is scaled in two parts.
+template <int R, int V>
+LOWBIT_TARGET_AVX512BF16 void scaled_tile(const Segments& sg, const uint16_t* A, int64_t lda, const uint16_t* B,
+                                          int64_t ldb, float* C, int64_t ldc, bool add, __mmask16 last) {
+  __mmask16 mask[V];
+  column_masks<V>(last, mask);
+  for (int64_t k = sg.k0; k < sg.k1;) {
+    const int64_t s = k / sg.seg, end = std::min(sg.k1, (s + 1) * sg.seg);
+    __m512 acc[R][V];
+    load_or_zero<R, V>(acc, false, C, ldc, mask);
+    dot_steps<R, V>(acc, k, end, A, lda, B, ldb, mask);
+    const bool offsets = sg.offsets != nullptr && k == s * sg.seg;
+    __m512 xs[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; v++)
+      xs[v] = offsets ? _mm512_maskz_loadu_ps(mask[v], sg.xsum + s * sg.ldx + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+      const __m512 sc = _mm512_set1_ps(sg.scales[i][s]), off = _mm512_set1_ps(offsets ? sg.offsets[i][s] : 0.f);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; v++) {
+        float* c = C + i * ldc + 16 * v;
+        __m512 t = _mm512_fmadd_ps(acc[i][v], sc, add ? _mm512_maskz_loadu_ps(mask[v], c) : _mm512_setzero_ps());
+        if (offsets) t = _mm512_fmadd_ps(xs[v], off, t);
+        _mm512_mask_storeu_ps(c, mask[v], t);
+      }
+    }
+    add = true;
+    k = end;
+  }
 }
 
 using TileFn = void (*)(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, bool, __mmask16);
+using ScaledTileFn = void (*)(const Segments&, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t,
+                              bool, __mmask16);
 template <int R>
 struct TileRow {
   static constexpr TileFn get(int v) {
     return v == 1 ? &tile<R, 1> : v == 2 ? &tile<R, 2> : v == 3 ? &tile<R, 3> : &tile<R, 4>;
   }
+  static constexpr ScaledTileFn scaled(int v) {
+    return v == 1 ? &scaled_tile<R, 1> : v == 2 ? &scaled_tile<R, 2> : v == 3 ? &scaled_tile<R, 3> : &scaled_tile<R, 4>;
+  }
 };
-static_assert(kTileRows == 6 && kTileVecs == 4, "the table below lists every tile");
+static_assert(kTileRows == 6 && kTileVecs == 4, "the tables below list every tile");
 #define LOWBIT_TILE_ROW(R) {TileRow<R>::get(1), TileRow<R>::get(2), TileRow<R>::get(3), TileRow<R>::get(4)}
 constexpr TileFn kTiles[kTileRows][kTileVecs] = {LOWBIT_TILE_ROW(1), LOWBIT_TILE_ROW(2), LOWBIT_TILE_ROW(3),
                                                  LOWBIT_TILE_ROW(4), LOWBIT_TILE_ROW(5), LOWBIT_TILE_ROW(6)};
 #undef LOWBIT_TILE_ROW
+#define LOWBIT_TILE_ROW(R) \
+  {TileRow<R>::scaled(1), TileRow<R>::scaled(2), TileRow<R>::scaled(3), TileRow<R>::scaled(4)}
+constexpr ScaledTileFn kScaledTiles[kTileRows][kTileVecs] = {LOWBIT_TILE_ROW(1), LOWBIT_TILE_ROW(2),
+                                                             LOWBIT_TILE_ROW(3), LOWBIT_TILE_ROW(4),
+                                                             LOWBIT_TILE_ROW(5), LOWBIT_TILE_ROW(6)};
+#undef LOWBIT_TILE_ROW
 
 void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float* C,
-          int64_t ldc, bool add) {
+          int64_t ldc, bool add, const Bf16Segments* segs) {
   if (K == 0 && !add)  // an empty sum
     for (int64_t i = 0; i < M; i++) std::fill(C + i * ldc, C + i * ldc + N, 0.f);
   for (int64_t k0 = 0; k0 < K; k0 += kDepth) {
@@ -394,9 +474,18 @@ void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const
     for (int64_t j0 = 0; j0 < N; j0 += 16 * kTileVecs) {
       const int64_t nj = std::min<int64_t>(16 * kTileVecs, N - j0), vecs = (nj + 15) / 16;
       const __mmask16 last = __mmask16((1u << (nj - 16 * (vecs - 1))) - 1);
-      for (int64_t i0 = 0; i0 < M; i0 += kTileRows)
-        kTiles[std::min<int64_t>(kTileRows, M - i0) - 1][vecs - 1](kd, A + i0 * lda + k0, lda, B + k0 * ldb + 2 * j0,
-                                                                    ldb, C + i0 * ldc + j0, ldc, add || k0 > 0, last);
+      const bool accumulate = add || k0 > 0;  // later depth blocks add to the earlier ones' sums
+      for (int64_t i0 = 0; i0 < M; i0 += kTileRows) {
+        const int64_t r = std::min<int64_t>(kTileRows, M - i0);
+        float* c = C + i0 * ldc + j0;
+        if (segs == nullptr) {
+          kTiles[r - 1][vecs - 1](kd, A + i0 * lda + k0, lda, B + k0 * ldb + 2 * j0, ldb, c, ldc, accumulate, last);
+        } else {
+          const Segments sg{k0, k0 + kd, segs->len, segs->scales + i0,
+                            segs->offsets != nullptr ? segs->offsets + i0 : nullptr, segs->xsum + j0, segs->ldx};
+          kScaledTiles[r - 1][vecs - 1](sg, A + i0 * lda, lda, B + 2 * j0, ldb, c, ldc, accumulate, last);
+        }
+      }
     }
   }
 }
