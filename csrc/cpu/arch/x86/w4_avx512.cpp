@@ -531,10 +531,38 @@ LOWBIT_TARGET_AVX512 inline __m256i bf16_group_table(__m512 values, const W4Grou
   return _mm512_cvtepi32_epi16(bf16_round16(_mm512_mul_ps(group_table(values, p), global)));
 }
 
+// A group's bf16 table, rebuilt only when the group's (scale, zero point, bias) differ bit for bit from the last
+// one's: the GEMM's grouped panels decode with unit scales, whose groups all share one table.
+struct Bf16GroupTables {
+  __m512 values, global;
+  W4Group last;
+  bool built = false;
+  __m256i table;
+  LOWBIT_TARGET_AVX512 __m256i get(const W4Group& p) {
+    if (!built || !same(p, last)) {
+      table = bf16_group_table(values, p, global);
+      last = p;
+      built = true;
+    }
+    return table;
+  }
+  static bool same(const W4Group& a, const W4Group& b) {
+    return a.has_bias == b.has_bias && bits(a.scale) == bits(b.scale) && bits(a.zp) == bits(b.zp) &&
+           bits(a.bias) == bits(b.bias);
+  }
+  static uint32_t bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    return u;
+  }
+};
+
 LOWBIT_TARGET_AVX512 void decode_row_bf16_one_term(const W4Operand& op, int64_t row, int64_t k0, int64_t n,
                                                    uint16_t* d) {
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
-  const __m512 values = _mm512_loadu_ps(op.values), global = _mm512_set1_ps(op.global);
+  Bf16GroupTables tables;
+  tables.values = _mm512_loadu_ps(op.values);
+  tables.global = _mm512_set1_ps(op.global);
   // byte i of a chunk -> dword i: code 2i (low nibble) in its low word, code 2i + 1 in its high word; bytes 8..15
   // (codes 16..31) index the second table
   const __m512i second = _mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xFF00, 0x00100010);
@@ -545,8 +573,8 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16_one_term(const W4Operand& op, int64_t 
   __m256i ta = _mm256_setzero_si256();
   for (int64_t k = k0; k < k1; k += kW4Chunk) {
     const int64_t valid = k1 - k, g0 = blocks.next(), g1 = valid > 16 ? blocks.next() : g0;
-    if (g0 != ga) ta = bf16_group_table(values, w4_group(op, byte_table, row, g0), global);
-    const __m256i tb = g1 != g0 ? bf16_group_table(values, w4_group(op, byte_table, row, g1), global) : ta;
+    if (g0 != ga) ta = tables.get(w4_group(op, byte_table, row, g0));
+    const __m256i tb = g1 != g0 ? tables.get(w4_group(op, byte_table, row, g1)) : ta;
     const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
     const __m512i idx = _mm512_add_epi32(_mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xF)),
                                                          _mm512_and_si512(_mm512_slli_epi32(b, 12),
