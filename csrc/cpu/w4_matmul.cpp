@@ -104,7 +104,7 @@ void panel_gemm(const W4Kernels& kern, const float* xp, int64_t M, const W4Opera
   release_scratch_above_cap(Slot::Accum);
 }
 
-// ---- the GEMM regime and the transposed product on AMX (bf16 panels) ----
+// ---- the GEMM regime and the transposed product on bf16 panels (AMX, or the kernel set's bf16 GEMM) ----
 //
 // Numerics. A decoded weight is exact in one bf16 word when its code value and its scale together have at most
 // 8 significant bits and there is no offset: e2m1 values (2 bits) times e4m3 (4) or e8m0 (1) scales -- nvfp4,
@@ -113,9 +113,10 @@ void panel_gemm(const W4Kernels& kern, const float* xp, int64_t M, const W4Opera
 // uint4 with 16- or 32-bit scales, zero points or biases, a table such as NF4's) take two terms, hi + lo
 // (w4_kernels.h: |w - hi - lo| <= 2^-16 |w|), each multiplied with x's first bf16 term, and hi with x's others:
 // per product at most about 2^-15 relative off, 16x below the rounding of a half output and 128x below a bf16
-// one. Float x keeps the fp32 path for them (2^-15 would show in an fp32 output). Per-group scales applied to
-// partial sums were the alternative: exact, but brgemm calls of group_size (32-128) codes, and uint4's biases
-// need per-group sums of x.
+// one. Float x keeps the fp32 path for them (2^-15 would show in an fp32 output). On the kernel set's bf16 GEMM
+// the integer formats instead run one exact term with the group scales (and biases) applied to each group's sums
+// in its registers (w4_grouped_exact); on AMX that would take brgemm calls of group_size (32-128) codes and the
+// scaling in memory, which costs more than the second term.
 // w4_mm_t: for bf16 grad_out the product is grad_out times the bf16-dequantized weight (global * w in fp32, rounded
 // once to bf16: w4_dequantize(dtype=bfloat16)'s bits) in torch's bf16 GEMM, as the bf16 layer on that weight
 // computes (fp8_mm_t does the same); exact for the formats above where the global scale is a power of two.
@@ -163,8 +164,7 @@ constexpr std::array<uint8_t, kBf16Chunk> kNaturalOrder = make_natural_order();
 // bf16 (integers below 256: int4 / uint4 codes less int8 zero points), and groups of whole chunks of the panel GEMM
 // (smaller groups would pad each one to a chunk). Biases (MLX's w = q * scale + bias) add bias * the group's sum
 // of x (block offsets). Half the products of two terms, and exact ones: the sums are the GEMV's (w4_kernels.h:
-// each group's sum scaled once; the bias, too, multiplies a sum). Off on AMX, whose brgemm calls per group cost
-// more than its second term (the comment above).
+// each group's sum scaled once; the bias, too, multiplies a sum). Off on AMX (the comment above).
 bool w4_grouped_exact(const W4Operand& op) {
   if (op.G <= 1 || op.group % kBf16Chunk != 0 || amx_gemm_available()) return false;
   for (int c = 0; c < 16; c++) {
@@ -259,10 +259,10 @@ int64_t w4_gemm_min_rows(W4GemmRoute route) {
   return route == W4GemmRoute::Bf16TwoTerms ? 64 : route == W4GemmRoute::Fp32 ? 24 : 32;
 }
 
-// w4_mm_t's GEMM regime on AMX for bf16 g: column panels (all N rows, kc codes) decoded to bf16 by all threads,
+// w4_mm_t's GEMM regime for bf16 g where transposed_panels_bf16: column panels (all N rows, kc codes) decoded to bf16 by all threads,
 // then multiplied with g in one torch bf16 GEMM straight into out (transposed_matmul.cpp's scheme and sizes).
 template <typename T>
-bool amx_gemm_t(const W4Kernels& kern, const T* g, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
+bool bf16_gemm_t(const W4Kernels& kern, const T* g, int64_t M, const W4Operand& op, T* out, int64_t ldo) {
   if constexpr (!std::is_same_v<T, c10::BFloat16>) {
     return false;
   } else {
@@ -362,7 +362,7 @@ void w4_matmul_t(const T* g, int64_t M, const W4Operand& op, T* out, int64_t ldo
   const int64_t N = op.N, K = op.K;
   if (M == 0 || K == 0) return;
   const W4Kernels& kern = kernel_set().w4;
-  if (amx_gemm_t(kern, g, M, op, out, ldo)) return;
+  if (bf16_gemm_t(kern, g, M, op, out, ldo)) return;
   const at::Tensor gf = at::from_blob(const_cast<T*>(g), {M, N}, at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value))
                             .to(at::kFloat)
                             .contiguous();
