@@ -119,3 +119,17 @@ def test_bad_groups_refused():
             call(offsets, ids)
     with pytest.raises(RuntimeError, match="offsets must be int32"):
         ops.w4_grouped_mm(x, codes, scale, "int4", 32, torch.tensor([0, 1]), None, off, None)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_no_experts_every_group_minus_one(fmt):
+    # E = 0 with every group's expert -1: zeros, no weight read (the GEMM-rows decision once read expert 0's global
+    # scale from an empty tensor and crashed the process)
+    group = 16 if fmt == "nvfp4" else 32
+    x = torch.randn(3, 32).bfloat16()
+    codes = torch.zeros(0, 8, 16, dtype=torch.uint8)
+    scale = torch.zeros(0, 8, 32 // group, dtype=torch.uint8 if fmt == "nvfp4" else torch.float16)
+    gs = torch.zeros(0) if fmt == "nvfp4" else None
+    out = ops.w4_grouped_mm(x, codes, scale, fmt, group, torch.tensor([0, 3], dtype=torch.int32),
+                            torch.tensor([-1], dtype=torch.int32), None, gs)
+    assert out.shape == (3, 8) and (out == 0).all()

@@ -75,10 +75,11 @@ at::Tensor w4_grouped_mm(const at::Tensor& x, const at::Tensor& codes, const at:
   const int64_t K = a.w.K, N = a.w.N;
   std::vector<SmallGroup> small;
   int64_t small_rows = 0;
-  int64_t gemm_rows = 0;
-  LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "w4_grouped_mm",
-                              [&] { gemm_rows = w4_gemm_min_rows<scalar_t>(w4_operand(a.w, 0)); });
+  int64_t gemm_rows = -1;  // the same for every expert (the route depends on the format): from the first live one
   at::Tensor out = for_each_group(a, N, [&](int64_t e, int64_t r0, int64_t rows, at::Tensor& out) {
+    if (gemm_rows < 0)
+      LOWBIT_DISPATCH_FLOAT_TYPES(a.x.scalar_type(), "w4_grouped_mm",
+                                  [&] { gemm_rows = w4_gemm_min_rows<scalar_t>(w4_operand(a.w, e)); });
     if (rows < gemm_rows && K > 0) {  // after the big groups (w4_matmul reuses the activation scratch)
       small.push_back({e, r0, r0 + rows, small_rows});
       small_rows += rows;
