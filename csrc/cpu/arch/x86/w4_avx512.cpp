@@ -9,6 +9,7 @@
 
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "cpu/arch/float16_bits.h"
 #include "cpu/arch/kernel_set.h"
 #include "cpu/arch/x86/target.h"
 
@@ -547,13 +548,8 @@ struct Bf16GroupTables {
     return table;
   }
   static bool same(const W4Group& a, const W4Group& b) {
-    return a.has_bias == b.has_bias && bits(a.scale) == bits(b.scale) && bits(a.zp) == bits(b.zp) &&
-           bits(a.bias) == bits(b.bias);
-  }
-  static uint32_t bits(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof(u));
-    return u;
+    return a.has_bias == b.has_bias && float_bits(a.scale) == float_bits(b.scale) &&
+           float_bits(a.zp) == float_bits(b.zp) && float_bits(a.bias) == float_bits(b.bias);
   }
 };
 
