@@ -616,7 +616,6 @@ void check_bf16_gemm(const KernelSet& s) {
   CHECK(s.bf16_gemm == nullptr || (s.vnni_pack != nullptr && s.fp8.decode_rows_bf16 != nullptr),
         "a set with a bf16 GEMM packs VNNI pairs and decodes bf16 panels");
   if (!s.bf16_gemm) return;
-  auto bf16 = [](uint16_t h) { return double(float_of_bits(uint32_t(h) << 16)); };
   std::uniform_int_distribution<int> small(-8, 8);
   std::normal_distribution<float> normal(0.f, 1.f);
   for (bool integers : {true, false})
@@ -658,8 +657,9 @@ void check_bf16_gemm(const KernelSet& s) {
                 bool nan = false, inf = false;
                 for (int64_t k = 0; k < K; k++) {
                   const uint16_t a = A[size_t(i * lda + k)];
-                  const double av = (a & 0x7F80) == 0 ? 0.0 : bf16(a);  // denormals (and zero) read as zero
-                  const double bv = bf16(B[size_t((k / 2) * 2 * ldb + 2 * j + k % 2)]);
+                  // denormals (and zero) read as zero
+                  const double av = (a & 0x7F80) == 0 ? 0.0 : double(w4_bf16_float(a));
+                  const double bv = w4_bf16_float(B[size_t((k / 2) * 2 * ldb + 2 * j + k % 2)]);
                   nan = nan || std::isnan(av) || (std::isinf(bv) && av == 0.0);
                   inf = inf || std::isinf(bv);
                   if (!std::isinf(bv) && !std::isnan(av)) {
@@ -711,14 +711,14 @@ void check_bf16_gemm_segments(const KernelSet& s) {
             const Bf16Segments segs{len, srow.data(), offsets ? orow.data() : nullptr, xsum.data(), ldx};
             Buf<float> C(size_t(M * ldc), 7.f);
             s.bf16_gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, &segs);
-            auto val = [&](uint16_t h) { return double(float_of_bits(uint32_t(h) << 16)); };
             for (int64_t i = 0; i < M; i++)
               for (int64_t j = 0; j < N; j++) {
                 double ref = add ? 7.0 : 0.0, mag = std::fabs(ref);
                 for (int64_t sg = 0; sg < ns; sg++) {
                   double part = 0, part_mag = 0;
                   for (int64_t k = sg * len; k < std::min(K, (sg + 1) * len); k++) {
-                    const double p = val(A[size_t(i * lda + k)]) * val(B[size_t((k / 2) * 2 * ldb + 2 * j + k % 2)]);
+                    const double p = double(w4_bf16_float(A[size_t(i * lda + k)])) *
+                                     w4_bf16_float(B[size_t((k / 2) * 2 * ldb + 2 * j + k % 2)]);
                     part += p;
                     part_mag += std::fabs(p);
                   }
