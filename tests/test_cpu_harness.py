@@ -139,9 +139,10 @@ X86_PLANTS = [
      "the bf16 GEMM's later depth blocks overwrite the earlier ones' sums"),
     ("csrc/cpu/arch/x86/avx512.cpp", "sg.offsets != nullptr && k == s * sg.seg;", "sg.offsets != nullptr;",
      "the segmented bf16 GEMM adds a segment's offsets again where a depth block cuts it"),
-    ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_setzero_si512(), 0xFF00, 0x00100010)",
-     "_mm512_setzero_si512(), 0xFF00, 0x00000010)",
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "0xFF00, 0x00210021)", "0xFF00, 0x00010021)",
      "the one-term bf16 panel decode takes a chunk's odd codes of its second group from the first group's table"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "== 0) return bits;", "!= 0) return bits;",
+     "the one-term bf16 panel decode takes a group's fp32 table as bf16 where it is not exact (unrounded)"),
     ("csrc/cpu/arch/portable/w4_portable.cpp", "end = std::min(k1, (g + 1) * op.group);",
      "end = std::min(k1, (g + 1) * op.group + 1);", "the portable 4-bit decode runs a group one code too far"),
 ]

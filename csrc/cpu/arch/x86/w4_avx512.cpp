@@ -9,7 +9,6 @@
 
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include "cpu/arch/float16_bits.h"
 #include "cpu/arch/kernel_set.h"
 #include "cpu/arch/x86/target.h"
 
@@ -524,64 +523,70 @@ LOWBIT_TARGET_AVX512 inline void store_bf16_terms(__m512 v, int terms, uint16_t*
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + term_stride), _mm512_cvtepi32_epi16(bf16_round16(rest)));
 }
 
-// One row's codes [k0, k0 + n) as one bf16 term each (the GEMM's panels of weights exact in bf16): each group's
-// 16 weights rounded to bf16 once, then one 16-bit permute per chunk picks them -- the chunk's first group in
-// words 0-15 of the table, its second (groups of 16) in words 16-31 -- instead of rounding every decoded weight.
-// The same bits as store_bf16_terms on the per-element decode.
-LOWBIT_TARGET_AVX512 inline __m256i bf16_group_table(__m512 values, const W4Group& p, __m512 global) {
-  return _mm512_cvtepi32_epi16(bf16_round16(_mm512_mul_ps(group_table(values, p), global)));
+// One row's codes [k0, k0 + n) as one bf16 term each (the GEMM's panels of weights exact in bf16, and the
+// transposed product's rounded ones): each group's 16 weights decoded in fp32 and, where one is not exact in bf16,
+// rounded once (the same bits as store_bf16_terms on the per-element decode) into the high halves of its lanes;
+// then one two-table 16-bit permute per chunk picks each code's high half -- the chunk's first group from words
+// 0-31, its second (groups of 16) from words 32-63. Exact groups (nvfp4, mxfp4, the grouped panels' unit scales)
+// cost two multiplies and a test each, not a rounding.
+LOWBIT_TARGET_AVX512 inline __m512i bf16_group_table(__m512 values, const W4Group& p, __m512 global) {
+  const __m512 t = _mm512_mul_ps(group_table(values, p), global);
+  const __m512i bits = _mm512_castps_si512(t);
+  if (_mm512_test_epi32_mask(bits, _mm512_set1_epi32(0xFFFF)) == 0) return bits;
+  return _mm512_slli_epi32(bf16_round16(t), 16);
 }
-
-// A group's bf16 table, rebuilt only when the group's (scale, zero point, bias) differ bit for bit from the last
-// one's: the GEMM's grouped panels decode with unit scales, whose groups all share one table.
-struct Bf16GroupTables {
-  __m512 values, global;
-  W4Group last;
-  bool built = false;
-  __m256i table;
-  LOWBIT_TARGET_AVX512 __m256i get(const W4Group& p) {
-    if (!built || !same(p, last)) {
-      table = bf16_group_table(values, p, global);
-      last = p;
-      built = true;
-    }
-    return table;
-  }
-  static bool same(const W4Group& a, const W4Group& b) {
-    return a.has_bias == b.has_bias && float_bits(a.scale) == float_bits(b.scale) &&
-           float_bits(a.zp) == float_bits(b.zp) && float_bits(a.bias) == float_bits(b.bias);
-  }
-};
 
 LOWBIT_TARGET_AVX512 void decode_row_bf16_one_term(const W4Operand& op, int64_t row, int64_t k0, int64_t n,
                                                    uint16_t* d) {
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
-  Bf16GroupTables tables;
-  tables.values = _mm512_loadu_ps(op.values);
-  tables.global = _mm512_set1_ps(op.global);
-  // byte i of a chunk -> dword i: code 2i (low nibble) in its low word, code 2i + 1 in its high word; bytes 8..15
-  // (codes 16..31) index the second table
-  const __m512i second = _mm512_mask_set1_epi32(_mm512_setzero_si512(), 0xFF00, 0x00100010);
+  const __m512 values = _mm512_loadu_ps(op.values), global = _mm512_set1_ps(op.global);
+  // byte i of a chunk -> dword i: code 2i (low nibble) indexes its low word, code 2i + 1 its high word, as word
+  // 2 c + 1 (a table lane's high half) of the first table, or for bytes 8..15 (codes 16..31) of the second
+  const __m512i base = _mm512_mask_set1_epi32(_mm512_set1_epi32(0x00010001), 0xFF00, 0x00210021);
+  const __m512i low_nibble = _mm512_set1_epi32(0x1E), high_nibble = _mm512_set1_epi32(0x1E0000);
   W4BlockGroups blocks(op, k0 / 16);
   const uint8_t* codes = op.codes + row * op.row_bytes();
   const int64_t k1 = std::min(op.K, k0 + n);
   int64_t ga = -1;
-  __m256i ta = _mm256_setzero_si256();
+  __m512i ta = _mm512_setzero_si512();
   for (int64_t k = k0; k < k1; k += kW4Chunk) {
     const int64_t valid = k1 - k, g0 = blocks.next(), g1 = valid > 16 ? blocks.next() : g0;
-    if (g0 != ga) ta = tables.get(w4_group(op, byte_table, row, g0));
-    const __m256i tb = g1 != g0 ? tables.get(w4_group(op, byte_table, row, g1)) : ta;
+    if (g0 != ga) ta = bf16_group_table(values, w4_group(op, byte_table, row, g0), global);
+    const __m512i tb = g1 != g0 ? bf16_group_table(values, w4_group(op, byte_table, row, g1), global) : ta;
     const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
-    const __m512i idx = _mm512_add_epi32(_mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xF)),
-                                                         _mm512_and_si512(_mm512_slli_epi32(b, 12),
-                                                                          _mm512_set1_epi32(0xF0000))),
-                                         second);
-    __m512i w = _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(ta), tb, 1));
+    // (b << 1) & 0x1E | (b << 13) & 0x1E0000 | base: 0xEA is (A & B) | C
+    const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 1), low_nibble, base, 0xEA);
+    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 13), high_nibble, lo, 0xEA);
+    __m512i w = _mm512_permutex2var_epi16(ta, idx, tb);
     if (valid < kW4Chunk) w = _mm512_maskz_mov_epi16(__mmask32((uint64_t(1) << valid) - 1), w);
     _mm512_storeu_si512(d + (k - k0), w);
     ta = tb;
     ga = g1;
   }
+}
+
+// The panel decode goes row by row through a window of codes; the next row's window is a row of codes away (a
+// page and more at K >= 8192), where the hardware prefetchers stop: its codes' and its groups' scale (and offset)
+// lines are fetched kPanelPrefetchRows rows ahead, or every row would start with misses on both streams.
+// Both helpers are always inlined: GCC 12 finds a function whose only effect is a prefetch free of side effects and
+// drops its calls.
+constexpr int64_t kPanelPrefetchRows = 4;
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void prefetch_lines(const void* begin, const void* end) {
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(63); a < reinterpret_cast<uintptr_t>(end); a += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(a), kPrefetchHint);
+}
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void prefetch_row_window(const W4Operand& op, int64_t row, int64_t k0, int64_t k1) {
+  if (row >= op.N || k1 <= k0) return;
+  const uint8_t* codes = op.codes + row * op.row_bytes();
+  prefetch_lines(codes + k0 / 2, codes + (k1 + 1) / 2);
+  const int64_t G = std::max<int64_t>(op.G, 1), g0 = op.G > 1 ? k0 / op.group : 0;
+  const int64_t g1 = op.G > 1 ? (k1 - 1) / op.group + 1 : 1, sb = w4_scale_bytes(op.scale_enc);
+  const auto* scale = static_cast<const uint8_t*>(op.scale) + row * G * sb;
+  prefetch_lines(scale + g0 * sb, scale + g1 * sb);
+  if (op.offset == nullptr) return;
+  const int64_t ob = op.offset_kind == W4Offset::ZeroPoint ? 1 : sb;
+  const auto* offset = static_cast<const uint8_t*>(op.offset) + row * G * ob;
+  prefetch_lines(offset + g0 * ob, offset + g1 * ob);
 }
 
 LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n,
@@ -594,8 +599,11 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
   const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
   const __m512 global = _mm512_set1_ps(op.global);
+  const int64_t k1 = std::min(op.K, k0 + n);
+  for (int64_t a = 1; a < kPanelPrefetchRows && a < nrows; a++) prefetch_row_window(op, n0 + a, k0, k1);
   for (int64_t r = 0; r < nrows; r++) {
     uint16_t* d = dst + r * ldd;
+    if (r + kPanelPrefetchRows < nrows) prefetch_row_window(op, n0 + r + kPanelPrefetchRows, k0, k1);
     if (terms == 1) {
       decode_row_bf16_one_term(op, n0 + r, k0, n, d);
     } else {
