@@ -116,14 +116,14 @@ def test_w4_mm_bf16_gemv_nonfinite(isa, M, group):
         assert_matmul_close(out[keep], ref[keep], absref[keep], acc_rtol=1e-5)
 
 
-@pytest.mark.parametrize("M", [40, 70])
+@pytest.mark.parametrize("M", [40, 70, 300])  # 300: two M blocks of the GEMM (each presets its own sums)
 @pytest.mark.parametrize("group", [64, 128, 192])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_w4_mm_gemm_group_scales(isa, M, group, dtype):
     # integer codes (less int8 zero points) in groups of whole bf16 chunks: without AMX the bf16 panels hold the
-    # codes, the group scales multiply each group's sums and MLX's biases each group's sum of x (w4_matmul.cpp's
-    # w4_grouped_exact); a partial last group; a NaN scale reaches only its column, an inf scale makes its column
-    # nonfinite, a NaN x only its row
+    # codes, the group scales multiply each group's sums, and the sums start at MLX's biases times each group's sum
+    # of x (w4_matmul.cpp's w4_grouped_exact); a partial last group; a NaN scale reaches only its column, an inf
+    # scale makes its column nonfinite, a NaN x only its row
     g = torch.Generator().manual_seed(M + group)
     N, K = 45, 1000 + 37
     for fmt, offset, sdt in [("int4", True, torch.float32), ("int4", False, torch.bfloat16),

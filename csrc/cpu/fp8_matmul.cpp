@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
@@ -177,6 +178,8 @@ void windowed_gemm(const Engine& eng, const T* x, int64_t M, T* out, int64_t ldo
   bool* nan = reinterpret_cast<bool*>(sums + N * Mb);
   for (int64_t m0 = 0; m0 < M; m0 += Mb) {
     const int64_t mb = std::min(Mb, M - m0);
+    // the engine may start the sums at a value of its own (block offsets): the first window adds to it
+    const bool preset = eng.preset_sums(x + m0 * K, mb, sums);
     const std::vector<KWindow> windows = k_windows(seg, eng.max_width(mb, seg), Engine::kChunkLen);
     const size_t nw = windows.size();
     int64_t max_width = 0;
@@ -207,7 +210,7 @@ void windowed_gemm(const Engine& eng, const T* x, int64_t M, T* out, int64_t ldo
         if (g0 == 0) std::fill(nan + r0, nan + r0 + nr, false);
         for (size_t wi = g0; wi < g1; wi++) {
           eng.decode(windows[wi], r0, nr, panel, nan + r0);
-          eng.multiply(windows[wi], r0, nr, panel, xp + act_at[wi], mb, wi == 0, s);
+          eng.multiply(windows[wi], r0, nr, panel, xp + act_at[wi], mb, wi == 0 && !preset, s);
         }
       });
     }
@@ -246,6 +249,7 @@ struct Fp32Engine {
 
   int64_t N() const { return op.N; }
   static constexpr int terms() { return 1; }
+  bool preset_sums(const T*, int64_t, float*) const { return false; }
   // M blocks: the sums kept across windows (fp32 [N][M block]) take at most about 32 MB; each block decodes the
   // weights again
   int64_t m_block(int64_t M) const { return std::min(M, ceil_div(M, ceil_div(M * op.N * 4, int64_t(32) << 20))); }
@@ -362,6 +366,28 @@ struct Bf16Engine {
 
   int64_t N() const { return pw.N; }
   int terms() const { return pw.terms; }
+  // Block offsets (w = q * scale + offset): sums[n][m] = sum over segments s of offset[n][s] * (the sum of x row m
+  // over segment s), in torch's fp32 GEMM, before the windows add the scaled products -- N x segments x mb products
+  // against the windows' N x K x mb, and the tiles carry no offsets.
+  bool preset_sums(const T* x, int64_t mb, float* sums) const {
+    const float* offsets = pw.block_offsets();
+    if (offsets == nullptr) return false;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor xs = at::empty({seg.count, mb}, f32);  // [segment][row]
+    float* xsp = xs.data_ptr<float>();
+    at::parallel_for(0, mb, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; m++)
+        for (int64_t s = 0; s < seg.count; s++) {
+          const T* row = x + m * seg.K + seg.begin(s);
+          float sum = 0.f;
+          for (int64_t k = 0; k < seg.size(s); k++) sum += float(row[k]);
+          xsp[s * mb + m] = sum;
+        }
+    });
+    at::Tensor C = at::from_blob(sums, {pw.N, mb}, f32);
+    at::mm_out(C, at::from_blob(const_cast<float*>(offsets), {pw.N, seg.count}, f32), xs);
+    return true;
+  }
   // M blocks of 256 rows: each panel's sums ([kRows][M block] fp32, 64 KB) stay in its thread's L2 from group to
   // group. On 16 Sapphire Rapids cores 256-row blocks took 0.9-1.1x the time of 512- and 1024-row ones at M = 1024-4096
   // (K, N = 3072-12288), and 0.6x at M = 1024, N = 12288; a block decodes the weights again, a few percent of its time.
@@ -443,34 +469,20 @@ struct Bf16Engine {
     }
   }
   // Block scales on the kernel set's bf16 GEMM: the window's segments in one call per pair of terms, each
-  // segment's sums scaled (and offset) in registers; brgemm's path below scales each segment's sums in memory,
-  // which at 64-128 codes a segment cost as much as the products.
+  // segment's sums scaled in registers; brgemm's path below scales each segment's sums in memory, which at 64-128
+  // codes a segment cost as much as the products.
   void multiply_segments(const KWindow& w, int64_t r0, int64_t nr, const uint16_t* panel, const uint16_t* xp,
                          int64_t mb, bool first, float* sums) const {
-    const int64_t width = w.width(), sw = w.seg_width(), ns = w.s1 - w.s0;
+    const int64_t width = w.width(), sw = w.seg_width();
     const float* scales[kRows];
-    const float* offsets[kRows];
-    for (int64_t r = 0; r < nr; r++) {
-      scales[r] = pw.block_scale_row(r0 + r) + w.s0;
-      if (pw.block_offsets) offsets[r] = pw.block_offset_row(r0 + r) + w.s0;
-    }
-    // block offsets: each segment's sums of x (all its bf16 terms), a row of bf16 ones through the same product
-    static const std::vector<uint16_t> ones(size_t(kBf16SliceBytes / (kRows * 2)), uint16_t(0x3F80));  // max_width
-    TORCH_INTERNAL_ASSERT(sw <= int64_t(ones.size()));
-    float* xsum = pw.block_offsets ? scratch<float>(Slot::Tile, size_t(ns * kBf16Cols)) : nullptr;
+    for (int64_t r = 0; r < nr; r++) scales[r] = pw.block_scale_row(r0 + r) + w.s0;
+    const Bf16Segments segs{sw, scales};
     for (int64_t c0 = 0; c0 < mb; c0 += kBf16Cols) {
       const int64_t cw = std::min(kBf16Cols, mb - c0);
       const uint16_t* xb = xp + c0 * width;
-      if (xsum != nullptr)
-        for (int64_t s = 0; s < ns; s++)
-          for (int t = 0; t < kBf16Terms<T>; t++)
-            gemm(1, cw, sw, ones.data(), sw, xb + t * mb * width + s * sw * cw, cw, xsum + s * cw, cw, t > 0,
-                 nullptr);
       bool acc = !first;
       for (int tw = 0; tw < pw.terms; tw++)
         for (int t = 0; t < (tw == 0 ? kBf16Terms<T> : 1); t++) {
-          // the offsets once: with the first pair of terms
-          const Bf16Segments segs{sw, scales, tw == 0 && t == 0 && xsum != nullptr ? offsets : nullptr, xsum, cw};
           gemm(nr, cw, width, panel + tw * kRows * width, width, xb + t * mb * width, cw, sums + c0, mb, acc, &segs);
           acc = true;
         }
@@ -480,7 +492,6 @@ struct Bf16Engine {
                 bool first, float* sums) const {
     const int64_t width = w.width(), sw = w.seg_width();
     if (block && gemm != nullptr) return multiply_segments(w, r0, nr, panel, xp, mb, first, sums);
-    TORCH_INTERNAL_ASSERT(!pw.block_offsets, "block offsets run on the kernel set's bf16 GEMM only");
     float* part = block ? scratch<float>(Slot::Tile, size_t(kBf16Panel * kBf16Cols)) : nullptr;
     const auto* a = reinterpret_cast<const c10::BFloat16*>(panel);
     for (int64_t c0 = 0; c0 < mb; c0 += kBf16Cols) {

@@ -49,10 +49,9 @@ struct PanelWeight {
   virtual void columns(int64_t n0, int64_t nr, float* mul, float* add) const = 0;
   // block: row n's scales, one per segment
   virtual const float* block_scale_row(int64_t) const { return nullptr; }
-  // block: row n's offsets, one per segment, each added times the segment's sum of x (null: none) -- a weight
-  // w = q * scale + offset multiplies as scale * sum(q x) + offset * sum(x)
-  virtual const float* block_offset_row(int64_t) const { return nullptr; }
-  bool block_offsets = false;
+  // block: every row's offsets, [N][segments] fp32, each added times the segment's sum of x (null: none) -- a
+  // weight w = q * scale + offset multiplies as scale * sum(q x) + offset * sum(x)
+  virtual const float* block_offsets() const { return nullptr; }
 };
 
 // Whether bf16_panel_gemm can run now: AMX (amx_gemm_available()), or the kernel set has a bf16 GEMM.

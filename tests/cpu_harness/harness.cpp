@@ -683,9 +683,8 @@ void check_bf16_gemm(const KernelSet& s) {
           }
 }
 
-// The bf16 GEMM with segments (Bf16Segments): each segment's sums scaled per row, offsets times the segments' sums
-// of x added once a segment -- segments shorter and longer than the GEMM's depth blocks, a partial last one, rows
-// and columns with tails, with and without offsets and add; against float64.
+// The bf16 GEMM with segments (Bf16Segments): each segment's sums scaled per row -- segments shorter and longer than
+// the GEMM's depth blocks, a partial last one, rows and columns with tails, with and without add; against float64.
 void check_bf16_gemm_segments(const KernelSet& s) {
   if (!s.bf16_gemm) return;
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -693,22 +692,16 @@ void check_bf16_gemm_segments(const KernelSet& s) {
     for (int64_t N : {5, 16, 64, 70})
       for (int64_t K : {64, 320, 600})
         for (int64_t len : {2, 64, 128, 300})
-          for (int variant = 0; variant < 3; variant++) {  // plain; offsets; offsets and add
-            const bool offsets = variant > 0, add = variant == 2;
-            const int64_t lda = K + 2, ldb = N + 1, ldc = N + 3, ns = (K + len - 1) / len, ldx = N + 2;
+          for (bool add : {false, true}) {
+            const int64_t lda = K + 2, ldb = N + 1, ldc = N + 3, ns = (K + len - 1) / len;
             std::vector<uint16_t> A(size_t(M * lda)), B(size_t(K * ldb));
             for (auto& v : A) v = float_to_bf16_bits(normal(g_rng));
             for (auto& v : B) v = float_to_bf16_bits(normal(g_rng));
-            std::vector<float> scale(size_t(M * ns)), offset(size_t(M * ns)), xsum(size_t(ns * ldx));
+            std::vector<float> scale(size_t(M * ns));
             for (auto& v : scale) v = normal(g_rng);
-            for (auto& v : offset) v = normal(g_rng);
-            for (auto& v : xsum) v = normal(g_rng);
-            std::vector<const float*> srow(static_cast<size_t>(M)), orow(static_cast<size_t>(M));
-            for (int64_t i = 0; i < M; i++) {
-              srow[size_t(i)] = scale.data() + i * ns;
-              orow[size_t(i)] = offset.data() + i * ns;
-            }
-            const Bf16Segments segs{len, srow.data(), offsets ? orow.data() : nullptr, xsum.data(), ldx};
+            std::vector<const float*> srow(static_cast<size_t>(M));
+            for (int64_t i = 0; i < M; i++) srow[size_t(i)] = scale.data() + i * ns;
+            const Bf16Segments segs{len, srow.data()};
             Buf<float> C(size_t(M * ldc), 7.f);
             s.bf16_gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, &segs);
             for (int64_t i = 0; i < M; i++)
@@ -724,16 +717,11 @@ void check_bf16_gemm_segments(const KernelSet& s) {
                   }
                   ref += scale[size_t(i * ns + sg)] * part;
                   mag += std::fabs(scale[size_t(i * ns + sg)]) * part_mag;
-                  if (offsets) {
-                    const double o = double(offset[size_t(i * ns + sg)]) * xsum[size_t(sg * ldx + j)];
-                    ref += o;
-                    mag += std::fabs(o);
-                  }
                 }
                 const float got = C[size_t(i * ldc + j)];
-                CHECK(std::fabs(double(got) - ref) <= double(K + 2 * ns + 2) * std::ldexp(mag, -24),
-                      "bf16_gemm segments M=%lld N=%lld K=%lld len=%lld variant=%d C[%lld][%lld] = %.9g, want %.9g",
-                      (long long)M, (long long)N, (long long)K, (long long)len, variant, (long long)i, (long long)j,
+                CHECK(std::fabs(double(got) - ref) <= double(K + ns + 2) * std::ldexp(mag, -24),
+                      "bf16_gemm segments M=%lld N=%lld K=%lld len=%lld add=%d C[%lld][%lld] = %.9g, want %.9g",
+                      (long long)M, (long long)N, (long long)K, (long long)len, int(add), (long long)i, (long long)j,
                       got, ref);
               }
             for (int64_t i = 0; i < M; i++)

@@ -54,14 +54,10 @@ using XorWordsFn = uint64_t (*)(const uint64_t* p, int64_t n);
 constexpr int kVnniPackRows = 16, kVnniPackUnits = 32;
 using VnniPackFn = void (*)(const void* x, int64_t ldx, const uint8_t* to, uint32_t* dst, int64_t ldd);
 // Scales along K for the bf16 GEMM: K in segments of len positions (even), segment s of row i multiplied by
-// scales[i][s] and, where offsets is not null, offsets[i][s] * xsum[s * ldx + j] added for column j (once per
-// segment: a weight q * scale + offset times x, with xsum the segment's sums of x).
+// scales[i][s].
 struct Bf16Segments {
   int64_t len = 0;
   const float* const* scales = nullptr;
-  const float* const* offsets = nullptr;
-  const float* xsum = nullptr;
-  int64_t ldx = 0;
 };
 // The bf16 panel GEMM's product on CPUs without AMX (fp8_matmul.cpp's Bf16Engine; brgemm.h's operands):
 // C[i * ldc + j] (+= where add) sum over k < K of A[i * lda + k] * B[(k / 2) * 2 * ldb + 2 * j + k % 2] for i < M,

@@ -391,9 +391,6 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void store(const 
 struct Segments {
   int64_t k0, k1, seg;
   const float* const* scales;
-  const float* const* offsets;
-  const float* xsum;
-  int64_t ldx;
 };
 
 template <int R, int V>
@@ -407,9 +404,8 @@ LOWBIT_TARGET_AVX512BF16 void tile(int64_t K, const uint16_t* A, int64_t lda, co
   store<R, V>(acc, C, ldc, mask);
 }
 
-// Segment by segment: C += scale_i(s) * (the segment's sums of row i) (+ offset_i(s) * xsum(s), once a segment:
-// where the block holds its first position), C read and written at each segment's end (in L1: the registers hold
-// one segment's sums). A segment cut by the block's end is scaled in two parts.
+// Segment by segment: C += scale_i(s) * (the segment's sums of row i), C read and written at each segment's end (in
+// L1: the registers hold one segment's sums). A segment cut by the block's end is scaled in two parts.
 template <int R, int V>
 LOWBIT_TARGET_AVX512BF16 void scaled_tile(const Segments& sg, const uint16_t* A, int64_t lda, const uint16_t* B,
                                           int64_t ldb, float* C, int64_t ldc, bool add, __mmask16 last) {
@@ -420,19 +416,13 @@ LOWBIT_TARGET_AVX512BF16 void scaled_tile(const Segments& sg, const uint16_t* A,
     __m512 acc[R][V];
     load_or_zero<R, V>(acc, false, C, ldc, mask);
     dot_steps<R, V>(acc, k, end, A, lda, B, ldb, mask);
-    const bool offsets = sg.offsets != nullptr && k == s * sg.seg;
-    __m512 xs[V];
-#pragma GCC unroll 8
-    for (int v = 0; v < V; v++)
-      xs[v] = offsets ? _mm512_maskz_loadu_ps(mask[v], sg.xsum + s * sg.ldx + 16 * v) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int i = 0; i < R; i++) {
-      const __m512 sc = _mm512_set1_ps(sg.scales[i][s]), off = _mm512_set1_ps(offsets ? sg.offsets[i][s] : 0.f);
+      const __m512 sc = _mm512_set1_ps(sg.scales[i][s]);
 #pragma GCC unroll 8
       for (int v = 0; v < V; v++) {
         float* c = C + i * ldc + 16 * v;
-        __m512 t = _mm512_fmadd_ps(acc[i][v], sc, add ? _mm512_maskz_loadu_ps(mask[v], c) : _mm512_setzero_ps());
-        if (offsets) t = _mm512_fmadd_ps(xs[v], off, t);
+        const __m512 t = _mm512_fmadd_ps(acc[i][v], sc, add ? _mm512_maskz_loadu_ps(mask[v], c) : _mm512_setzero_ps());
         _mm512_mask_storeu_ps(c, mask[v], t);
       }
     }
@@ -481,8 +471,7 @@ void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const
         if (segs == nullptr) {
           kTiles[r - 1][vecs - 1](kd, A + i0 * lda + k0, lda, B + k0 * ldb + 2 * j0, ldb, c, ldc, accumulate, last);
         } else {
-          const Segments sg{k0, k0 + kd, segs->len, segs->scales + i0,
-                            segs->offsets != nullptr ? segs->offsets + i0 : nullptr, segs->xsum + j0, segs->ldx};
+          const Segments sg{k0, k0 + kd, segs->len, segs->scales + i0};
           kScaledTiles[r - 1][vecs - 1](sg, A + i0 * lda, lda, B + 2 * j0, ldb, c, ldc, accumulate, last);
         }
       }
