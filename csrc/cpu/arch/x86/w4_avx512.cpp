@@ -512,32 +512,41 @@ LOWBIT_TARGET_AVX512 inline __m512i bf16_round16(__m512 v) {
                                _mm512_or_si512(trunc, _mm512_set1_epi32(0x40)));
 }
 
-// 16 decoded weights as `terms` bf16 words each (w4_bf16_remainder for the second).
-LOWBIT_TARGET_AVX512 inline void store_bf16_terms(__m512 v, int terms, uint16_t* dst, int64_t term_stride) {
-  const __m512i hi = bf16_round16(v);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(hi));
-  if (terms < 2) return;
-  const __mmask16 finite = _mm512_cmpneq_epi32_mask(
-      _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7F800000));
-  const __m512 rest = _mm512_maskz_sub_ps(finite, v, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + term_stride), _mm512_cvtepi32_epi16(bf16_round16(rest)));
-}
+// One row's codes [k0, k0 + n) as kTerms bf16 words each (the GEMM's panels; the transposed product's rounded
+// weights): each group's 16 weights decoded in fp32 and, where one is not exact in bf16, rounded -- term 0 the
+// nearest bf16, term 1 the nearest of the rest (w4_bf16_remainder), w4_kernels.h's bits -- into the high halves of a table's lanes;
+// then one two-table 16-bit permute per chunk and term picks each code's high half, the chunk's first group from
+// words 0-31, its second (groups of 16) from words 32-63. Exact groups (nvfp4, mxfp4, the grouped panels' unit
+// scales) cost two multiplies and a test each, not a rounding; the roundings are per group, not per weight.
+template <int kTerms>
+struct Bf16GroupTable {
+  __m512i term[kTerms];
+};
 
-// One row's codes [k0, k0 + n) as one bf16 term each (the GEMM's panels of weights exact in bf16, and the
-// transposed product's rounded ones): each group's 16 weights decoded in fp32 and, where one is not exact in bf16,
-// rounded once (the same bits as store_bf16_terms on the per-element decode) into the high halves of its lanes;
-// then one two-table 16-bit permute per chunk picks each code's high half -- the chunk's first group from words
-// 0-31, its second (groups of 16) from words 32-63. Exact groups (nvfp4, mxfp4, the grouped panels' unit scales)
-// cost two multiplies and a test each, not a rounding.
-LOWBIT_TARGET_AVX512 inline __m512i bf16_group_table(__m512 values, const W4Group& p, __m512 global) {
+template <int kTerms>
+LOWBIT_TARGET_AVX512 inline Bf16GroupTable<kTerms> bf16_group_table(__m512 values, const W4Group& p, __m512 global) {
   const __m512 t = _mm512_mul_ps(group_table(values, p), global);
   const __m512i bits = _mm512_castps_si512(t);
-  if (_mm512_test_epi32_mask(bits, _mm512_set1_epi32(0xFFFF)) == 0) return bits;
-  return _mm512_slli_epi32(bf16_round16(t), 16);
+  Bf16GroupTable<kTerms> out;
+  if (_mm512_test_epi32_mask(bits, _mm512_set1_epi32(0xFFFF)) == 0) {
+    out.term[0] = bits;
+    if constexpr (kTerms == 2) out.term[1] = _mm512_setzero_si512();
+    return out;
+  }
+  const __m512i hi = bf16_round16(t);
+  out.term[0] = _mm512_slli_epi32(hi, 16);
+  if constexpr (kTerms == 2) {
+    const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)),
+                                                      _mm512_set1_epi32(0x7F800000));
+    const __m512 rest = _mm512_maskz_sub_ps(finite, t, _mm512_castsi512_ps(out.term[0]));
+    out.term[1] = _mm512_slli_epi32(bf16_round16(rest), 16);
+  }
+  return out;
 }
 
-LOWBIT_TARGET_AVX512 void decode_row_bf16_one_term(const W4Operand& op, int64_t row, int64_t k0, int64_t n,
-                                                   uint16_t* d) {
+template <int kTerms>
+LOWBIT_TARGET_AVX512 void decode_row_bf16(const W4Operand& op, int64_t row, int64_t k0, int64_t n, uint16_t* d,
+                                          int64_t term_stride) {
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
   const __m512 values = _mm512_loadu_ps(op.values), global = _mm512_set1_ps(op.global);
   // byte i of a chunk -> dword i: code 2i (low nibble) indexes its low word, code 2i + 1 its high word, as word
@@ -548,18 +557,21 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16_one_term(const W4Operand& op, int64_t 
   const uint8_t* codes = op.codes + row * op.row_bytes();
   const int64_t k1 = std::min(op.K, k0 + n);
   int64_t ga = -1;
-  __m512i ta = _mm512_setzero_si512();
+  Bf16GroupTable<kTerms> ta{};
   for (int64_t k = k0; k < k1; k += kW4Chunk) {
     const int64_t valid = k1 - k, g0 = blocks.next(), g1 = valid > 16 ? blocks.next() : g0;
-    if (g0 != ga) ta = bf16_group_table(values, w4_group(op, byte_table, row, g0), global);
-    const __m512i tb = g1 != g0 ? bf16_group_table(values, w4_group(op, byte_table, row, g1), global) : ta;
+    if (g0 != ga) ta = bf16_group_table<kTerms>(values, w4_group(op, byte_table, row, g0), global);
+    const Bf16GroupTable<kTerms> tb =
+        g1 != g0 ? bf16_group_table<kTerms>(values, w4_group(op, byte_table, row, g1), global) : ta;
     const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
     // (b << 1) & 0x1E | (b << 13) & 0x1E0000 | base: 0xEA is (A & B) | C
     const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 1), low_nibble, base, 0xEA);
     const __m512i idx = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 13), high_nibble, lo, 0xEA);
-    __m512i w = _mm512_permutex2var_epi16(ta, idx, tb);
-    if (valid < kW4Chunk) w = _mm512_maskz_mov_epi16(__mmask32((uint64_t(1) << valid) - 1), w);
-    _mm512_storeu_si512(d + (k - k0), w);
+    const __mmask32 keep = valid < kW4Chunk ? __mmask32((uint64_t(1) << valid) - 1) : ~__mmask32(0);
+#pragma GCC unroll 2
+    for (int t = 0; t < kTerms; t++)
+      _mm512_storeu_si512(d + t * term_stride + (k - k0),
+                          _mm512_maskz_mov_epi16(keep, _mm512_permutex2var_epi16(ta.term[t], idx, tb.term[t])));
     ta = tb;
     ga = g1;
   }
@@ -595,23 +607,13 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
     return kW4KernelsPortable.decode_rows_bf16(op, n0, nrows, k0, n, terms, dst, ldd, term_stride);
   const int64_t written = w4_padded(std::max<int64_t>(0, std::min(op.K - k0, n)));
   const int64_t padded = (n + kW4Bf16Chunk - 1) / kW4Bf16Chunk * kW4Bf16Chunk;
-  // natural order, as in dequantize_rows
-  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-  const __m512 global = _mm512_set1_ps(op.global);
   const int64_t k1 = std::min(op.K, k0 + n);
   for (int64_t a = 1; a < kPanelPrefetchRows && a < nrows; a++) prefetch_row_window(op, n0 + a, k0, k1);
   for (int64_t r = 0; r < nrows; r++) {
     uint16_t* d = dst + r * ldd;
     if (r + kPanelPrefetchRows < nrows) prefetch_row_window(op, n0 + r + kPanelPrefetchRows, k0, k1);
-    if (terms == 1) {
-      decode_row_bf16_one_term(op, n0 + r, k0, n, d);
-    } else {
-      for_each_chunk(op, n0 + r, k0, n, [&](int64_t p, __m512 e, __m512 o) LOWBIT_TARGET_AVX512 {
-        store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, lo, o), global), terms, d + p, term_stride);
-        store_bf16_terms(_mm512_mul_ps(_mm512_permutex2var_ps(e, hi, o), global), terms, d + p + 16, term_stride);
-      });
-    }
+    if (terms == 1) decode_row_bf16<1>(op, n0 + r, k0, n, d, term_stride);
+    else decode_row_bf16<2>(op, n0 + r, k0, n, d, term_stride);
     for (int t = 0; t < terms; t++) std::memset(d + t * term_stride + written, 0, size_t(padded - written) * 2);
   }
 }
