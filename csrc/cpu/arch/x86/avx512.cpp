@@ -15,6 +15,7 @@
 #include "cpu/arch/kernel_set.h"
 #include "cpu/arch/x86/avx512_sums.h"
 #include "cpu/arch/x86/fp8_avx2.h"
+#include "cpu/arch/x86/prefetch_hints.h"
 #include "cpu/arch/x86/target.h"
 #include "cpu/gemv_prefetch.h"
 
@@ -27,14 +28,6 @@ const KernelSet& kernel_set_avx2();
 namespace {
 namespace fp8 {
 
-// Prefetch (gemv_prefetch.h) into L1, not L2: at batch 1 on a Sapphire Rapids (2 threads, weights from DRAM)
-// this streamed 18-20 GB/s against 15-18 with the L2 hint, in alternating runs. A tile's rows are used within a
-// few microseconds, long before L1 would evict them.
-constexpr auto kPrefetchHint = _MM_HINT_T0;
-// The bf16-x GEMV tile (the decode path of bf16 models) prefetches with the outer-level hint instead: with 16
-// threads sharing the memory bus it streamed a few percent closer to the read bandwidth than with the L1 hint,
-// and no slower at 2 threads (alternating runs, Sapphire Rapids).
-constexpr auto kBf16GemvPrefetchHint = _MM_HINT_T2;
 
 // 32 codes -> positions 0..15 and 16..31 of kChunkOrder (the even, then the odd codes), as dec(code) / 256.
 LOWBIT_TARGET_AVX512 inline void decode_chunk(const uint8_t* code, __m512 out[2], __m256i& nan_acc) {
@@ -166,8 +159,8 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
     for (int m = 0; m < MR; m++)
       for (int r = 0; r < NR; r++) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; k += kBf16Chunk) {
-      for (int r = 0; r < NR; r++)  // see gemv_prefetch.h, and kBf16GemvPrefetchHint
-        _mm_prefetch(prefetch(r, k0 + k), kBf16GemvPrefetchHint);
+      for (int r = 0; r < NR; r++)  // see gemv_prefetch.h, and kOuterPrefetchHint
+        _mm_prefetch(prefetch(r, k0 + k), kOuterPrefetchHint);
       for (int r = 0; r < NR; r++) {
         __m512i d[2];
         decode_bf16(w + r * K + k0 + k, n - k, t, d);
@@ -283,7 +276,7 @@ LOWBIT_TARGET_AVX512VNNI void gemv_tile_vnni_t(const int8_t* x, const int8_t* w,
   }
   const int64_t full = K / 64 * 64;
   for (int64_t k = 0; k < full; k += 64) {
-    for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k), _MM_HINT_T2);
+    for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k), kOuterPrefetchHint);
     gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, k, ~__mmask64(0));
   }
   if (full < K) gemv_vnni_step<MR, NR>(acc, xsum, x, w, K, full, (__mmask64(1) << (K - full)) - 1);

@@ -10,6 +10,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "cpu/arch/kernel_set.h"
+#include "cpu/arch/x86/prefetch_hints.h"
 #include "cpu/arch/x86/target.h"
 
 #include <immintrin.h>
@@ -85,8 +86,6 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m51
     }
   }
 }
-
-constexpr auto kPrefetchHint = _MM_HINT_T0;
 
 // 16 consecutive group scales (or biases) from index i, count of them (the rest 0), decoded to fp32 at once:
 // exact conversions, the values of w4_scale_to_float.
@@ -332,7 +331,7 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void step_bf16(__
                                                                                int64_t valid, __m512i table) {
 #pragma GCC unroll 4
   for (int r = 0; r < NR; r++)  // one line of each row per step (gemv_prefetch.h)
-    _mm_prefetch(prefetch(r, k / 2), kPrefetchHint);
+    _mm_prefetch(prefetch(r, k / 2), kOuterPrefetchHint);
 #pragma GCC unroll 4
   for (int r = 0; r < NR; r++) {
     __m512i d[4];
@@ -406,7 +405,7 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
       const int64_t count = std::min<int64_t>(16, std::max<int64_t>(op.G, 1) - base);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; r++) {
-        _mm_prefetch(scale_prefetch(r, base * sb), kPrefetchHint);
+        _mm_prefetch(scale_prefetch(r, base * sb), kOuterPrefetchHint);
         _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
       }
     }
