@@ -82,11 +82,12 @@ def test_w4_mm_group_sizes_and_tails(isa, M, group, K):
 @pytest.mark.parametrize("group", [16, 32, 64, 128, 256, 4096, 48])
 @pytest.mark.parametrize("K", [130, 1000])
 def test_w4_mm_bf16_gemv(isa, M, group, K):
-    # bf16 x without offsets: where the set has a bf16 tile, each group's sum is scaled once (w4_kernels.h); a
-    # lane or step given the wrong group's scale is off by far more than the fp32 accumulation's bound
+    # bf16 x: where the set has a bf16 tile, each group's sum is scaled once and a zero point or bias multiplies the
+    # group's sum of x (w4_kernels.h); a lane or step given the wrong group's scale or offset, or a row given another
+    # row's sums of x, is off by far more than the fp32 accumulation's bound
     g = torch.Generator().manual_seed(M * 5 + group + K)
-    for fmt in ["nvfp4", "mxfp4", "int4"]:
-        w = random_w4(fmt, 23, K, group, g, global_scale=True, scale_dtype=torch.bfloat16)
+    for fmt, offset in [("nvfp4", False), ("mxfp4", False), ("int4", False), ("int4", True), ("uint4", True)]:
+        w = random_w4(fmt, 23, K, group, g, offset=offset, global_scale=True, scale_dtype=torch.bfloat16)
         check_mm(torch.randn(M, K, generator=g).to(torch.bfloat16), fmt, group, w, bias=torch.randn(23, generator=g))
 
 
@@ -97,9 +98,9 @@ def test_w4_mm_bf16_gemv_nonfinite(isa, M, group):
     # (inf or NaN: the scaled group sum is inf where the float64 sum of infinite terms of both signs is NaN)
     g = torch.Generator().manual_seed(7)
     N, K = 13, 256
-    for fmt in ["nvfp4", "mxfp4", "int4"]:
-        codes, scale, off, gs = random_w4(fmt, N, K, group, g, scale_dtype=torch.float32)
-        if fmt == "int4":
+    for fmt, offset in [("nvfp4", False), ("mxfp4", False), ("int4", False), ("int4", True), ("uint4", True)]:
+        codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=offset, scale_dtype=torch.float32)
+        if fmt in ("int4", "uint4"):
             scale[5, 1] = math.inf
         scale[3, -1] = {"nvfp4": 0x7F, "mxfp4": 0xFF}.get(fmt, math.nan)
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
@@ -109,7 +110,7 @@ def test_w4_mm_bf16_gemv_nonfinite(isa, M, group):
         assert torch.isnan(out[:, 3]).all()
         if M > 1:
             assert torch.isnan(out[M - 1]).all()
-        if fmt == "int4":
+        if fmt in ("int4", "uint4"):
             assert not torch.isfinite(out[:, 5]).any()
         keep = torch.isfinite(ref)
         assert torch.equal(keep, torch.isfinite(out))

@@ -26,4 +26,15 @@ inline void pack_chunks(const T* src, int64_t n, int64_t padded, D* dst) {
     }
 }
 
+// out[s * stride] = the fp32 sum of src[s * len, min(n, (s + 1) * len)) for every segment s of n values: a row of
+// x summed over each group (or block) of a weight whose offsets multiply those sums (w = q * scale + offset).
+template <typename T>
+inline void segment_sums(const T* src, int64_t n, int64_t len, float* out, int64_t stride = 1) {
+  for (int64_t s = 0, k = 0; k < n; s++) {
+    float sum = 0.f;
+    for (const int64_t end = k + len < n ? k + len : n; k < end; k++) sum += float(src[k]);
+    out[s * stride] = sum;
+  }
+}
+
 }  // namespace lowbit::cpu

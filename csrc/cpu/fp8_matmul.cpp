@@ -376,13 +376,7 @@ struct Bf16Engine {
     at::Tensor xs = at::empty({seg.count, mb}, f32);  // [segment][row]
     float* xsp = xs.data_ptr<float>();
     at::parallel_for(0, mb, 1, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; m++)
-        for (int64_t s = 0; s < seg.count; s++) {
-          const T* row = x + m * seg.K + seg.begin(s);
-          float sum = 0.f;
-          for (int64_t k = 0; k < seg.size(s); k++) sum += float(row[k]);
-          xsp[s * mb + m] = sum;
-        }
+      for (int64_t m = m0; m < m1; m++) segment_sums(x + m * seg.K, seg.K, seg.len, xsp + m, mb);
     });
     at::Tensor C = at::from_blob(sums, {pw.N, mb}, f32);
     at::mm_out(C, at::from_blob(const_cast<float*>(offsets), {pw.N, seg.count}, f32), xs);

@@ -303,16 +303,25 @@ W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op
   W4GemvActivations a;
   a.K = op.K;
   a.bf16 = std::is_same_v<T, c10::BFloat16> && kern.gemv_tile_bf16 && kern.gemv_bf16_takes(op);
+  if (a.bf16 && op.offset && op.offset_kind != W4Offset::None) {
+    a.group = op.G <= 1 ? op.K : op.group;
+    a.group_sums = w4_bf16_group_sums(op);
+  }
   return a;
 }
 
 template <typename T>
 void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* dst) {
   if (!acts.bf16) return pack(x, M, acts.K, static_cast<float*>(dst));
-  const int64_t K = acts.K, Kp = acts.row_elems();
-  for (int64_t m = 0; m < M; m++)  // the bits of bf16 x, moved: a few KB per row
-    pack_chunks<kW4Bf16StepOrder>(reinterpret_cast<const uint16_t*>(x) + m * K, K, Kp,
-                                  static_cast<uint16_t*>(dst) + m * Kp);
+  const int64_t K = acts.K, Kp = w4_bf16_padded(K), ld = acts.row_elems();
+  for (int64_t m = 0; m < M; m++) {  // the bits of bf16 x, moved: a few KB per row
+    uint16_t* row = static_cast<uint16_t*>(dst) + m * ld;
+    pack_chunks<kW4Bf16StepOrder>(reinterpret_cast<const uint16_t*>(x) + m * K, K, Kp, row);
+    if (acts.group_sums == 0) continue;
+    float* sums = reinterpret_cast<float*>(row + Kp);
+    std::fill(sums, sums + acts.group_sums, 0.f);
+    segment_sums(x + m * K, K, acts.group, sums);
+  }
 }
 
 template <typename T>

@@ -31,11 +31,13 @@ template <typename T>
 int64_t w4_gemm_min_rows(const W4Operand& op);
 
 // How the GEMV tiles see the activations: fp32 in w4_kernels.h's packed order, or -- bf16 x, where the kernel set
-// has a bf16 tile that takes the weight -- the bf16 values themselves in its bf16 order.
+// has a bf16 tile that takes the weight -- the bf16 values themselves in its bf16 order, followed, for weights with
+// zero points or biases, by the row's sum over each group (W4Kernels::gemv_tile_bf16).
 struct W4GemvActivations {
   bool bf16 = false;
   int64_t K = 0;
-  int64_t row_elems() const { return bf16 ? w4_bf16_padded(K) : w4_padded(K); }
+  int64_t group = 0, group_sums = 0;  // codes per group of the sums; fp32 sums per row (0: none)
+  int64_t row_elems() const { return bf16 ? w4_bf16_padded(K) + 2 * group_sums : w4_padded(K); }
   int64_t row_bytes() const { return row_elems() * (bf16 ? 2 : 4); }
 };
 template <typename T>

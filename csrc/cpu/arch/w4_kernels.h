@@ -6,9 +6,10 @@
 // are a table (value * scale, (value - zero point) * scale, or value * scale + bias, rounded as those fp32
 // expressions are), and a code picks its entry -- the same bits as decoding element by element. The global scale
 // and the output bias are applied by the driver after the K reduction. The one exception, the bf16-activation
-// GEMV (gemv_tile_bf16, for formats without offsets), scales each group's fp32 sum of x * value once, as fp8's
-// block scales are: the same value up to fp32 rounding, and an inf scale gives its column inf where the float64
-// sum of infinite terms of both signs is NaN.
+// GEMV (gemv_tile_bf16), scales each group's fp32 sum of x * value once, as fp8's block scales are, and adds the
+// group's zero point or bias times the group's sum of x: the same value up to fp32 rounding. Where the float64 sum
+// has infinite terms it may differ in kind: an inf scale gives its column inf where float64 has NaN (terms of both
+// signs), and an infinite x times a code of value 0 gives NaN where a zero point or bias made that weight nonzero.
 //
 // Packed order: K is cut into chunks of kW4Chunk codes (16 bytes of codes); in each chunk the 16 even codes come
 // first, then the 16 odd ones -- the order in which a byte's low and high nibbles come out of a vector decode.
@@ -48,6 +49,9 @@ constexpr int64_t w4_packed_pos(int64_t k) { return (k & ~int64_t(31)) | ((k & 1
 constexpr int64_t kW4Bf16Step = 128;
 inline int64_t w4_bf16_padded(int64_t K) { return (K + kW4Bf16Step - 1) / kW4Bf16Step * kW4Bf16Step; }
 constexpr int64_t w4_bf16_pos(int64_t k) { return (k & ~int64_t(127)) | ((k & 3) << 5) | ((k & 127) >> 2); }
+// How many fp32 group sums of x follow a packed bf16 row for a weight with offsets (W4Kernels::gemv_tile_bf16): one
+// per group, zero padded to whole 16s (the tile reads them 16 groups at a time).
+inline int64_t w4_bf16_group_sums(const W4Operand& op) { return ((op.G > 1 ? op.G : 1) + 15) / 16 * 16; }
 
 // One group's decode: w = (value - zp) * scale, or value * scale + bias where has_bias.
 struct W4Group {
@@ -153,7 +157,10 @@ struct W4Kernels {
   void (*dequantize_rows)(const W4Operand& op, int64_t n0, int64_t nrows, float* dst, int64_t ldd);
   // gemv_tile's sums from bf16 activations packed by w4_bf16_pos (zero padded to w4_bf16_padded(K)), for weights
   // where gemv_bf16_takes(op); null where the set has no bf16 tile. Not exact per element as gemv_tile: each
-  // group's sum of x * value is scaled once (sum_g scale_g * sum_{k in g} x_k * value_k, fp32 accumulation).
+  // group's sum of x * value is scaled once, and a group's offset multiplies the group's sum of x:
+  // sum_g (scale_g * sum_{k in g} x_k * value_k + offset_g * X_g), fp32 accumulation, where offset_g is the bias
+  // or -(zero point * scale). X_g, for weights with offsets: fp32 [w4_bf16_group_sums(op)] right after each row's
+  // w4_bf16_padded(K) words (zero past the last group).
   bool (*gemv_bf16_takes)(const W4Operand& op) = nullptr;
   void (*gemv_tile_bf16)(int mr, int nr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
                          float* sums) = nullptr;

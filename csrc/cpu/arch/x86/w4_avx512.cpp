@@ -292,9 +292,9 @@ void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op,
 // every word after a shift by 4 j: 4 permutes and 3 shifts per 128 codes and row, half the work of the fp32
 // tile's, which bounds it on many threads. vdpbf16ps multiplies pairs exactly (bf16 x bf16 fits fp32) and
 // accumulates in fp32 (like every AVX-512 BF16 instruction it reads denormal inputs -- below 1e-38 -- as zero).
-// Formats with a zero point or a bias, or values inexact in bf16, stay on the fp32 tiles.
+// A group's zero point or bias multiplies the group's sum of x (w4_kernels.h). Values inexact in bf16 stay on the
+// fp32 tiles.
 LOWBIT_TARGET_AVX512 bool gemv_bf16_takes(const W4Operand& op) {
-  if (op.offset && op.offset_kind != W4Offset::None) return false;
   if (!(op.G <= 1 || op.group % kW4Bf16Step == 0 || op.group == 16 || op.group == 32 || op.group == 64)) return false;
   for (int i = 0; i < 16; i++) {
     uint32_t u;
@@ -361,6 +361,32 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void scale_parts(
     }
 }
 
+// Groups base .. base + 15 of the tile's rows with offsets: tot[m][r] += offset * (row m's sum of x over the group),
+// lane by lane (the lanes are summed with the rest at the end; lanes past the last group add 0 * 0). The offset is
+// the bias, or -(zero point * scale) for w = (value - zero point) * scale. sc: the groups' decoded scales.
+template <int MR, int NR>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void add_offsets(__m512 (&tot)[MR][NR],
+                                                                            const W4Operand& op, const uint16_t* x,
+                                                                            int64_t ldx, int64_t Kp, int64_t n0,
+                                                                            int64_t base, int64_t count,
+                                                                            const float (&sc)[NR][16]) {
+  __m512 xs[MR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; m++) xs[m] = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * ldx + Kp) + base);
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; r++) {
+    const int64_t i = (n0 + r) * op.G + base;
+    const __m512 o =
+        op.offset_kind == W4Offset::Bias
+            ? load_scales16(op.scale_enc, op.offset, i, count)
+            : _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(),
+                                          load_zero_points16(static_cast<const int8_t*>(op.offset), i, count)),
+                            _mm512_load_ps(sc[r]));
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) tot[m][r] = _mm512_fmadd_ps(o, xs[m], tot[m][r]);
+  }
+}
+
 // kSmall: group size 16, 32 or 64, several groups per step: lane l of a step's fp32 sums covers codes 8 l .. 8 l + 7,
 // so each step's sums are scaled lane by lane. Otherwise groups are whole steps (or the row): the sums of a group's
 // steps are scaled once.
@@ -391,6 +417,11 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
   const char* srows = static_cast<const char*>(op.scale) + n0 * srow;
   const GemvPrefetch scale_prefetch(srows, srow, NR,
                                     std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * sb));
+  // zero points or biases: a third stream, fetched as the scales are, and the rows' group sums of x behind them
+  const bool offsets = op.offset != nullptr && op.offset_kind != W4Offset::None;
+  const int64_t ob = op.offset_kind == W4Offset::ZeroPoint ? 1 : sb, orow = std::max<int64_t>(op.G, 1) * ob;
+  const GemvPrefetch offset_prefetch(offsets ? static_cast<const char*>(op.offset) + n0 * orow : srows, orow, NR,
+                                     std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * ob));
   // kSmall's groups (16, 32 or 64 codes) by a shift: a division by op.group ran at every step
   const int group_shift = kSmall ? __builtin_ctzll(op.group) : 0;
   for (int64_t k = 0, g = 0; k < Kp; g++) {
@@ -407,6 +438,11 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
       for (int r = 0; r < NR; r++) {
         _mm_prefetch(scale_prefetch(r, base * sb), kOuterPrefetchHint);
         _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
+      }
+      if (offsets) {
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) _mm_prefetch(offset_prefetch(r, base * ob), kOuterPrefetchHint);
+        add_offsets<MR, NR>(tot, op, x, ldx, Kp, n0, base, count, sc);
       }
     }
     if constexpr (kSmall) {
