@@ -117,6 +117,23 @@ def test_w4_mm_bf16_gemv_nonfinite(isa, M, group):
         assert_matmul_close(out[keep], ref[keep], absref[keep], acc_rtol=1e-5)
 
 
+@pytest.mark.parametrize("M", [1, 3, GEMM_ROWS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w4_mm_every_byte_scale(isa, M, dtype):
+    # every E4M3 scale byte (nvfp4: subnormals, negatives, NaN) and the E8M0 ones that keep fp32 sums finite (mxfp4:
+    # 2^-127 .. 2^3, and NaN), spread over rows and groups: the tiles' vector scale decodes against float64's
+    g = torch.Generator().manual_seed(3)
+    N, K = 256, 128
+    n, grp = torch.arange(N)[:, None], torch.arange(8)[None, :]
+    for fmt, group, scale in [("nvfp4", 16, (n + 37 * grp) % 256),
+                              ("mxfp4", 32, torch.where(n == 255, 255, (n + 29 * grp[:, :4]) % 131))]:
+        codes = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+        scale = scale.to(torch.uint8)
+        x = torch.randn(M, K, generator=g).to(dtype)
+        out = check_mm(x, fmt, group, (codes, scale, None, None))
+        assert torch.isnan(out[:, scale.eq(255).any(1) | (fmt == "nvfp4") & scale.eq(127).any(1)]).all()
+
+
 @pytest.mark.parametrize("M", [40, 70, 300])  # 300: two M blocks of the GEMM (each presets its own sums)
 @pytest.mark.parametrize("group", [64, 128, 192])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -100,21 +100,22 @@ LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int
     default: break;
   }
   // one-byte encodings by integer arithmetic on the bits (a gather from a byte table measured slower here)
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i));
+  const __m128i b8 = _mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i);
   const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
   if (enc == W4Scale::E8M0) {  // 2^(b - 127): b in the fp32 exponent; b = 0 is the subnormal 2^-127, 0xFF NaN
+    const __m512i b = _mm512_cvtepu8_epi32(b8);
     __m512i bits = _mm512_slli_epi32(b, 23);
     bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
     return _mm512_mask_mov_ps(_mm512_castsi512_ps(bits), _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(0xFF)), nan);
   }
-  // E4M3: normals rebias the exponent (7 -> 127) with the mantissa in place; subnormals are m * 2^-9
-  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
-  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512.f));
-  __m512 v = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), sub);
-  v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v),
-                                          _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
-  return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), nan);
+  // E4M3: the byte sign-extended to 16 bits and shifted left by 7, bit 14 cleared, is a half of 1/256 the value
+  // (the sign in bit 15, exponent and mantissa in bits 7..13, subnormals still subnormal), which vcvtph2ps widens
+  // exactly; 0x7F and 0xFF are NaN. Half the instructions of rebiasing the exponent in 32-bit lanes, which took a
+  // sixth of the nvfp4 GEMV's time (a scale per 16 codes).
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b8), 7), _mm256_set1_epi16(short(0xBF80)));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  return _mm512_mask_mov_ps(v, _mm_cmpeq_epi8_mask(_mm_or_si128(b8, _mm_set1_epi8(char(0x80))), _mm_set1_epi8(char(0xFF))),
+                            nan);
 }
 
 LOWBIT_TARGET_AVX512 inline __m512 load_zero_points16(const int8_t* p, int64_t i, int64_t count) {
