@@ -6,8 +6,8 @@ Weight GB/s counts the bytes of the low-bit weight read per call.
 
 The int8 M=1 rows (int8_quantize + int8_mm, both Llama-3-8B shapes) are measured the same way against the read of
 their own weight bytes; the M=64 bf16-x rows of fp8_mm against F.linear bf16 (AMX where the CPU has it).
-The 4-bit rows (w4_mm int4 group 128 with bf16 scales, and nvfp4, on both Llama-3-8B shapes) stream codes and
-scales together against the read of those bytes, and compare M=1 with fp8_mm on the same shape, F.linear bf16 and
+The 4-bit rows (w4_mm int4 group 128 with bf16 scales, nvfp4, and MLX's uint4 group 64 with bf16 biases, on both
+Llama-3-8B shapes) stream codes, scales and biases together against the read of those bytes, and compare M=1 with fp8_mm on the same shape, F.linear bf16 and
 torch's own int4 GEMV (``_weight_int4pack_mm_for_cpu``, same group size), each cycling its own weight through the
 working set; M=64 against F.linear bf16. The 4-bit grouped rows decode one token through 8 of 128 experts at
 Qwen3-30B-A3B's expert shapes (w4_grouped_mm int4 g128) against a read of the chosen experts' bytes and
@@ -70,14 +70,15 @@ class _Rotating:
 
 
 class _RotatingW4(_Rotating):
-    """Copies of a 4-bit weight's codes and scales in one buffer each (what a call reads, for the read baseline);
-    view() gives the current copy's (codes, scale)."""
+    """Copies of a 4-bit weight's codes and scales (and offsets) in one buffer each (what a call reads, for the read
+    baseline); view() gives the current copy's (codes, scale[, offset])."""
 
-    def __init__(self, codes, scale, bytes_total):
-        buf = torch.cat([codes.reshape(-1), scale.reshape(-1).view(torch.uint8)])
-        super().__init__(buf, bytes_total)
-        nc = codes.numel()
-        self.views = [(c[:nc].view(codes.shape), c[nc:].view(scale.dtype).view(scale.shape)) for c in self.copies]
+    def __init__(self, codes, scale, bytes_total, offset=None):
+        parts = [t for t in (codes, scale, offset) if t is not None]
+        super().__init__(torch.cat([t.reshape(-1).view(torch.uint8) for t in parts]), bytes_total)
+        ends = torch.tensor([t.numel() * t.element_size() for t in parts]).cumsum(0).tolist()
+        self.views = [tuple(c[e - t.numel() * t.element_size():e].view(t.dtype).view(t.shape) for t, e in zip(parts, ends))
+                      for c in self.copies]
 
     def view(self):
         self.next()
@@ -317,6 +318,15 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False
             return ops.w4_mm(x1, c, s, "nvfp4", 16, None, gsc)
         _stream_case(rows, f"w4_mm nvfp4 g16 M=1 K={k} N={n}", nvfp4_m1, nv, rounds, rep, 0.85)
         del nv
+        # MLX's affine 4-bit (mlx_lm.convert's default: uint4, group 64, bf16 scales and biases) from memory
+        mlx = _RotatingW4(codes, (torch.rand(n, k // 64, generator=gen) * 0.01 + 0.001).to(torch.bfloat16), ws,
+                          offset=(torch.rand(n, k // 64, generator=gen) * -0.08).to(torch.bfloat16))
+
+        def mlx_m1(x1=x1, mlx=mlx):
+            c, s, b = mlx.view()
+            return ops.w4_mm(x1, c, s, "uint4", 64, b)
+        _stream_case(rows, f"w4_mm uint4 g64+bias (MLX) M=1 K={k} N={n}", mlx_m1, mlx, rounds, rep, 0.85)
+        del mlx
         if decode_only:
             continue
         # prefill
