@@ -259,9 +259,10 @@ bool bf16_gemm(W4GemmRoute route, const W4Kernels& kern, const T* x, int64_t M, 
 
 // From this many rows w4_mm runs its GEMM regime: the GEMV tiles decode the weight again for every 4 rows, the
 // GEMM once per M block but into panels, at a cost that AMX's brgemm hides. Elsewhere, measured at K = 4096,
-// N = 14336 on 2 Zen 5 cores (bf16 x; GEMV and GEMM equal at): one-term bf16 panels and grouped ones 20 rows
-// (mxfp4, int4 g128, nvfp4 20-24; uint4 g64 with biases, whose GEMV runs fp32 tiles, below 16), two-term 64, fp32
-// panels 16-32 (mxfp4, int4).
+// N = 14336 on 2 cores (bf16 x; GEMV and GEMM equal at): Zen 5, one-term bf16 panels and grouped ones 20 rows
+// (mxfp4, int4 g128, nvfp4 20-24), two-term 64, fp32 panels 16-32 (mxfp4, int4); Zen 4, whose vdpbf16ps is half
+// as wide, grouped ones later (int4 g128 24-32 rows; uint4 g64 with biases, its GEMV on bf16 tiles, about
+// 32): the threshold keeps Zen 5's.
 int64_t w4_gemm_min_rows(W4GemmRoute route) {
   if (route != W4GemmRoute::Fp32 && amx_gemm_available()) return kW4GemmMinRows;
   return route == W4GemmRoute::Bf16TwoTerms ? 64 : route == W4GemmRoute::Fp32 ? 24 : 20;
