@@ -230,6 +230,10 @@ ARM_PLANTS = [
      "the bfdot tile pairs codes 8..15 of each 16 with the wrong activations (kBf16ChunkOrder)"),
     ("csrc/cpu/arch/arm/bf16.cpp", "hi[c] = uint8_t(u >> 24);", "hi[c] = uint8_t(c == 0x7F ? 0x3F : u >> 24);",
      "the bf16 decode table turns NaN code 0x7F into a finite value"),
+    ("csrc/cpu/arch/arm/w4_neon.cpp", "{{0, 2, 4, 6}, {8, 10, 12, 14}", "{{0, 2, 4, 16}, {8, 10, 12, 14}",
+     "the 4-bit tail keeps code 6 of a half past K"),
+    ("csrc/cpu/arch/arm/w4_neon.cpp", "vld1q_f32(xp + 20), d[3]", "vld1q_f32(xp + 4), d[3]",
+     "the 4-bit GEMV pairs odd codes 9..15 of a half with the even codes' activations"),
 ]
 
 

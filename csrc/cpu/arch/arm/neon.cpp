@@ -13,6 +13,8 @@
 
 namespace lowbit::cpu {
 
+extern const W4Kernels kW4KernelsNeon;  // w4_neon.cpp
+
 const KernelSet& kernel_set_portable();
 
 namespace {
@@ -273,7 +275,7 @@ const KernelSet& kernel_set_neon() {
       Fp8Kernels{&fp8::gemv_tile, nullptr, &fp8::decode_rows, nullptr, &fp8::dequantize_run},
       Int8Kernels{&int8::gemv_tile, portable.group, portable.panel_rows, portable.strip, portable.gemm_micro,
                   portable.quantize_row},
-      kW4KernelsPortable,  // no NEON 4-bit loops yet
+      kW4KernelsNeon,
       &axpy_rows,
       &xor_words,
       false,
