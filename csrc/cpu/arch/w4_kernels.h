@@ -118,6 +118,25 @@ struct W4BlockGroups {
   }
 };
 
+// The vector sets' walk of one row's blocks of 16 codes in [k0, min(K, k0 + n)), k0 a multiple of 16
+// (w4_blocks_in_groups): fn(k, valid, table) with the block's first code, the codes left in the range from it, and
+// make_table(its group's W4Group), made again only when the group changes. Table: the set's register table type.
+template <class Table, class MakeTable, class Fn>
+inline __attribute__((always_inline)) void w4_for_each_block(const W4Operand& op, int64_t row, int64_t k0, int64_t n,
+                                                             MakeTable&& make_table, Fn&& fn) {
+  const float* byte_table = w4_byte_scale_table(op.scale_enc);
+  W4BlockGroups blocks(op, k0 / 16);
+  const int64_t k1 = op.K < k0 + n ? op.K : k0 + n;
+  int64_t ga = -1;
+  Table t{};
+  for (int64_t k = k0; k < k1; k += 16) {
+    const int64_t g = blocks.next();
+    if (g != ga) t = make_table(w4_group(op, byte_table, row, g));
+    ga = g;
+    fn(k, k1 - k, t);
+  }
+}
+
 // bf16 panels for the bf16 panel GEMMs (w4_matmul.cpp): decoded weights in natural order, each as `terms` bf16
 // words whose sum approximates the fp32 decode -- term 0 its rounding to nearest even, term 1 (terms = 2) the
 // rounding of the exact remainder w - term 0, so |w - t0 - t1| <= 2^-16 |w|. NaN: a quiet NaN (remainder 0);

@@ -65,26 +65,20 @@ LOWBIT_TARGET_NEON inline __attribute__((always_inline)) void decode_half(uint8x
   }
 }
 
-// Calls fn(p, d) for each half-chunk of codes [k0, k0 + n) of row `row`, k0 a multiple of 16 (p: where the half's
+// Calls fn(p, d) for each half-chunk of codes [k0, k0 + n) of row `row`, k0 a multiple of 32 (p: where the half's
 // even codes sit in the packed order, relative to k0; its odd ones 16 further).
 template <typename F>
 LOWBIT_TARGET_NEON inline __attribute__((always_inline)) void for_each_half(const W4Operand& op, int64_t row,
                                                                             int64_t k0, int64_t n, F&& fn) {
-  const float* byte_table = w4_byte_scale_table(op.scale_enc);
-  W4BlockGroups blocks(op, k0 / 16);
   const uint8_t* codes = op.codes + row * op.row_bytes();
-  const int64_t k1 = std::min(op.K, k0 + n);
-  int64_t ga = -1;
-  uint8x16x4_t t{};
-  for (int64_t k = k0; k < k1; k += 16) {
-    const int64_t g = blocks.next();
-    if (g != ga) t = group_table(op.values, w4_group(op, byte_table, row, g));
-    ga = g;
-    float32x4_t d[4];
-    decode_half(load_half(codes + k / 2, k1 - k), k1 - k, t, d);
-    const int64_t r = k - k0;
-    fn((r & ~int64_t(31)) + (r & 16) / 2, d);
-  }
+  w4_for_each_block<uint8x16x4_t>(
+      op, row, k0, n, [&](const W4Group& p) { return group_table(op.values, p); },
+      [&](int64_t k, int64_t valid, const uint8x16x4_t& t) {
+        float32x4_t d[4];
+        decode_half(load_half(codes + k / 2, valid), valid, t, d);
+        const int64_t r = k - k0;
+        fn((r & ~int64_t(31)) + (r & 16) / 2, d);
+      });
 }
 
 // The tile walks half-chunks; each row keeps its group's table until the group changes (every row's groups change

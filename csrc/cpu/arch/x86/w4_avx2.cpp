@@ -179,21 +179,14 @@ void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op,
 template <typename F>
 LOWBIT_TARGET_AVX2 inline __attribute__((always_inline)) void for_each_half(const W4Operand& op, int64_t row,
                                                                             int64_t k0, int64_t n, F&& fn) {
-  const float* byte_table = w4_byte_scale_table(op.scale_enc);
-  W4BlockGroups blocks(op, k0 / 16);
   const uint8_t* codes = op.codes + row * op.row_bytes();
-  const int64_t k1 = std::min(op.K, k0 + n);
-  int64_t ga = -1;
-  Table t;
-  for (int64_t k = k0; k < k1; k += kW4Chunk)
-    for (int h = 0; h < 2 && k + 16 * h < k1; h++) {
-      const int64_t g = blocks.next(), valid = k1 - k - 16 * h;
-      if (g != ga) t = group_table(op.values, w4_group(op, byte_table, row, g));
-      ga = g;
-      __m256 e, o;
-      decode_half(load_half(codes + k / 2 + 8 * h, valid), valid, t, e, o);
-      fn(k - k0, h, e, o);
-    }
+  w4_for_each_block<Table>(
+      op, row, k0, n, [&](const W4Group& p) LOWBIT_TARGET_AVX2 { return group_table(op.values, p); },
+      [&](int64_t k, int64_t valid, const Table& t) LOWBIT_TARGET_AVX2 {
+        __m256 e, o;
+        decode_half(load_half(codes + k / 2, valid), valid, t, e, o);
+        fn((k - k0) & ~int64_t(31), int((k - k0) & 16) / 16, e, o);
+      });
 }
 
 LOWBIT_TARGET_AVX2 void decode_rows(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, float* dst,
