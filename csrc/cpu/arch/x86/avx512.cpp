@@ -28,7 +28,6 @@ const KernelSet& kernel_set_avx2();
 namespace {
 namespace fp8 {
 
-
 // 32 codes -> positions 0..15 and 16..31 of kChunkOrder (the even, then the odd codes), as dec(code) / 256.
 LOWBIT_TARGET_AVX512 inline void decode_chunk(const uint8_t* code, __m512 out[2], __m256i& nan_acc) {
   const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(code));
