@@ -92,6 +92,17 @@ def test_w4_mm_bf16_gemv(isa, M, group, K):
 
 
 @pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("group,K", [(16, 2 * 4096 + 53), (32, 8192 + 45), (128, 32768 + 200)])
+def test_w4_mm_bf16_gemv_scale_windows(isa, M, group, K):
+    # rows of more groups than the bf16 tile decodes at once (256 per row): every window, the last one partial,
+    # scales (and offsets) its own groups' sums
+    g = torch.Generator().manual_seed(M + group)
+    for fmt, offset in [("nvfp4", False), ("int4", True), ("uint4", True)]:
+        w = random_w4(fmt, 9, K, group, g, offset=offset, global_scale=True, scale_dtype=torch.bfloat16)
+        check_mm(torch.randn(M, K, generator=g).to(torch.bfloat16), fmt, group, w)
+
+
+@pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("group", [32, 128])  # 128: several whole 128-code steps per group
 def test_w4_mm_bf16_gemv_nonfinite(isa, M, group):
     # NaN / inf activations reach their row; a NaN scale its column; an inf scale makes its column nonfinite

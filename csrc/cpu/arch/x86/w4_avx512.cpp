@@ -87,22 +87,20 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m51
   }
 }
 
-// 16 consecutive group scales (or biases) from index i, count of them (the rest 0), decoded to fp32 at once:
-// exact conversions, the values of w4_scale_to_float.
-LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int64_t i, int64_t count) {
-  const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-  switch (enc) {
-    case W4Scale::F32: return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
-    case W4Scale::BF16:
-      return _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i)), 16));
-    case W4Scale::F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
-    default: break;
-  }
+// 16 consecutive group scales (or biases) in encoding kEnc from index i, those of mask (the rest 0), decoded to fp32
+// at once: exact conversions, the values of w4_scale_to_float.
+template <W4Scale kEnc>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) __m512 scales16(const void* p, int64_t i, __mmask16 mask) {
+  if constexpr (kEnc == W4Scale::F32) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+  if constexpr (kEnc == W4Scale::BF16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i)), 16));
+  if constexpr (kEnc == W4Scale::F16)
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
   // one-byte encodings by integer arithmetic on the bits (a gather from a byte table measured slower here)
   const __m128i b8 = _mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(p) + i);
   const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
-  if (enc == W4Scale::E8M0) {  // 2^(b - 127): b in the fp32 exponent; b = 0 is the subnormal 2^-127, 0xFF NaN
+  if constexpr (kEnc == W4Scale::E8M0) {  // 2^(b - 127): b in the fp32 exponent; b = 0 is the subnormal 2^-127, 0xFF NaN
     const __m512i b = _mm512_cvtepu8_epi32(b8);
     __m512i bits = _mm512_slli_epi32(b, 23);
     bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
@@ -110,17 +108,46 @@ LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int
   }
   // E4M3: the byte sign-extended to 16 bits and shifted left by 7, bit 14 cleared, is a half of 1/256 the value
   // (the sign in bit 15, exponent and mantissa in bits 7..13, subnormals still subnormal), which vcvtph2ps widens
-  // exactly; 0x7F and 0xFF are NaN. Half the instructions of rebiasing the exponent in 32-bit lanes, which took a
-  // sixth of the nvfp4 GEMV's time (a scale per 16 codes).
+  // exactly; 0x7F and 0xFF are NaN. Half the instructions of rebiasing the exponent in 32-bit lanes.
   const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b8), 7), _mm256_set1_epi16(short(0xBF80)));
   const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
   return _mm512_mask_mov_ps(v, _mm_cmpeq_epi8_mask(_mm_or_si128(b8, _mm_set1_epi8(char(0x80))), _mm_set1_epi8(char(0xFF))),
                             nan);
 }
 
+inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
+
+LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int64_t i, int64_t count) {
+  const __mmask16 mask = first_lanes(count);
+  switch (enc) {
+    case W4Scale::F32: return scales16<W4Scale::F32>(p, i, mask);
+    case W4Scale::F16: return scales16<W4Scale::F16>(p, i, mask);
+    case W4Scale::BF16: return scales16<W4Scale::BF16>(p, i, mask);
+    case W4Scale::E4M3: return scales16<W4Scale::E4M3>(p, i, mask);
+    case W4Scale::E8M0: break;
+  }
+  return scales16<W4Scale::E8M0>(p, i, mask);
+}
+
+// Scales i .. i + count - 1 into dst, zero up to the next multiple of 16: one loop per encoding, with no branch on the
+// encoding per 16 scales (the nvfp4 GEMV decodes a scale every 16 codes).
+template <W4Scale kEnc>
+LOWBIT_TARGET_AVX512 void decode_scales_t(const void* p, int64_t i, int64_t count, float* dst) {
+  for (int64_t j = 0; j < count; j += 16) _mm512_storeu_ps(dst + j, scales16<kEnc>(p, i + j, first_lanes(count - j)));
+}
+LOWBIT_TARGET_AVX512 void decode_scales(W4Scale enc, const void* p, int64_t i, int64_t count, float* dst) {
+  switch (enc) {
+    case W4Scale::F32: return decode_scales_t<W4Scale::F32>(p, i, count, dst);
+    case W4Scale::F16: return decode_scales_t<W4Scale::F16>(p, i, count, dst);
+    case W4Scale::BF16: return decode_scales_t<W4Scale::BF16>(p, i, count, dst);
+    case W4Scale::E4M3: return decode_scales_t<W4Scale::E4M3>(p, i, count, dst);
+    case W4Scale::E8M0: break;
+  }
+  decode_scales_t<W4Scale::E8M0>(p, i, count, dst);
+}
+
 LOWBIT_TARGET_AVX512 inline __m512 load_zero_points16(const int8_t* p, int64_t i, int64_t count) {
-  const __mmask16 mask = count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p + i)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(first_lanes(count), p + i)));
 }
 
 // The group tables of NR rows, from their scales (and zero points or biases) decoded 16 groups at a time into
@@ -364,13 +391,13 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void scale_parts(
 
 // Groups base .. base + 15 of the tile's rows with offsets: tot[m][r] += offset * (row m's sum of x over the group),
 // lane by lane (the lanes are summed with the rest at the end; lanes past the last group add 0 * 0). The offset is
-// the bias, or -(zero point * scale) for w = (value - zero point) * scale. sc: the groups' decoded scales.
+// the bias, or -(zero point * scale) for w = (value - zero point) * scale. sc[r * ld ..]: the groups' decoded scales.
 template <int MR, int NR>
 LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void add_offsets(__m512 (&tot)[MR][NR],
                                                                             const W4Operand& op, const uint16_t* x,
                                                                             int64_t ldx, int64_t Kp, int64_t n0,
                                                                             int64_t base, int64_t count,
-                                                                            const float (&sc)[NR][16]) {
+                                                                            const float* sc, int64_t ld) {
   __m512 xs[MR];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; m++) xs[m] = _mm512_loadu_ps(reinterpret_cast<const float*>(x + m * ldx + Kp) + base);
@@ -382,11 +409,14 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void add_offsets(__m5
             ? load_scales16(op.scale_enc, op.offset, i, count)
             : _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(),
                                           load_zero_points16(static_cast<const int8_t*>(op.offset), i, count)),
-                            _mm512_load_ps(sc[r]));
+                            _mm512_loadu_ps(sc + r * ld));
 #pragma GCC unroll 4
     for (int m = 0; m < MR; m++) tot[m][r] = _mm512_fmadd_ps(o, xs[m], tot[m][r]);
   }
 }
+
+// Groups per row whose scales the bf16 tile decodes at once (4 KB a row of fp32 on the stack).
+constexpr int64_t kScaleWindow = 256;
 
 // kSmall: group size 16, 32 or 64, several groups per step: lane l of a step's fp32 sums covers codes 8 l .. 8 l + 7,
 // so each step's sums are scaled lane by lane. Otherwise groups are whole steps (or the row): the sums of a group's
@@ -405,22 +435,25 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
   for (int m = 0; m < MR; m++)
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) tot[m][r] = part[m][r][0] = part[m][r][1] = _mm512_setzero_ps();
-  // kSmall: the decoded scales of groups base .. base + 15 per row, and the lanes' groups relative to a step's first
-  alignas(64) float sc[NR][16];
-  int64_t base = -16;
+  // the decoded scales of groups base .. base + kScaleWindow - 1 per row (and 16 more: a step's lanes read 16 from
+  // any of its groups), decoded a window at a time: per 16 groups, the decode took as many instructions as the
+  // steps of nvfp4's 256 codes it scales
+  alignas(64) float sc[NR][kScaleWindow + 16];
+  int64_t base = -kScaleWindow;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // kSmall: lane l of a step's sums is in group l >> shift of the step's groups
   const __m512i lane_group = kSmall ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
   // codes per scaling of the sums: a step, a group, or the row
   const int64_t per = kSmall ? kW4Bf16Step : op.G <= 1 ? Kp : op.group;
   // the rows' scales are a second stream (an eighth of the codes' bytes for nvfp4's): fetched as far ahead in
-  // codes as the codes are, or their misses stall every step that scales its sums
-  const int64_t sb = w4_scale_bytes(op.scale_enc), srow = std::max<int64_t>(op.G, 1) * sb;
+  // codes as the codes are, or their misses stall every window's decode
+  const int64_t G = std::max<int64_t>(op.G, 1), sb = w4_scale_bytes(op.scale_enc), srow = G * sb;
   const char* srows = static_cast<const char*>(op.scale) + n0 * srow;
   const GemvPrefetch scale_prefetch(srows, srow, NR,
                                     std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * sb));
   // zero points or biases: a third stream, fetched as the scales are, and the rows' group sums of x behind them
   const bool offsets = op.offset != nullptr && op.offset_kind != W4Offset::None;
-  const int64_t ob = op.offset_kind == W4Offset::ZeroPoint ? 1 : sb, orow = std::max<int64_t>(op.G, 1) * ob;
+  const int64_t ob = op.offset_kind == W4Offset::ZeroPoint ? 1 : sb, orow = G * ob;
   const GemvPrefetch offset_prefetch(offsets ? static_cast<const char*>(op.offset) + n0 * orow : srows, orow, NR,
                                      std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * ob));
   // kSmall's groups (16, 32 or 64 codes) by a shift: a division by op.group ran at every step
@@ -430,26 +463,27 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
       if (k < full) step_bf16<MR, NR, true>(part, x, ldx, w, rb, prefetch, k, kW4Bf16Step, table);
       else step_bf16<MR, NR, false>(part, x, ldx, w, rb, prefetch, k, K - k, table);
     }
-    // the step's first group (kSmall), or the group just summed; scales decoded 16 groups at a time
+    // the step's first group (kSmall), or the group just summed
     const int64_t g0 = kSmall ? (k - kW4Bf16Step) >> group_shift : op.G <= 1 ? 0 : g;
-    if (g0 >= base + 16) {
+    if (g0 >= base + kScaleWindow) {
       base = g0 & ~int64_t(15);
-      const int64_t count = std::min<int64_t>(16, std::max<int64_t>(op.G, 1) - base);
+      const int64_t count = std::min(kScaleWindow, G - base);
 #pragma GCC unroll 4
       for (int r = 0; r < NR; r++) {
-        _mm_prefetch(scale_prefetch(r, base * sb), kOuterPrefetchHint);
-        _mm512_store_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
+        for (int64_t j = 0; j < count * sb; j += 64) _mm_prefetch(scale_prefetch(r, base * sb + j), kOuterPrefetchHint);
+        decode_scales(op.scale_enc, op.scale, (n0 + r) * op.G + base, count, sc[r]);
       }
       if (offsets) {
 #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) _mm_prefetch(offset_prefetch(r, base * ob), kOuterPrefetchHint);
-        add_offsets<MR, NR>(tot, op, x, ldx, Kp, n0, base, count, sc);
+        for (int r = 0; r < NR; r++)
+          for (int64_t j = 0; j < count * ob; j += 64) _mm_prefetch(offset_prefetch(r, base * ob + j), kOuterPrefetchHint);
+        for (int64_t j = 0; j < count; j += 16)
+          add_offsets<MR, NR>(tot, op, x, ldx, Kp, n0, base + j, count - j, &sc[0][j], kScaleWindow + 16);
       }
     }
     if constexpr (kSmall) {
-      const __m512i idx = _mm512_add_epi32(lane_group, _mm512_set1_epi32(int(g0 - base)));
 #pragma GCC unroll 4
-      for (int r = 0; r < NR; r++) s[r] = _mm512_permutexvar_ps(idx, _mm512_load_ps(sc[r]));
+      for (int r = 0; r < NR; r++) s[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(sc[r] + (g0 - base)));
     } else {  // a broadcast from memory: no shuffle port
 #pragma GCC unroll 4
       for (int r = 0; r < NR; r++) s[r] = _mm512_set1_ps(sc[r][g0 - base]);
