@@ -308,6 +308,7 @@ W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op
     a.group = op.G <= 1 ? op.K : op.group;
     a.group_sums = w4_bf16_group_sums(op);
   }
+  if (a.bf16) a.pack_bf16_row = kern.pack_bf16_row;
   return a;
 }
 
@@ -317,6 +318,10 @@ void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* ds
   const int64_t K = acts.K, Kp = w4_bf16_padded(K), ld = acts.row_elems();
   for (int64_t m = 0; m < M; m++) {  // the bits of bf16 x, moved: a few KB per row
     uint16_t* row = static_cast<uint16_t*>(dst) + m * ld;
+    if (acts.pack_bf16_row) {
+      acts.pack_bf16_row(reinterpret_cast<const uint16_t*>(x) + m * K, K, acts.group, acts.group_sums, row);
+      continue;
+    }
     pack_chunks<kW4Bf16StepOrder>(reinterpret_cast<const uint16_t*>(x) + m * K, K, Kp, row);
     if (acts.group_sums == 0) continue;
     float* sums = reinterpret_cast<float*>(row + Kp);

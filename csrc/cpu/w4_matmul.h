@@ -37,6 +37,7 @@ struct W4GemvActivations {
   bool bf16 = false;
   int64_t K = 0;
   int64_t group = 0, group_sums = 0;  // codes per group of the sums; fp32 sums per row (0: none)
+  void (*pack_bf16_row)(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) = nullptr;  // the set's, if any
   int64_t row_elems() const { return bf16 ? w4_bf16_padded(K) + 2 * group_sums : w4_padded(K); }
   int64_t row_bytes() const { return row_elems() * (bf16 ? 2 : 4); }
 };

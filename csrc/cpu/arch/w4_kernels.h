@@ -188,6 +188,10 @@ struct W4Kernels {
   // and up to n rounded up to kW4Bf16Chunk. Null in sets without amx_gemm (nothing calls it there).
   void (*decode_rows_bf16)(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, int terms,
                            uint16_t* dst, int64_t ldd, int64_t term_stride) = nullptr;
+  // One row of gemv_tile_bf16's activations: x's K bf16 values in the bf16 order, zero padded to w4_bf16_padded(K)
+  // words, then (group_sums > 0) the fp32 sum of x over each group of `group` codes, zero up to group_sums. Null: the
+  // portable pack (w4_matmul.cpp), whose constant-order moves ran at about 1 ns a value.
+  void (*pack_bf16_row)(const uint16_t* x, int64_t K, int64_t group, int64_t group_sums, uint16_t* dst) = nullptr;
 };
 
 // The portable kernels: every set's fallback for group sizes its vector loops do not take.

@@ -514,6 +514,43 @@ void gemv_tile_bf16(int mr, int nr, const uint16_t* x, int64_t ldx, const W4Oper
   pick_gemv_tile<W4GemvBf16Fn, Bf16Tiles>(op.G > 1 && op.group < kW4Bf16Step, mr, nr)(x, ldx, op, n0, sums);
 }
 
+// W4Kernels::pack_bf16_row. A step of 128 words is four vectors; bf16 position 32 j + i holds word 4 i + j, taken
+// for i < 16 from the first two vectors and for i >= 16 from the last two, by two-source word permutes. The group
+// sums add 16 values at a time, widened to fp32 (a bf16 word is the high half of its float), each group's lanes
+// summed at its end.
+LOWBIT_TARGET_AVX512 void pack_bf16_row(const uint16_t* x, int64_t K, int64_t group, int64_t group_sums, uint16_t* dst) {
+  const int64_t Kp = w4_bf16_padded(K);
+  const __m512i four = _mm512_set_epi16(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0,
+                                        60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
+  for (int64_t k = 0; k < Kp; k += kW4Bf16Step) {
+    __m512i v[4];
+    for (int q = 0; q < 4; q++) {
+      const int64_t left = K - k - 32 * q;
+      v[q] = left >= 32 ? _mm512_loadu_si512(x + k + 32 * q)
+             : left > 0 ? _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << left) - 1), x + k + 32 * q)
+                        : _mm512_setzero_si512();
+    }
+    for (int j = 0; j < 4; j++) {
+      const __m512i idx = _mm512_add_epi16(four, _mm512_set1_epi16(short(j)));
+      const __m512i lo = _mm512_permutex2var_epi16(v[0], idx, v[1]), hi = _mm512_permutex2var_epi16(v[2], idx, v[3]);
+      _mm512_storeu_si512(dst + k + 32 * j, _mm512_mask_blend_epi16(0xFFFF0000u, lo, hi));
+    }
+  }
+  if (group_sums == 0) return;
+  float* sums = reinterpret_cast<float*>(dst + Kp);
+  int64_t g = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += group, g++) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = k0, k1 = std::min(K, k0 + group); k < k1; k += 16) {
+      const __mmask16 m = first_lanes(k1 - k);
+      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                   _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + k)), 16)));
+    }
+    sums[g] = _mm512_reduce_add_ps(acc);
+  }
+  for (; g < group_sums; g++) sums[g] = 0.f;
+}
+
 // Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row `row` (p: its first position relative to k0).
 template <typename F>
 LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void for_each_chunk(const W4Operand& op, int64_t row,
@@ -699,7 +736,7 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
 
 }  // namespace
 
-extern const W4Kernels kW4KernelsAvx512{&gemv_tile, &decode_rows, &dequantize_rows, &gemv_bf16_takes, &gemv_tile_bf16,
-                                         &decode_rows_bf16};
+extern const W4Kernels kW4KernelsAvx512{&gemv_tile,      &decode_rows,      &dequantize_rows, &gemv_bf16_takes,
+                                         &gemv_tile_bf16, &decode_rows_bf16, &pack_bf16_row};
 
 }  // namespace lowbit::cpu
