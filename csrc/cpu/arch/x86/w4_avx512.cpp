@@ -20,6 +20,9 @@
 namespace lowbit::cpu {
 namespace {
 
+// The mask of a vector's first count lanes (all 16 for count >= 16).
+inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
+
 // The group's 16 decoded weights. value * scale + bias rounds the product first: an empty asm between the two
 // keeps the compiler from fusing them into an fma.
 LOWBIT_TARGET_AVX512 inline __m512 group_table(__m512 values, const W4Group& p) {
@@ -87,14 +90,17 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void chunk_step(__m51
   }
 }
 
+// 16 bf16 words from p (those of mask, the rest 0) as fp32: each word is the high half of its float.
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) __m512 bf16x16_to_float(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
 // 16 consecutive group scales (or biases) in encoding kEnc from index i, those of mask (the rest 0), decoded to fp32
 // at once: exact conversions, the values of w4_scale_to_float.
 template <W4Scale kEnc>
 LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) __m512 scales16(const void* p, int64_t i, __mmask16 mask) {
   if constexpr (kEnc == W4Scale::F32) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
-  if constexpr (kEnc == W4Scale::BF16)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i)), 16));
+  if constexpr (kEnc == W4Scale::BF16) return bf16x16_to_float(static_cast<const uint16_t*>(p) + i, mask);
   if constexpr (kEnc == W4Scale::F16)
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i));
   // one-byte encodings by integer arithmetic on the bits (a gather from a byte table measured slower here)
@@ -115,7 +121,6 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) __m512 scales16(const
                             nan);
 }
 
-inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
 
 LOWBIT_TARGET_AVX512 inline __m512 load_scales16(W4Scale enc, const void* p, int64_t i, int64_t count) {
   const __mmask16 mask = first_lanes(count);
@@ -541,11 +546,8 @@ LOWBIT_TARGET_AVX512 void pack_bf16_row(const uint16_t* x, int64_t K, int64_t gr
   int64_t g = 0;
   for (int64_t k0 = 0; k0 < K; k0 += group, g++) {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = k0, k1 = std::min(K, k0 + group); k < k1; k += 16) {
-      const __mmask16 m = first_lanes(k1 - k);
-      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                   _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + k)), 16)));
-    }
+    for (int64_t k = k0, k1 = std::min(K, k0 + group); k < k1; k += 16)
+      acc = _mm512_add_ps(acc, bf16x16_to_float(x + k, first_lanes(k1 - k)));
     sums[g] = _mm512_reduce_add_ps(acc);
   }
   for (; g < group_sums; g++) sums[g] = 0.f;
@@ -608,8 +610,8 @@ LOWBIT_TARGET_AVX512 void dequantize_rows(const W4Operand& op, int64_t n0, int64
         _mm512_storeu_ps(d + p, a);
         _mm512_storeu_ps(d + p + 16, b);
       } else {
-        _mm512_mask_storeu_ps(d + p, __mmask16(left >= 16 ? 0xFFFF : (1u << left) - 1), a);
-        if (left > 16) _mm512_mask_storeu_ps(d + p + 16, __mmask16((1u << (left - 16)) - 1), b);
+        _mm512_mask_storeu_ps(d + p, first_lanes(left), a);
+        if (left > 16) _mm512_mask_storeu_ps(d + p + 16, first_lanes(left - 16), b);
       }
     });
   }
