@@ -24,6 +24,12 @@ class GemvPrefetch {
       : base_(static_cast<const char*>(w)), K_(K), ahead_(ahead),
         // rows shorter than the distance: the same offset, as many tiles on as the distance spans
         skip_(K >= ahead ? nr : (ahead + K - 1) / (K > 0 ? K : 1) * nr) {}
+  // The same streams `rows` rows further on (the next tiles of a range of rows): no division again.
+  GemvPrefetch rows_on(int64_t rows) const {
+    GemvPrefetch p = *this;
+    p.base_ += rows * K_;
+    return p;
+  }
   const char* operator()(int r, int64_t p) const {
     const int64_t q = p + ahead_;
     if (q < K_) return base_ + r * K_ + q;

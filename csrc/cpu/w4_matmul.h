@@ -32,7 +32,7 @@ int64_t w4_gemm_min_rows(const W4Operand& op);
 
 // How the GEMV tiles see the activations: fp32 in w4_kernels.h's packed order, or -- bf16 x, where the kernel set
 // has a bf16 tile that takes the weight -- the bf16 values themselves in its bf16 order, followed, for weights with
-// zero points or biases, by the row's sum over each group (W4Kernels::gemv_tile_bf16).
+// zero points or biases, by the row's sum over each group (W4Kernels::gemv_rows_bf16).
 struct W4GemvActivations {
   bool bf16 = false;
   int64_t K = 0;

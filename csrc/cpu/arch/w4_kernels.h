@@ -6,7 +6,7 @@
 // are a table (value * scale, (value - zero point) * scale, or value * scale + bias, rounded as those fp32
 // expressions are), and a code picks its entry -- the same bits as decoding element by element. The global scale
 // and the output bias are applied by the driver after the K reduction. The one exception, the bf16-activation
-// GEMV (gemv_tile_bf16), scales each group's fp32 sum of x * value once, as fp8's block scales are, and adds the
+// GEMV (gemv_rows_bf16), scales each group's fp32 sum of x * value once, as fp8's block scales are, and adds the
 // group's zero point or bias times the group's sum of x: the same value up to fp32 rounding. Where the float64 sum
 // has infinite terms it may differ in kind: an inf scale gives its column inf where float64 has NaN (terms of both
 // signs), and an infinite x times a code of value 0 gives NaN where a zero point or bias made that weight nonzero.
@@ -49,7 +49,7 @@ constexpr int64_t w4_packed_pos(int64_t k) { return (k & ~int64_t(31)) | ((k & 1
 constexpr int64_t kW4Bf16Step = 128;
 inline int64_t w4_bf16_padded(int64_t K) { return (K + kW4Bf16Step - 1) / kW4Bf16Step * kW4Bf16Step; }
 constexpr int64_t w4_bf16_pos(int64_t k) { return (k & ~int64_t(127)) | ((k & 3) << 5) | ((k & 127) >> 2); }
-// How many fp32 group sums of x follow a packed bf16 row for a weight with offsets (W4Kernels::gemv_tile_bf16): one
+// How many fp32 group sums of x follow a packed bf16 row for a weight with offsets (W4Kernels::gemv_rows_bf16): one
 // per group, zero padded to whole 16s (the tile reads them 16 groups at a time).
 inline int64_t w4_bf16_group_sums(const W4Operand& op) { return ((op.G > 1 ? op.G : 1) + 15) / 16 * 16; }
 
@@ -175,20 +175,22 @@ struct W4Kernels {
   // Rows [n0, n0 + nrows), all K, in natural order: dst[r * ldd + k] (w4_dequantize, w4_mm_t's panels).
   void (*dequantize_rows)(const W4Operand& op, int64_t n0, int64_t nrows, float* dst, int64_t ldd);
   // gemv_tile's sums from bf16 activations packed by w4_bf16_pos (zero padded to w4_bf16_padded(K)), for weights
-  // where gemv_bf16_takes(op); null where the set has no bf16 tile. Not exact per element as gemv_tile: each
+  // where gemv_bf16_takes(op), over a range of weight rows: sums[m * lds + n - n0] for m < mr <= 4 and n in
+  // [n0, n1), in tiles of the set's choosing (one setup per range: a MoE expert's short rows made a per-tile setup
+  // a fifth of the work); null where the set has no bf16 tile. Not exact per element as gemv_tile: each
   // group's sum of x * value is scaled once, and a group's offset multiplies the group's sum of x:
   // sum_g (scale_g * sum_{k in g} x_k * value_k + offset_g * X_g), fp32 accumulation, where offset_g is the bias
   // or -(zero point * scale). X_g, for weights with offsets: fp32 [w4_bf16_group_sums(op)] right after each row's
   // w4_bf16_padded(K) words (zero past the last group).
   bool (*gemv_bf16_takes)(const W4Operand& op) = nullptr;
-  void (*gemv_tile_bf16)(int mr, int nr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
-                         float* sums) = nullptr;
+  void (*gemv_rows_bf16)(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, int64_t n1,
+                         float* sums, int64_t lds) = nullptr;
   // Rows [n0, n0 + nrows), codes [k0, k0 + n) (k0 a multiple of kW4Chunk), each weight times op.global (an fp32
   // product: the weight w4_dequantize gives), as `terms` (1 or 2) bf16 words (see w4_bf16_round): term t of code k at dst[t * term_stride + r * ldd + k - k0], natural order, zero past K
   // and up to n rounded up to kW4Bf16Chunk. Null in sets without amx_gemm (nothing calls it there).
   void (*decode_rows_bf16)(const W4Operand& op, int64_t n0, int64_t nrows, int64_t k0, int64_t n, int terms,
                            uint16_t* dst, int64_t ldd, int64_t term_stride) = nullptr;
-  // One row of gemv_tile_bf16's activations: x's K bf16 values in the bf16 order, zero padded to w4_bf16_padded(K)
+  // One row of gemv_rows_bf16's activations: x's K bf16 values in the bf16 order, zero padded to w4_bf16_padded(K)
   // words, then (group_sums > 0) the fp32 sum of x over each group of `group` codes, zero up to group_sums. Null: the
   // portable pack (w4_matmul.cpp), whose constant-order moves ran at about 1 ns a value.
   void (*pack_bf16_row)(const uint16_t* x, int64_t K, int64_t group, int64_t group_sums, uint16_t* dst) = nullptr;

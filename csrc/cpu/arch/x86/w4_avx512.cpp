@@ -425,19 +425,64 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) void add_offsets(__m5
 // Groups per row whose scales the bf16 tile decodes at once for groups of 16-64 (4 KB a row of fp32 on the stack).
 constexpr int64_t kScaleWindow = 256;
 
+// What every tile of a range of rows shares: the decode table, the lane constants and the streams' prefetchers at
+// the range's first row (made once per range: per tile, with a MoE expert's short rows, this setup and the
+// prefetchers' divisions were a fifth of the tile).
+struct Bf16RowsSetup {
+  int64_t K, rb, Kp, full, G, sb, srow, ob, orow, per;
+  int group_shift;
+  bool offsets;
+  __m512i table, lane_group;
+  const uint8_t* w;
+  const char* srows;
+  GemvPrefetch prefetch, scale_prefetch, offset_prefetch;
+
+  // kSmall: group size 16, 32 or 64, several groups per step (gemv_tile_bf16_t); nr: rows per tile
+  LOWBIT_TARGET_AVX512 Bf16RowsSetup(const W4Operand& op, int64_t n0, int nr, bool small)
+      : K(op.K), rb(op.row_bytes()), Kp(w4_bf16_padded(K)), full(K / kW4Bf16Step * kW4Bf16Step),
+        G(std::max<int64_t>(op.G, 1)), sb(w4_scale_bytes(op.scale_enc)), srow(G * sb),
+        ob(op.offset_kind == W4Offset::ZeroPoint ? 1 : sb), orow(G * ob),
+        // codes per scaling of the sums: a step, a group, or the row
+        per(small ? kW4Bf16Step : op.G <= 1 ? Kp : op.group),
+        // small groups by a shift: a division by op.group ran at every step
+        group_shift(small ? __builtin_ctzll(op.group) : 0),
+        offsets(op.offset != nullptr && op.offset_kind != W4Offset::None),
+        w(op.codes + n0 * rb), srows(static_cast<const char*>(op.scale) + n0 * srow),
+        prefetch(w, rb, nr),
+        // the rows' scales are a second stream (an eighth of the codes' bytes for nvfp4's): fetched as far ahead in
+        // codes as the codes are, or their misses stall every window's decode
+        scale_prefetch(srows, srow, nr, ahead(op, sb)),
+        // zero points or biases: a third stream, fetched as the scales are, and the rows' group sums of x behind
+        // them
+        offset_prefetch(offsets ? static_cast<const char*>(op.offset) + n0 * orow : srows, orow, nr, ahead(op, ob)) {
+    // the values' high halves (exact bf16: gemv_bf16_takes), twice
+    const __m256i words =
+        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(op.values)), 16));
+    table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
+    // small: lane l of a step's sums is in group l >> shift of the step's groups
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    lane_group = small ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
+  }
+  static int64_t ahead(const W4Operand& op, int64_t bytes) {
+    return std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * bytes);
+  }
+};
+
 // kSmall: group size 16, 32 or 64, several groups per step: lane l of a step's fp32 sums covers codes 8 l .. 8 l + 7,
 // so each step's sums are scaled lane by lane. Otherwise groups are whole steps (or the row): the sums of a group's
-// steps are scaled once.
+// steps are scaled once. Rows n0 .. n0 + NR - 1, the i-th tile of the range that `s` was made for: sums[m * lds + r].
 template <int MR, int NR, bool kSmall>
-LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
-                                               float* sums) {
-  const int64_t K = op.K, rb = op.row_bytes(), Kp = w4_bf16_padded(K), full = K / kW4Bf16Step * kW4Bf16Step;
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void gemv_tile_bf16_t(const Bf16RowsSetup& s,
+                                                                                      int64_t i, const uint16_t* x,
+                                                                                      int64_t ldx, const W4Operand& op,
+                                                                                      int64_t n0, float* sums,
+                                                                                      int64_t lds) {
+  const int64_t K = s.K, rb = s.rb, Kp = s.Kp, full = s.full, G = s.G, sb = s.sb, ob = s.ob, per = s.per;
   const uint8_t* w = op.codes + n0 * rb;
-  const GemvPrefetch prefetch(w, rb, NR);
-  // the values' high halves (exact bf16: gemv_bf16_takes), twice
-  const __m256i words = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(op.values)), 16));
-  const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(words), words, 1);
-  __m512 tot[MR][NR], part[MR][NR][2], s[NR];
+  const GemvPrefetch prefetch = s.prefetch.rows_on(i * NR), scale_prefetch = s.scale_prefetch.rows_on(i * NR),
+                     offset_prefetch = s.offset_prefetch.rows_on(i * NR);
+  const __m512i table = s.table;
+  __m512 tot[MR][NR], part[MR][NR][2], sv[NR];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; m++)
 #pragma GCC unroll 4
@@ -449,31 +494,13 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
   constexpr int64_t kWindow = kSmall ? kScaleWindow : 16;
   alignas(64) float sc[NR][kWindow + 16];
   int64_t base = -kWindow;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  // kSmall: lane l of a step's sums is in group l >> shift of the step's groups
-  const __m512i lane_group = kSmall ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
-  // codes per scaling of the sums: a step, a group, or the row
-  const int64_t per = kSmall ? kW4Bf16Step : op.G <= 1 ? Kp : op.group;
-  // the rows' scales are a second stream (an eighth of the codes' bytes for nvfp4's): fetched as far ahead in
-  // codes as the codes are, or their misses stall every window's decode
-  const int64_t G = std::max<int64_t>(op.G, 1), sb = w4_scale_bytes(op.scale_enc), srow = G * sb;
-  const char* srows = static_cast<const char*>(op.scale) + n0 * srow;
-  const GemvPrefetch scale_prefetch(srows, srow, NR,
-                                    std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * sb));
-  // zero points or biases: a third stream, fetched as the scales are, and the rows' group sums of x behind them
-  const bool offsets = op.offset != nullptr && op.offset_kind != W4Offset::None;
-  const int64_t ob = op.offset_kind == W4Offset::ZeroPoint ? 1 : sb, orow = G * ob;
-  const GemvPrefetch offset_prefetch(offsets ? static_cast<const char*>(op.offset) + n0 * orow : srows, orow, NR,
-                                     std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * ob));
-  // kSmall's groups (16, 32 or 64 codes) by a shift: a division by op.group ran at every step
-  const int group_shift = kSmall ? __builtin_ctzll(op.group) : 0;
   for (int64_t k = 0, g = 0; k < Kp; g++) {
     for (const int64_t end = std::min(Kp, k + per); k < end; k += kW4Bf16Step) {
       if (k < full) step_bf16<MR, NR, true>(part, x, ldx, w, rb, prefetch, k, kW4Bf16Step, table);
       else step_bf16<MR, NR, false>(part, x, ldx, w, rb, prefetch, k, K - k, table);
     }
     // the step's first group (kSmall), or the group just summed
-    const int64_t g0 = kSmall ? (k - kW4Bf16Step) >> group_shift : op.G <= 1 ? 0 : g;
+    const int64_t g0 = kSmall ? (k - kW4Bf16Step) >> s.group_shift : op.G <= 1 ? 0 : g;
     if (g0 >= base + kWindow) {
       base = g0 & ~int64_t(15);
       const int64_t count = std::min(kWindow, G - base);
@@ -487,7 +514,7 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
           _mm512_storeu_ps(sc[r], load_scales16(op.scale_enc, op.scale, (n0 + r) * op.G + base, count));
         }
       }
-      if (offsets) {
+      if (s.offsets) {
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++)
           for (int64_t j = 0; j < count * ob; j += 64) _mm_prefetch(offset_prefetch(r, base * ob + j), kOuterPrefetchHint);
@@ -497,26 +524,44 @@ LOWBIT_TARGET_AVX512BF16 void gemv_tile_bf16_t(const uint16_t* x, int64_t ldx, c
     }
     if constexpr (kSmall) {
 #pragma GCC unroll 4
-      for (int r = 0; r < NR; r++) s[r] = _mm512_permutexvar_ps(lane_group, _mm512_loadu_ps(sc[r] + (g0 - base)));
+      for (int r = 0; r < NR; r++) sv[r] = _mm512_permutexvar_ps(s.lane_group, _mm512_loadu_ps(sc[r] + (g0 - base)));
     } else {  // a broadcast from memory: no shuffle port
 #pragma GCC unroll 4
-      for (int r = 0; r < NR; r++) s[r] = _mm512_set1_ps(sc[r][g0 - base]);
+      for (int r = 0; r < NR; r++) sv[r] = _mm512_set1_ps(sc[r][g0 - base]);
     }
-    scale_parts<MR, NR>(tot, part, s);
+    scale_parts<MR, NR>(tot, part, sv);
   }
 #pragma GCC unroll 4
-  for (int m = 0; m < MR; m++) store_row_sums<NR>(tot[m], sums + m * NR);
+  for (int m = 0; m < MR; m++) store_row_sums<NR>(tot[m], sums + m * lds);
 }
 
-using W4GemvBf16Fn = void (*)(const uint16_t*, int64_t, const W4Operand&, int64_t, float*);
+// Rows [n0, n1) in tiles of NR rows (the last tile: the rows left), one setup for all.
+template <int MR, int NR, bool kSmall>
+LOWBIT_TARGET_AVX512BF16 void gemv_rows_bf16_t(const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
+                                               int64_t n1, float* sums, int64_t lds) {
+  const Bf16RowsSetup s(op, n0, NR, kSmall);
+  int64_t i = 0, n = n0;
+  for (; n + NR <= n1; n += NR, i++) gemv_tile_bf16_t<MR, NR, kSmall>(s, i, x, ldx, op, n, sums + (n - n0), lds);
+  // the last rows: a tile of their own count, with prefetchers made for it
+  if (n1 - n == 1) gemv_tile_bf16_t<MR, 1, kSmall>(Bf16RowsSetup(op, n, 1, kSmall), 0, x, ldx, op, n, sums + (n - n0), lds);
+  if (NR > 2 && n1 - n == 2)
+    gemv_tile_bf16_t<MR, 2, kSmall>(Bf16RowsSetup(op, n, 2, kSmall), 0, x, ldx, op, n, sums + (n - n0), lds);
+  if (NR > 3 && n1 - n == 3)
+    gemv_tile_bf16_t<MR, 3, kSmall>(Bf16RowsSetup(op, n, 3, kSmall), 0, x, ldx, op, n, sums + (n - n0), lds);
+}
 
-struct Bf16Tiles {
-  template <int MR, int NR, bool kSmall>
-  static constexpr W4GemvBf16Fn get() { return &gemv_tile_bf16_t<MR, NR, kSmall>; }
-};
+using W4GemvRowsBf16Fn = void (*)(const uint16_t*, int64_t, const W4Operand&, int64_t, int64_t, float*, int64_t);
 
-void gemv_tile_bf16(int mr, int nr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, float* sums) {
-  pick_gemv_tile<W4GemvBf16Fn, Bf16Tiles>(op.G > 1 && op.group < kW4Bf16Step, mr, nr)(x, ldx, op, n0, sums);
+// One activation row: 4 weight rows per tile share its loads; more rows: 2 weight rows x up to 4 x rows.
+template <bool kSmall>
+constexpr W4GemvRowsBf16Fn kRowsBf16[kMaxTileRows] = {&gemv_rows_bf16_t<1, 4, kSmall>, &gemv_rows_bf16_t<2, 2, kSmall>,
+                                                       &gemv_rows_bf16_t<3, 2, kSmall>, &gemv_rows_bf16_t<4, 2, kSmall>};
+
+void gemv_rows_bf16(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, int64_t n1, float* sums,
+                    int64_t lds) {
+  if (n1 <= n0) return;
+  if (op.G > 1 && op.group < kW4Bf16Step) return kRowsBf16<true>[mr - 1](x, ldx, op, n0, n1, sums, lds);
+  kRowsBf16<false>[mr - 1](x, ldx, op, n0, n1, sums, lds);
 }
 
 // W4Kernels::pack_bf16_row. A step of 128 words is four vectors; bf16 position 32 j + i holds word 4 i + j, taken
@@ -739,6 +784,6 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
 }  // namespace
 
 extern const W4Kernels kW4KernelsAvx512{&gemv_tile,      &decode_rows,      &dequantize_rows, &gemv_bf16_takes,
-                                         &gemv_tile_bf16, &decode_rows_bf16, &pack_bf16_row};
+                                         &gemv_rows_bf16, &decode_rows_bf16, &pack_bf16_row};
 
 }  // namespace lowbit::cpu
