@@ -91,6 +91,25 @@ def test_w4_mm_bf16_gemv(isa, M, group, K):
         check_mm(torch.randn(M, K, generator=g).to(torch.bfloat16), fmt, group, w, bias=torch.randn(23, generator=g))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("N", [64, 133, 198, 259])
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+def test_w4_mm_bf16_gemv_row_ranges(isa, threads, N, M):
+    # the bf16 GEMV takes a range of weight rows per call (W4Kernels::gemv_rows_bf16) in tiles of its own, and the
+    # driver finishes 64 columns at a time: one thread's ranges of several blocks, the last partial, tiles of 1-3
+    # rows at their ends, 2-4 activation rows per call and 5 rows in two calls, each row's output in its own place
+    g = torch.Generator().manual_seed(N * 7 + M)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for fmt, group, offset in [("int4", 128, False), ("nvfp4", 16, False), ("uint4", 64, True)]:
+            w = random_w4(fmt, N, 384, group, g, offset=offset, global_scale=True, scale_dtype=torch.bfloat16)
+            check_mm(torch.randn(M, 384, generator=g).to(torch.bfloat16), fmt, group, w,
+                     bias=torch.randn(N, generator=g))
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("M", [1, 3])
 @pytest.mark.parametrize("group,K", [(16, 2 * 4096 + 53), (32, 8192 + 45), (128, 32768 + 200)])
 def test_w4_mm_bf16_gemv_scale_windows(isa, M, group, K):
