@@ -429,7 +429,7 @@ constexpr int64_t kScaleWindow = 256;
 // the range's first row (made once per range: per tile, with a MoE expert's short rows, this setup and the
 // prefetchers' divisions were a fifth of the tile).
 struct Bf16RowsSetup {
-  int64_t K, rb, Kp, full, G, sb, srow, ob, orow, per;
+  int64_t n0, K, rb, Kp, full, G, sb, srow, ob, orow, per;
   int group_shift;
   bool offsets;
   __m512i table, lane_group;
@@ -439,7 +439,7 @@ struct Bf16RowsSetup {
 
   // kSmall: group size 16, 32 or 64, several groups per step (gemv_tile_bf16_t); nr: rows per tile
   LOWBIT_TARGET_AVX512 Bf16RowsSetup(const W4Operand& op, int64_t n0, int nr, bool small)
-      : K(op.K), rb(op.row_bytes()), Kp(w4_bf16_padded(K)), full(K / kW4Bf16Step * kW4Bf16Step),
+      : n0(n0), K(op.K), rb(op.row_bytes()), Kp(w4_bf16_padded(K)), full(K / kW4Bf16Step * kW4Bf16Step),
         G(std::max<int64_t>(op.G, 1)), sb(w4_scale_bytes(op.scale_enc)), srow(G * sb),
         ob(op.offset_kind == W4Offset::ZeroPoint ? 1 : sb), orow(G * ob),
         // codes per scaling of the sums: a step, a group, or the row
@@ -470,17 +470,16 @@ struct Bf16RowsSetup {
 
 // kSmall: group size 16, 32 or 64, several groups per step: lane l of a step's fp32 sums covers codes 8 l .. 8 l + 7,
 // so each step's sums are scaled lane by lane. Otherwise groups are whole steps (or the row): the sums of a group's
-// steps are scaled once. Rows n0 .. n0 + NR - 1, the i-th tile of the range that `s` was made for: sums[m * lds + r].
+// steps are scaled once. Rows n0 .. n0 + NR - 1 of the range that `s` was made for: sums[m * lds + r].
 template <int MR, int NR, bool kSmall>
 LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void gemv_tile_bf16_t(const Bf16RowsSetup& s,
-                                                                                      int64_t i, const uint16_t* x,
-                                                                                      int64_t ldx, const W4Operand& op,
-                                                                                      int64_t n0, float* sums,
-                                                                                      int64_t lds) {
+                                                                                      const uint16_t* x, int64_t ldx,
+                                                                                      const W4Operand& op, int64_t n0,
+                                                                                      float* sums, int64_t lds) {
   const int64_t K = s.K, rb = s.rb, Kp = s.Kp, full = s.full, G = s.G, sb = s.sb, ob = s.ob, per = s.per;
   const uint8_t* w = op.codes + n0 * rb;
-  const GemvPrefetch prefetch = s.prefetch.rows_on(i * NR), scale_prefetch = s.scale_prefetch.rows_on(i * NR),
-                     offset_prefetch = s.offset_prefetch.rows_on(i * NR);
+  const GemvPrefetch prefetch = s.prefetch.rows_on(n0 - s.n0), scale_prefetch = s.scale_prefetch.rows_on(n0 - s.n0),
+                     offset_prefetch = s.offset_prefetch.rows_on(n0 - s.n0);
   const __m512i table = s.table;
   __m512 tot[MR][NR], part[MR][NR][2], sv[NR];
 #pragma GCC unroll 4
@@ -535,19 +534,18 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void gemv_tile_bf
   for (int m = 0; m < MR; m++) store_row_sums<NR>(tot[m], sums + m * lds);
 }
 
-// Rows [n0, n1) in tiles of NR rows (the last tile: the rows left), one setup for all.
+// Rows [n0, n1) in tiles of NR rows, one setup for all; the rows left (fewer than NR) in tiles of fewer rows, whose
+// prefetchers skip as many rows as those tiles hold.
 template <int MR, int NR, bool kSmall>
 LOWBIT_TARGET_AVX512BF16 void gemv_rows_bf16_t(const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
                                                int64_t n1, float* sums, int64_t lds) {
-  const Bf16RowsSetup s(op, n0, NR, kSmall);
-  int64_t i = 0, n = n0;
-  for (; n + NR <= n1; n += NR, i++) gemv_tile_bf16_t<MR, NR, kSmall>(s, i, x, ldx, op, n, sums + (n - n0), lds);
-  // the last rows: a tile of their own count, with prefetchers made for it
-  if (n1 - n == 1) gemv_tile_bf16_t<MR, 1, kSmall>(Bf16RowsSetup(op, n, 1, kSmall), 0, x, ldx, op, n, sums + (n - n0), lds);
-  if (NR > 2 && n1 - n == 2)
-    gemv_tile_bf16_t<MR, 2, kSmall>(Bf16RowsSetup(op, n, 2, kSmall), 0, x, ldx, op, n, sums + (n - n0), lds);
-  if (NR > 3 && n1 - n == 3)
-    gemv_tile_bf16_t<MR, 3, kSmall>(Bf16RowsSetup(op, n, 3, kSmall), 0, x, ldx, op, n, sums + (n - n0), lds);
+  int64_t n = n0;
+  if (n1 - n0 >= NR) {
+    const Bf16RowsSetup s(op, n0, NR, kSmall);
+    for (; n + NR <= n1; n += NR) gemv_tile_bf16_t<MR, NR, kSmall>(s, x, ldx, op, n, sums + (n - n0), lds);
+  }
+  if constexpr (NR > 1)
+    if (n < n1) gemv_rows_bf16_t<MR, NR - 1, kSmall>(x, ldx, op, n, n1, sums + (n - n0), lds);
 }
 
 using W4GemvRowsBf16Fn = void (*)(const uint16_t*, int64_t, const W4Operand&, int64_t, int64_t, float*, int64_t);
