@@ -496,6 +496,80 @@ void check_w4_bf16_panels(const KernelSet& s, const W4Operand& plain, const char
     }
 }
 
+// The bf16-activation GEMV over ranges of rows (where a set has one and takes the weight): x packed here in the
+// bf16 order (w4_kernels.h), with the fp32 group sums behind each row for weights with offsets, against float64.
+// The kernel scales each group's sum once (the contract), so its bound is that of fp32 sums over |x| (|v s| + |o|);
+// a row with a non-finite weight must give a non-finite sum (NaN or inf: the contract allows either). The set's
+// activation pack, where it has one, must give the same words and sums within their bound.
+void check_w4_gemv_rows_bf16(const KernelSet& s, const W4Operand& op, const char* fmt) {
+  if (!s.w4.gemv_rows_bf16 || !s.w4.gemv_bf16_takes(op)) return;
+  const int64_t N = op.N, K = op.K, Kp = w4_bf16_padded(K);
+  const bool offsets = op.offset != nullptr && op.offset_kind != W4Offset::None;
+  const int64_t gs = offsets ? w4_bf16_group_sums(op) : 0, ldx = Kp + 2 * gs + 6, group = op.G <= 1 ? K : op.group;
+  std::normal_distribution<float> normal(0.f, 1.f);
+  Buf<uint16_t> xp(size_t(kMaxTileRows * ldx + 64), 0);
+  std::vector<double> xv(size_t(kMaxTileRows * K));
+  for (int m = 0; m < kMaxTileRows; m++) {
+    uint16_t* row = xp.p + m * ldx;
+    for (int64_t k = 0; k < K; k++) {
+      row[w4_bf16_pos(k)] = float_to_bf16_bits(normal(g_rng));
+      xv[size_t(m * K + k)] = w4_bf16_float(row[w4_bf16_pos(k)]);
+    }
+    std::fill(row + Kp, row + ldx, uint16_t(0xFFFF));  // past the sums: NaN, which nothing may read
+    float* sums = reinterpret_cast<float*>(row + Kp);
+    for (int64_t g = 0; g < gs; g++) {
+      double t = 0;
+      for (int64_t k = g * group; k < std::min(K, (g + 1) * group); k++) t += xv[size_t(m * K + k)];
+      sums[g] = float(t);
+    }
+    if (s.w4.pack_bf16_row) {
+      const double* xin = xv.data() + m * K;
+      std::vector<uint16_t> nat(static_cast<size_t>(K)), got(size_t(Kp + 2 * gs), 0xBEEF);
+      for (int64_t k = 0; k < K; k++) nat[size_t(k)] = float_to_bf16_bits(float(xin[k]));
+      s.w4.pack_bf16_row(nat.data(), K, group, gs, got.data());
+      CHECK(std::equal(got.begin(), got.begin() + Kp, row), "w4 pack_bf16_row %s K=%lld: words differ", fmt,
+            (long long)K);
+      for (int64_t g = 0; g < gs; g++) {
+        float v;
+        std::memcpy(&v, got.data() + Kp + 2 * g, 4);
+        double mag = 0;
+        for (int64_t k = g * group; k < std::min(K, (g + 1) * group); k++) mag += std::fabs(xin[k]);
+        CHECK(std::fabs(double(v) - sums[g]) <= double(group + 16) * std::ldexp(mag, -23),
+              "w4 pack_bf16_row %s K=%lld group sum %lld: %.9g vs %.9g", fmt, (long long)K, (long long)g, double(v),
+              double(sums[g]));
+      }
+    }
+  }
+  const float* byte_table = w4_byte_scale_table(op.scale_enc);
+  for (int mr = 1; mr <= kMaxTileRows; mr++)
+    for (const auto& range : {std::pair<int64_t, int64_t>{0, N}, {1, N}, {N - 1, N}, {2, std::min<int64_t>(N, 4)}, {1, 1}}) {
+      const int64_t n0 = range.first, n1 = range.second, lds = n1 - n0 + 3;
+      std::vector<float> sums(size_t(mr * lds), 7.f);
+      s.w4.gemv_rows_bf16(mr, xp.p, ldx, op, n0, n1, sums.data(), lds);
+      for (int m = 0; m < mr; m++)
+        for (int64_t n = n0; n < n0 + lds; n++) {
+          const float got = sums[size_t(m * lds + n - n0)];
+          if (n >= n1) {
+            CHECK(got == 7.f, "w4 gemv_rows_bf16 %s wrote past the range", fmt);
+            continue;
+          }
+          double ref = 0, mag = 0;
+          for (int64_t k = 0; k < K; k++) {
+            const W4Group p = w4_group(op, byte_table, n, op.G <= 1 ? 0 : k / op.group);
+            const int code = (op.codes[n * op.row_bytes() + k / 2] >> ((k & 1) * 4)) & 0xF;
+            const double x = xv[size_t(m * K + k)];
+            ref += x * double(w4_ref(op, n, k));
+            mag += std::fabs(x) * (std::fabs(double(op.values[code]) * p.scale) + std::fabs(double(p.zp) * p.scale) +
+                                   std::fabs(double(p.bias)));
+          }
+          const double bound = (double(K) + 64) * std::ldexp(mag, -22) + 1e-30;
+          CHECK(std::isfinite(ref) ? std::fabs(double(got) - ref) <= bound : !std::isfinite(got),
+                "w4 gemv_rows_bf16 %s K=%lld group=%lld mr=%d rows [%lld, %lld) m=%d n=%lld: %.9g vs %.9g", fmt,
+                (long long)K, (long long)op.group, mr, (long long)n0, (long long)n1, m, (long long)n, double(got), ref);
+        }
+    }
+}
+
 void check_w4_case(const KernelSet& s, const W4Operand& op, const char* fmt) {
   const int64_t N = op.N, K = op.K, Kp = w4_padded(K);
   // natural-order decode: every element exact
@@ -523,6 +597,7 @@ void check_w4_case(const KernelSet& s, const W4Operand& op, const char* fmt) {
           (long long)op.group, (long long)win, bad);
   }
   check_w4_bf16_panels(s, op, fmt);
+  check_w4_gemv_rows_bf16(s, op, fmt);
   // GEMV tiles against float64, every (mr, nr)
   std::uniform_real_distribution<float> ux(-2.f, 2.f);
   for (int mr = 1; mr <= kMaxTileRows; mr++)
@@ -561,6 +636,14 @@ void check_w4(const KernelSet& s) {
             if (offset && f.offset == W4Offset::None) continue;
             const W4Case c = make_w4(f, W4Scale(enc), offset, 5, K, group, (K + group) % 3 == 0);
             check_w4_case(s, c.op, f.name);
+          }
+      // the bf16 GEMV's longer rows (windows of group scales) and ranges of several tiles
+      for (int64_t K : {1000, 4500})
+        for (int64_t group : {16, 32, 64, 256})
+          for (bool offset : {false, true}) {
+            if (offset && f.offset == W4Offset::None) continue;
+            const W4Case c = make_w4(f, W4Scale(enc), offset, 11, K, group, false);
+            check_w4_gemv_rows_bf16(s, c.op, f.name);
           }
     }
 }
