@@ -234,6 +234,15 @@ ARM_PLANTS = [
      "the 4-bit tail keeps code 6 of a half past K"),
     ("csrc/cpu/arch/arm/w4_neon.cpp", "vld1q_f32(xp + 20), d[3]", "vld1q_f32(xp + 4), d[3]",
      "the 4-bit GEMV pairs odd codes 9..15 of a half with the even codes' activations"),
+    ("csrc/cpu/arch/arm/w4_bf16.cpp", "d[1] = vreinterpretq_bf16_u8(vtrn1q_u8(lo13, hi13));",
+     "d[1] = vreinterpretq_bf16_u8(vtrn2q_u8(lo13, hi13));", "the bf16 4-bit decode gives nibble 3 for nibble 1"),
+    ("csrc/cpu/arch/arm/w4_bf16.cpp", "std::memcpy(tail[r], w[r], size_t(s.rb - k / 2));",
+     "std::memcpy(tail[r], w[r], size_t(s.rb - k / 2 - 1));", "the bf16 4-bit tile drops a row's last code byte"),
+    ("csrc/cpu/arch/arm/w4_bf16.cpp", "return vcombine_f32(vdup_lane_f32(v, 0), vdup_lane_f32(v, 1));",
+     "return vcombine_f32(vdup_lane_f32(v, 0), vdup_lane_f32(v, 0));",
+     "the bf16 4-bit tile scales a register's second group of 16 by the first's scale"),
+    ("csrc/cpu/arch/arm/w4_bf16.cpp", "vst1q_u16(dst + k + 32 * j + 8 * c, v.val[j]);",
+     "vst1q_u16(dst + k + 32 * c + 8 * j, v.val[j]);", "the bf16 activation pack transposes the step"),
 ]
 
 

@@ -53,6 +53,19 @@ constexpr int64_t w4_bf16_pos(int64_t k) { return (k & ~int64_t(127)) | ((k & 3)
 // per group, zero padded to whole 16s (the tile reads them 16 groups at a time).
 inline int64_t w4_bf16_group_sums(const W4Operand& op) { return ((op.G > 1 ? op.G : 1) + 15) / 16 * 16; }
 
+// The weights a bf16 tile takes (W4Kernels::gemv_bf16_takes, every set with one): groups that are whole steps, the
+// row, or 16, 32 or 64 codes (a step's sums scaled lane by lane), and code values exact in bf16 (int4, uint4, E2M1;
+// an inexact table stays on the fp32 tiles).
+inline bool w4_bf16_tile_takes(const W4Operand& op) {
+  if (!(op.G <= 1 || op.group % kW4Bf16Step == 0 || op.group == 16 || op.group == 32 || op.group == 64)) return false;
+  for (int i = 0; i < 16; i++) {
+    uint32_t u;
+    std::memcpy(&u, &op.values[i], 4);
+    if (u & 0xFFFF) return false;
+  }
+  return true;
+}
+
 // One group's decode: w = (value - zp) * scale, or value * scale + bias where has_bias.
 struct W4Group {
   float scale = 1.f, zp = 0.f, bias = 0.f;

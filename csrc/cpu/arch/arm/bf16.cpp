@@ -35,6 +35,7 @@
 namespace lowbit::cpu {
 
 const KernelSet& kernel_set_i8mm();
+W4Kernels w4_kernels_bf16(const W4Kernels& base);  // w4_bf16.cpp
 
 namespace {
 
@@ -154,7 +155,7 @@ const KernelSet& kernel_set_bf16() {
       kFeatDotprod | kFeatI8mm | kFeatBf16,
       Fp8Kernels{i8mm.fp8.gemv_tile, &gemv_tile_bf16, i8mm.fp8.decode_rows, nullptr, i8mm.fp8.dequantize_run},
       i8mm.int8,
-      i8mm.w4,
+      w4_kernels_bf16(i8mm.w4),
       i8mm.axpy_rows,
       i8mm.xor_words,
       false,  // no AMX on Arm: the GEMM regimes run fp32 panels

@@ -328,16 +328,7 @@ void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op,
 // tile's, which bounds it on many threads. vdpbf16ps multiplies pairs exactly (bf16 x bf16 fits fp32) and
 // accumulates in fp32 (like every AVX-512 BF16 instruction it reads denormal inputs -- below 1e-38 -- as zero).
 // A group's zero point or bias multiplies the group's sum of x (w4_kernels.h). Values inexact in bf16 stay on the
-// fp32 tiles.
-LOWBIT_TARGET_AVX512 bool gemv_bf16_takes(const W4Operand& op) {
-  if (!(op.G <= 1 || op.group % kW4Bf16Step == 0 || op.group == 16 || op.group == 32 || op.group == 64)) return false;
-  for (int i = 0; i < 16; i++) {
-    uint32_t u;
-    std::memcpy(&u, &op.values[i], 4);
-    if (u & 0xFFFF) return false;  // not a bf16 value
-  }
-  return true;
-}
+// fp32 tiles (w4_bf16_tile_takes).
 
 // 64 bytes of codes at w: a whole step, or (kFull false) the step's `valid` codes inside K, the rest read as code 0
 // (times a zero activation)
@@ -781,7 +772,7 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
 
 }  // namespace
 
-extern const W4Kernels kW4KernelsAvx512{&gemv_tile,      &decode_rows,      &dequantize_rows, &gemv_bf16_takes,
+extern const W4Kernels kW4KernelsAvx512{&gemv_tile,      &decode_rows,      &dequantize_rows, &w4_bf16_tile_takes,
                                          &gemv_rows_bf16, &decode_rows_bf16, &pack_bf16_row};
 
 }  // namespace lowbit::cpu
