@@ -92,10 +92,9 @@ LOWBIT_TARGET_BF16 inline __attribute__((always_inline)) void decode_register(co
   d[3] = vreinterpretq_bf16_u8(vtrn2q_u8(lo13, hi13));
 }
 
-// Accumulator chains per (activation row, weight row): one per register of a step with one activation row, two with
-// more (registers: MR x NR x chains of them).
-template <int MR>
-constexpr int kChains = MR == 1 ? 4 : 2;
+// Two accumulator chains per (activation row, weight row), for the even and the odd registers of a step (one chain
+// per pair of rows would wait on bfdot's latency).
+constexpr int kChains = 2;
 
 // The fp32 scales of the lanes of register a's sums at step k, for groups of 2^kShift codes (16, 32, 64): lane q
 // sums codes k + 32 a + 8 q .. + 7. sc: the row's window of scales from group `base`.
@@ -111,41 +110,50 @@ LOWBIT_TARGET_BF16 inline __attribute__((always_inline)) float32x4_t lane_scales
   }
 }
 
-// One step (128 codes) of the tile's rows at code k from the rows' code pointers w[r]. kShift > 0 (small groups):
-// each chain's sums are scaled into tot as its register ends; otherwise they stay in acc for the group's end.
+// One step (128 codes) at code k of the tile's rows, whose step bytes are w + r * rb. Register by register, so that
+// the register's activations are loaded once for all the tile's rows. kShift > 0 (small groups): each pair of
+// registers' sums is scaled into tot; otherwise the sums stay in acc until the group ends.
 template <int MR, int NR, int kShift>
-LOWBIT_TARGET_BF16 inline __attribute__((always_inline)) void step(float32x4_t (&acc)[MR][NR][kChains<MR>],
+LOWBIT_TARGET_BF16 inline __attribute__((always_inline)) void step(float32x4_t (&acc)[MR][NR][kChains],
                                                                  float32x4_t (&tot)[MR][NR], const uint16_t* x,
-                                                                 int64_t ldx, const uint8_t* const (&w)[NR],
+                                                                 int64_t ldx, const uint8_t* w, int64_t rb,
                                                                  const ValueBytes& vb, int64_t k,
                                                                  const float (*sc)[kWindowGroups + 1], int64_t base) {
-  constexpr int C = kChains<MR>;
-  for (int r = 0; r < NR; r++)
-    for (int a = 0; a < 4; a++) {
+#pragma GCC unroll 4
+  for (int a = 0; a < 4; a++) {
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
       bfloat16x8_t d[4];
-      decode_register(w[r] + 16 * a, vb, d);
+      decode_register(w + r * rb + 16 * a, vb, d);
+#pragma GCC unroll 4
       for (int m = 0; m < MR; m++) {
         const uint16_t* xp = x + m * ldx + k + 8 * a;
-        float32x4_t& s = acc[m][r][a % C];
+        float32x4_t& s = acc[m][r][a % kChains];
+#pragma GCC unroll 4
         for (int j = 0; j < 4; j++) s = vbfdotq_f32(s, d[j], vreinterpretq_bf16_u16(vld1q_u16(xp + 32 * j)));
       }
-      if constexpr (kShift > 0)
-        if (a % C == C - 1)
-          for (int c = 0; c < C; c++) {
-            const float32x4_t sv = lane_scales<kShift>(sc[r], k, a - (C - 1) + c, base);
+    }
+    if constexpr (kShift > 0)
+      if (a % kChains == kChains - 1)
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 2
+          for (int c = 0; c < kChains; c++) {
+            const float32x4_t sv = lane_scales<kShift>(sc[r], k, a - (kChains - 1) + c, base);
+#pragma GCC unroll 4
             for (int m = 0; m < MR; m++) {
               tot[m][r] = vfmaq_f32(tot[m][r], acc[m][r][c], sv);
               acc[m][r][c] = vdupq_n_f32(0.f);
             }
           }
-    }
+  }
 }
 
 // Rows n .. n + NR - 1: sums[m * lds + r].
 template <int MR, int NR, int kShift>
 LOWBIT_TARGET_BF16 void tile(const RowsSetup& s, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n,
                              float* sums, int64_t lds) {
-  constexpr int C = kChains<MR>;
+  constexpr int C = kChains;
   const GemvPrefetch prefetch = s.prefetch.rows_on(n - s.n0);
   const uint8_t* codes = op.codes + n * s.rb;
   float32x4_t acc[MR][NR][C], tot[MR][NR];
@@ -155,8 +163,6 @@ LOWBIT_TARGET_BF16 void tile(const RowsSetup& s, const uint16_t* x, int64_t ldx,
       for (int c = 0; c < C; c++) acc[m][r][c] = vdupq_n_f32(0.f);
     }
   float sc[NR][kWindowGroups + 1], off[NR][kWindowGroups];  // +1: the pair a group-16 lane pair loads
-  // the last, partial step through zero-padded copies (never read past a row; x is zero there)
-  uint8_t tail[NR][kW4Bf16Step / 2];
   for (int64_t w0 = 0; w0 < s.Kp; w0 += s.window) {
     const int64_t base = op.G <= 1 ? 0 : w0 / op.group, count = std::min(kWindowGroups, s.G - base);
     for (int r = 0; r < NR; r++) {
@@ -180,19 +186,14 @@ LOWBIT_TARGET_BF16 void tile(const RowsSetup& s, const uint16_t* x, int64_t ldx,
     for (int64_t g0 = w0; g0 < w1; g0 += kShift > 0 ? w1 - w0 : s.group) {  // one group at a time (large groups)
       const int64_t g1 = std::min(w1, g0 + (kShift > 0 ? w1 - w0 : s.group));
       for (int64_t k = g0; k < g1; k += kW4Bf16Step) {
-        const uint8_t* w[NR];
-        for (int r = 0; r < NR; r++) {
-          __builtin_prefetch(prefetch(r, k / 2));
-          w[r] = codes + r * s.rb + k / 2;
+        for (int r = 0; r < NR; r++) __builtin_prefetch(prefetch(r, k / 2));
+        if (k < s.full) {
+          step<MR, NR, kShift>(acc, tot, x, ldx, codes + k / 2, s.rb, s.vb, k, sc, base);
+          continue;
         }
-        if (k >= s.full) {
-          for (int r = 0; r < NR; r++) {
-            std::memset(tail[r], 0, sizeof tail[r]);
-            std::memcpy(tail[r], w[r], size_t(s.rb - k / 2));
-            w[r] = tail[r];
-          }
-        }
-        step<MR, NR, kShift>(acc, tot, x, ldx, w, s.vb, k, sc, base);
+        uint8_t tail[NR][kW4Bf16Step / 2] = {};  // the last, partial step: never read past a row (x is zero there)
+        for (int r = 0; r < NR; r++) std::memcpy(tail[r], codes + r * s.rb + k / 2, size_t(s.rb - k / 2));
+        step<MR, NR, kShift>(acc, tot, x, ldx, tail[0], kW4Bf16Step / 2, s.vb, k, sc, base);
       }
       if constexpr (kShift == 0)
         for (int r = 0; r < NR; r++) {
@@ -225,10 +226,11 @@ LOWBIT_TARGET_BF16 void rows_t(const uint16_t* x, int64_t ldx, const W4Operand& 
 
 using RowsFn = void (*)(const uint16_t*, int64_t, const W4Operand&, int64_t, int64_t, float*, int64_t);
 
-// One activation row: 4 weight rows per tile share its loads; more: 2 weight rows (the chains' registers).
+// One activation row: 4 weight rows per tile share its activations; more rows: fewer weight rows, so that the
+// accumulators (MR x NR x 2) stay in the 32 registers.
 template <int kShift>
 constexpr RowsFn kRows[kMaxTileRows] = {&rows_t<1, 4, kShift>, &rows_t<2, 2, kShift>, &rows_t<3, 2, kShift>,
-                                        &rows_t<4, 2, kShift>};
+                                        &rows_t<4, 1, kShift>};
 
 void gemv_rows_bf16(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, int64_t n1, float* sums,
                     int64_t lds) {
