@@ -212,9 +212,20 @@ template <class T> inline int64_t to_i64(const T& v) {
   if constexpr (std::is_same_v<std::remove_cv_t<T>, char>) return int64_t((signed char)v);
   else return int64_t(v);
 }
+// A float element's poison is a signaling NaN with its own payload: arithmetic never produces it (a NaN it
+// produces or propagates is quiet), so a sum that is legitimately NaN -- the canonical 0x7FC00000 of a NaN weight
+// -- is never taken for an element nobody wrote.
 template <class T> inline T poison() {
-  if constexpr (std::is_integral_v<T>) return T(0x7EADBEEF);
-  else return T(NAN);
+  if constexpr (std::is_integral_v<T>) {
+    return T(0x7EADBEEF);
+  } else if constexpr (std::is_same_v<T, float>) {
+    const uint32_t bits = 0x7FA5A5A5u;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  } else {
+    return T(NAN);
+  }
 }
 template <class T> inline bool is_poison(const T& v) {
   const T p = poison<T>();
@@ -336,6 +347,10 @@ namespace emu {
 struct RunIn {
   void* dest;
   ViewKey left, right, dest_view;
+  // the pending run's slot that `run` filled: its resolver reads the same one. A matmul2d instantiation of the same
+  // types in two kernel files is one merged out-of-line copy, which may pair with another file's inlined `run`,
+  // each naming its own file's tl_pending_run (two M5 kernels with one tile shape did: the run never resolved).
+  Run** pending;
 };
 
 struct Run {
@@ -480,7 +495,7 @@ template <matmul2d_descriptor D, class Scope, class... Args> class matmul2d {
       msl::rt::report_error("matmul2d::run (line %u): the threads of the execution scope pass different operands "
                             "(every thread must pass the same left and right tensors)", loc.line());
     }
-    emu::RunIn in{&dst, emu::key_of(left), emu::key_of(right), {}};
+    emu::RunIn in{&dst, emu::key_of(left), emu::key_of(right), {}, &pending};
     if constexpr (!is_cooperative_v<Dst>) in.dest_view = emu::key_of(dst);
     msl::rt::block_tg_collective(&resolve<L, R, Dst>, &in, nullptr, loc);
   }
@@ -489,8 +504,9 @@ template <matmul2d_descriptor D, class Scope, class... Args> class matmul2d {
   // Called once per run, with every thread of the threadgroup (L[i]->in: its RunIn).
   template <class L, class R, class Dst> static void resolve(int n, msl::rt::ThreadCtx** lanes) {
     using TD = typename Dst::element_type;
-    emu::Run* run = emu::tl_pending_run;
-    emu::tl_pending_run = nullptr;
+    emu::Run** slot = static_cast<const emu::RunIn*>(lanes[0]->in)->pending;
+    emu::Run* run = *slot;
+    *slot = nullptr;
     if (run == nullptr) return;
     if (n != Threads) {
       msl::rt::report_error("matmul2d::run (line %u) reached by %d threads; execution_simdgroups<%d> needs all %d", run->line,
