@@ -16,6 +16,7 @@
 #include "metal/library_loading.h"
 #include "metal/mps_info.h"
 #include "metal/plan_int8_mm.h"
+#include "metal/plan_w4.h"
 #include "metal/plans.h"
 
 namespace {
@@ -111,6 +112,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return lowbit::metal::fp8_mm_kernel_name(M, dtype, lowbit::metal::emulator_device_caps());
       },
       "the Metal kernel fp8_mm runs for (M, x dtype) on the emulator's device");
+  m.def(
+      "_metal_w4_scaled_exact",
+      [](const at::Tensor& codes, const at::Tensor& scale, const std::string& format, int64_t group_size, int64_t K,
+         at::ScalarType dtype) {
+        return lowbit::metal::w4_scaled_exact(
+            lowbit::check_w4_weight("w4_mm", codes, scale, format, group_size, K, std::nullopt, std::nullopt, false),
+            dtype);
+      },
+      "whether w4_mm's M5 GEMM stages this weight's decoded values (every value times every scale exact in dtype)");
   m.def(
       "_metal_fp8_grouped_mm_kernel",
       [](int64_t T, int64_t G, at::ScalarType dtype) {

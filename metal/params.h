@@ -163,6 +163,7 @@ enum W4Flags : uint {
   kW4XVec = 4u,             // rows of x / grad_out start 16-byte aligned: vector loads
   kW4HasBias = 8u,          // w4_mm: bias [N] (of dtype bias_dtype) is bound and added
   kW4HasGlobalScale = 16u,  // global_scale (fp32 [1]) is bound and multiplies the product
+  kW4MppScaled = 32u,       // w4_gemm_mpp: every value times every scale is exact in the activations' dtype
 };
 
 // One 4-bit weight [N, K] and the product's sizes. The format reaches the kernels only as its value table and

@@ -53,6 +53,10 @@ struct W4OffsetNone {
   template <typename S>
   static ulong bytes(ulong) { return 0; }
   static float apply(float v, W4Group g) { return v * g.s; }
+  // the tensor-op GEMM (w4_gemm_mpp.h): what it stages for a code of value v (the weight before its group's scale,
+  // exact in half and bfloat) and whether the group's sum of x times the offset joins the scaled sum
+  static float unscaled(float v, float) { return v; }
+  static bool adds_x_sums() { return false; }
 };
 struct W4OffsetZeroPoint {  // int8 zero points
   template <typename S>
@@ -60,6 +64,8 @@ struct W4OffsetZeroPoint {  // int8 zero points
   template <typename S>
   static ulong bytes(ulong n) { return n; }
   static float apply(float v, W4Group g) { return (v - g.o) * g.s; }
+  static float unscaled(float v, float zp) { return v - zp; }  // an integer of at most 8 bits: exact
+  static bool adds_x_sums() { return false; }
 };
 struct W4OffsetBias {  // additive biases in the scale's encoding (MLX affine)
   template <typename S>
@@ -67,6 +73,8 @@ struct W4OffsetBias {  // additive biases in the scale's encoding (MLX affine)
   template <typename S>
   static ulong bytes(ulong n) { return S::bytes(n); }
   static float apply(float v, W4Group g) { return v * g.s + g.o; }
+  static float unscaled(float v, float) { return v; }
+  static bool adds_x_sums() { return true; }
 };
 
 template <typename S, typename O>

@@ -21,7 +21,8 @@ POSITIONS = 2 ** 32  # thread_position_in_grid is a 32-bit uint
 
 # Output tile (rows of x, columns of out) each threadgroup of a kernel computes, by kernel name prefix: the
 # kernels' geometry (metal/*.metal), written out here so a plan that sizes a grid wrongly fails.
-TILES = {"fp8_gemm_mpp_": (64, 64), "int8_gemm_mpp_": (64, 64),  # M5 (matmul2d), before their prefixes
+TILES = {"fp8_gemm_mpp_": (64, 64), "int8_gemm_mpp_": (64, 64), "w4_gemm_mpp_": (64, 64),  # M5 (matmul2d),
+         # before their prefixes
          "fp8_gemv_rows_": (8, 16), "fp8_gemv_": (1, 4), "fp8_gemm_": (32, 32), "int8_gemv_": (4, 4),
          "int8_gemm_": (32, 64)}
 # the transposed products (out [M, K]): rows of grad_out, columns of out
@@ -216,10 +217,18 @@ def test_m5_grids_at_llama_70b_sizes(M, K, N):
         _, fp8 = run("fp8_mm", x, w, s, None, block)
         _, i8 = run("int8_mm", torch.empty(M, K, dtype=torch.int8, device=META), torch.empty(M, device=META), wq,
                     torch.empty(N, device=META), None, None)
-    for (r,), name in ((fp8, "fp8_gemm_mpp_bfloat"), (i8, "int8_gemm_mpp_bfloat")):
+        w4 = {}
+        for fmt in ("nvfp4", "int4"):
+            codes, scale, group, offset, gs = w4_weight(fmt, N, K)
+            w4[fmt] = run("w4_mm", x, codes, scale, fmt, group, offset, gs, None)[1]
+    for (r,), name in ((fp8, "fp8_gemm_mpp_bfloat"), (i8, "int8_gemm_mpp_bfloat"),
+                       (w4["nvfp4"], "w4_gemm_mpp_bfloat" + W4_VARIANT["nvfp4"]),
+                       (w4["int4"], "w4_gemm_mpp_bfloat" + W4_VARIANT["int4"])):
         assert r["kernel"] == name and r["threads"] == (128, 1, 1)
         assert r["grid"] == (math.ceil(N / 64), math.ceil(M / 64), 1)
     assert u32s(i8[0], 3) == (M, N, K)
+    # nvfp4 stages decoded weights (kW4MppScaled, 32); int4 folds its group scales
+    assert w4_params(w4["nvfp4"][0])[6] == W4_FLAGS["nvfp4"] | 32 and w4_params(w4["int4"][0])[6] == W4_FLAGS["int4"]
 
 
 # ---------------------------------------------------------------------------------------------- MoE

@@ -6,35 +6,22 @@
 namespace lowbit::metal {
 namespace {
 
-// The shape classes of fp8_mm: the regimes of choose_mm_kernel, the GEMM split by activation width, since fp32
-// activations never go through the tensor units (they would be rounded to half or bfloat: design.md).
-enum class Fp8MmClass { Gemv, GemvRows, Gemm16, Gemm32 };
-
-Fp8MmClass fp8_mm_class(int64_t M, at::ScalarType dtype) {
-  switch (choose_mm_kernel(M, kFp8GemvRows)) {
-    case MmKernel::Gemv: return Fp8MmClass::Gemv;
-    case MmKernel::GemvRows: return Fp8MmClass::GemvRows;
-    case MmKernel::Gemm: break;
-  }
-  return dtype == at::kFloat ? Fp8MmClass::Gemm32 : Fp8MmClass::Gemm16;
-}
-
 // The kernels of each class (plans.h KernelVariant: newer-GPU variants go before the portable line). On M5 the
 // bf16 / fp16 GEMM runs Metal 4's matmul2d on 64 x 64 tiles (metal/fp8_gemm_apple10.metal).
 // The GEMV lines carry only their threads (their plan sizes the grid from its own constants).
 constexpr TileGeometry kGemmTile{kFp8GemmTile, kFp8GemmTile, kFp8GemmThreads, true};
-constexpr KernelVariant<Fp8MmClass> kFp8MmKernels[] = {
-    {Fp8MmClass::Gemv, "fp8_gemv", kPortableDevice, {0, 0, kFp8GemvSimdgroups * 32, true}},
-    {Fp8MmClass::GemvRows, "fp8_gemv_rows", kPortableDevice, {0, 0, kFp8GemvRowsSimdgroups * 32, true}},
-    {Fp8MmClass::Gemm16, "fp8_gemm_mpp", kTensorOpsDevice, {kFp8MppBM, kFp8MppBN, kFp8MppThreads, false}},
-    {Fp8MmClass::Gemm16, "fp8_gemm", kPortableDevice, kGemmTile},
-    {Fp8MmClass::Gemm32, "fp8_gemm", kPortableDevice, kGemmTile},
+constexpr KernelVariant<MmWidthClass> kFp8MmKernels[] = {
+    {MmWidthClass::Gemv, "fp8_gemv", kPortableDevice, {0, 0, kFp8GemvSimdgroups * 32, true}},
+    {MmWidthClass::GemvRows, "fp8_gemv_rows", kPortableDevice, {0, 0, kFp8GemvRowsSimdgroups * 32, true}},
+    {MmWidthClass::Gemm16, "fp8_gemm_mpp", kTensorOpsDevice, {kFp8MppBM, kFp8MppBN, kFp8MppThreads, false}},
+    {MmWidthClass::Gemm16, "fp8_gemm", kPortableDevice, kGemmTile},
+    {MmWidthClass::Gemm32, "fp8_gemm", kPortableDevice, kGemmTile},
 };
 
 }  // namespace
 
 std::string fp8_mm_kernel_name(int64_t M, at::ScalarType dtype, const DeviceCaps& device) {
-  return kernel_name(pick_kernel(kFp8MmKernels, fp8_mm_class(M, dtype), device), dtype);
+  return kernel_name(pick_kernel(kFp8MmKernels, mm_width_class(M, kFp8GemvRows, dtype), device), dtype);
 }
 
 at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -51,28 +38,29 @@ at::Tensor plan_fp8_mm(Target t, const at::Tensor& x, const at::Tensor& weight, 
   p.bias_dtype = a.bias ? kernel_dtype_code(a.bias->scalar_type()) : kDtypeFloat;
   p.scale = scale_params(a.w.layout);
 
-  const Fp8MmClass k = fp8_mm_class(M, a.x.scalar_type());
+  const MmWidthClass k = mm_width_class(M, kFp8GemvRows, a.x.scalar_type());
   // the multi-row GEMV holds 8 rows in registers: where its pipeline takes fewer than its 256 threads, the
   // narrower GEMM (any M) runs; the one-row GEMV has nothing narrower
-  const Fp8MmClass narrower = k != Fp8MmClass::GemvRows ? k : fp8_mm_class(kFp8GemvRows + 1, a.x.scalar_type());
-  const KernelVariant<Fp8MmClass>& v = pick_variant(kFp8MmKernels, k, narrower, t, a.x.scalar_type());
+  const MmWidthClass narrower =
+      k != MmWidthClass::GemvRows ? k : mm_width_class(kFp8GemvRows + 1, kFp8GemvRows, a.x.scalar_type());
+  const KernelVariant<MmWidthClass>& v = pick_variant(kFp8MmKernels, k, narrower, t, a.x.scalar_type());
   Dispatch d(kernel_name(v.base, a.x.scalar_type()));
   d.buffer("x", a.x).buffer("weight", a.w.bits).buffer("scale", a.w.scale);
   // without a bias the kernel never reads [[buffer(3)]]; bind the scale there so it is never unbound
   d.buffer(a.bias ? "bias" : "bias (none: scale bound, unread)", a.bias ? *a.bias : a.w.scale);
   d.buffer("out", out, Access::Write).value("params", p);
   switch (v.cls) {
-    case Fp8MmClass::Gemv:
+    case MmWidthClass::Gemv:
       d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvSimdgroups * kFp8GemvColsM1)), 1, 1},
              {v.tile.threads, 1, 1});
       break;
-    case Fp8MmClass::GemvRows:
+    case MmWidthClass::GemvRows:
       d.grid({checked_u32("grid x", ceil_div(N, kFp8GemvRowsSimdgroups * kFp8GemvColsRows)),
               checked_u32("grid y", ceil_div(M, kFp8GemvRows)), 1},
              {v.tile.threads, 1, 1});
       break;
-    case Fp8MmClass::Gemm16:
-    case Fp8MmClass::Gemm32:
+    case MmWidthClass::Gemm16:
+    case MmWidthClass::Gemm32:
       d.grid({checked_u32("grid x", ceil_div(N, v.tile.bn)), checked_u32("grid y", ceil_div(M, v.tile.bm)), 1},
              {v.tile.threads, 1, 1});
       break;

@@ -18,6 +18,12 @@ std::string w4_kernel_name(const char* base, at::ScalarType dtype, const W4Weigh
 // code-load flags; `flags` adds the op's own (kW4XVec, kW4HasBias, ...).
 W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags);
 
+// Whether every code value of w's format times every finite scale of its encoding is exact in dtype, and normal
+// there where not zero (tensor units may flush subnormals): the M5 GEMM then stages decoded weights instead of
+// folding group scales (kW4MppScaled, metal/w4_gemm_mpp.h). True for nvfp4 (E2M1 x E4M3) with bf16 and fp16;
+// only E4M3 scales without offsets are tried.
+bool w4_scaled_exact(const W4Weight& w, at::ScalarType dtype);
+
 // Binds the weight's four buffers in kernel order: codes, scale, offset, global_scale. An absent offset or global
 // scale binds the scale in its place (never read: the params say it is absent), so no buffer is ever unbound.
 void bind_w4_weight(Dispatch& d, const W4Weight& w);

@@ -1,6 +1,12 @@
 #include "metal/plan_w4.h"
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
 
 namespace lowbit::metal {
 
@@ -27,6 +33,36 @@ const char* w4_offset_variant(W4Offset o) {
 std::string w4_kernel_name(const char* base, at::ScalarType dtype, const W4Weight& w) {
   const std::string variant = std::string(w4_scale_variant(w.scale_enc)) + "_" + w4_offset_variant(w.offset_kind());
   return kernel_name(base, dtype, variant.c_str());
+}
+
+bool w4_scaled_exact(const W4Weight& w, at::ScalarType dtype) {
+  if (w.scale_enc != W4Scale::E4M3 || w.offset_kind() != W4Offset::None) return false;
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return false;
+  constexpr size_t kFormats = sizeof(kW4Formats) / sizeof(kW4Formats[0]);
+  // [format][0: half, 1: bfloat], worked out once: 16 values x 256 scale bytes
+  static const auto exact = [] {
+    std::array<std::array<bool, 2>, kFormats> t{};
+    for (size_t f = 0; f < kFormats; f++)
+      for (int h = 0; h < 2; h++) {
+        bool ok = true;
+        for (float v : kW4Formats[f].values)
+          for (int b = 0; b < 256 && ok; b++) {
+            const uint8_t byte = uint8_t(b);
+            const float s = w4_scale_to_float(W4Scale::E4M3, &byte, 0);
+            if (s != s) continue;  // a NaN scale decodes to NaN in any dtype
+            const double d = double(v) * double(s);
+            const float p = float(d);
+            if (double(p) != d) ok = false;
+            if (p == 0.f || !ok) continue;
+            const float a = std::fabs(p);
+            ok = h == 0 ? a >= 6.103515625e-05f && a <= 65504.f && float(c10::Half(p)) == p
+                        : a >= std::numeric_limits<float>::min() && float(c10::BFloat16(p)) == p;
+          }
+        t[f][size_t(h)] = ok;
+      }
+    return t;
+  }();
+  return exact[size_t(w.format - kW4Formats)][dtype == at::kBFloat16 ? 1 : 0];
 }
 
 W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags) {

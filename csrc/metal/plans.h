@@ -155,6 +155,17 @@ inline MmKernel choose_mm_kernel(int64_t M, int64_t gemv_rows) {
   if (M <= gemv_rows) return MmKernel::GemvRows;
   return MmKernel::Gemm;
 }
+// The same regimes with the GEMM split by activation width, for ops with an M5 tensor-op GEMM: fp32 activations
+// never go through the tensor units (they would be rounded to half or bfloat: design.md).
+enum class MmWidthClass { Gemv, GemvRows, Gemm16, Gemm32 };
+inline MmWidthClass mm_width_class(int64_t M, int64_t gemv_rows, at::ScalarType dtype) {
+  switch (choose_mm_kernel(M, gemv_rows)) {
+    case MmKernel::Gemv: return MmWidthClass::Gemv;
+    case MmKernel::GemvRows: return MmWidthClass::GemvRows;
+    case MmKernel::Gemm: break;
+  }
+  return dtype == at::kFloat ? MmWidthClass::Gemm32 : MmWidthClass::Gemm16;
+}
 
 // The [M, N] product's result where it is empty or K == 0 (an empty sum: the bias, or zero, in every row); false
 // where the kernels must run.

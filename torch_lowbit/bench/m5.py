@@ -1,13 +1,13 @@
 """M5 tensor-op kernels vs the portable ones: ``python -m torch_lowbit.bench --suite m5``.
 
-On an Apple M5 (mps device, the lowbit_apple10 library loaded) times int8_mm and fp8_mm (bf16 activations) at
-prefill shapes with the tensor-op kernels, and again with ``TORCH_LOWBIT_NO_MPP=1`` (the plans read it at each
-call), and prints both times, the ratio and Tops/s; the outputs of the two paths are compared first (int8:
-the same bits; fp8: within fp32 accumulation error). Shapes: the seed's FLUX.2-like projection / MLP shapes
-(4096 tokens, hidden 3072, MLP 12288; the seed claims 1.5-1.9x for int8 there) and a Llama-3-8B prefill
-(M = 512). ``--device emu`` runs the same comparison through the emulator under an M5's device caps, on the
-shapes given by ``--shapes`` (times there mean nothing; CI uses it to check the suite). Elsewhere it says why
-it skips.
+On an Apple M5 (mps device, the lowbit_apple10 library loaded) times int8_mm, fp8_mm and w4_mm (int4 per 128
+with zero points, and nvfp4; bf16 activations) at prefill shapes with the tensor-op kernels, and again with
+``TORCH_LOWBIT_NO_MPP=1`` (the plans read it at each call), and prints both times, the ratio and Tops/s; the
+outputs of the two paths are compared first (int8: the same bits; fp8 and 4-bit: within fp32 accumulation
+error). Shapes: the seed's FLUX.2-like projection / MLP shapes (4096 tokens, hidden 3072, MLP 12288; the seed
+claims 1.5-1.9x for int8 there) and a Llama-3-8B prefill (M = 512). ``--device emu`` runs the same comparison
+through the emulator under an M5's device caps, on the shapes given by ``--shapes`` (times there mean nothing;
+CI uses it to check the suite). Elsewhere it says why it skips.
 """
 import argparse
 import contextlib
@@ -46,8 +46,16 @@ def _calls(device, M, K, N, gen):
     bits = torch.randint(0, 256, (N, K), dtype=torch.uint8, generator=gen)
     bits[(bits & 0x7F) == 0x7F] = 0x38
     bits, scale = bits.to(dev), (torch.rand(N, generator=gen) + 0.5).to(dev)
+    # 4-bit: int4 per 128 with bf16 scales and zero points (GPTQ / compressed-tensors), nvfp4 (decoded weights)
+    codes = torch.randint(0, 256, (N, (K + 1) // 2), dtype=torch.uint8, generator=gen).to(dev)
+    g128, g16 = -(-K // 128), -(-K // 16)
+    s128 = ((torch.rand(N, g128, generator=gen) + 0.5) * 0.01).to(torch.bfloat16).to(dev)
+    zp = torch.randint(-4, 5, (N, g128), dtype=torch.int8, generator=gen).to(dev)
+    s16, gscale = torch.randint(0x28, 0x48, (N, g16), dtype=torch.uint8, generator=gen).to(dev), torch.ones(1).to(dev)
     return [("int8_mm", lambda: ops.int8_mm(xq, xs, wq, ws, None, torch.bfloat16)),
-            ("fp8_mm bf16", lambda: ops.fp8_mm(x, bits, scale, None, None))]
+            ("fp8_mm bf16", lambda: ops.fp8_mm(x, bits, scale, None, None)),
+            ("w4_mm int4 g128 bf16", lambda: ops.w4_mm(x, codes, s128, "int4", 128, zp, None, None)),
+            ("w4_mm nvfp4 bf16", lambda: ops.w4_mm(x, codes, s16, "nvfp4", 16, None, gscale, None))]
 
 
 def run(argv) -> int:
