@@ -110,7 +110,7 @@ def test_grouped_kernels(device, dtype):
         bwd = "fp8_grouped_mm_t_gemv_rows" if decode else "fp8_grouped_mm_t_gemm"
         assert kernels("fp8_grouped_mm_t", empty(T, N, dtype=dtype), w, s, offsets, ids, block, device=device) == \
             ["fp8_grouped_tiles", f"{bwd}_{d}"], T
-        w4 = "w4_grouped_gemv" if decode else "w4_grouped_gemm"
+        w4 = "w4_grouped_gemv" if decode else "w4_grouped_gemm_mpp" if m5_gemm(device, dtype) else "w4_grouped_gemm"
         assert kernels("w4_grouped_mm", empty(T, K, dtype=dtype), codes, w4_scale, "mxfp4", 32, offsets, ids, None,
                        None, device=device) == ["fp8_grouped_tiles", f"{w4}_{d}_e8m0_none"], T
         # the 4-bit transposed product: the tiled GEMM for every T

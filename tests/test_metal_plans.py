@@ -277,6 +277,15 @@ def test_m5_grouped_prefill_over_the_same_tile_table(model, proj):
     assert layout["kernel"] == "fp8_grouped_tiles"
     assert gemm["kernel"] == "fp8_grouped_gemm_mpp_bfloat" and gemm["threads"] == (128, 1, 1)
     assert gemm["grid"] == (math.ceil(N / 64), math.ceil(T / 32) + E + 1, 1)  # 32-row tiles of the table
+    # the 4-bit experts (mxfp4, gpt-oss's format) over the same table
+    codes, scale = torch.empty(E, N, K // 2, dtype=torch.uint8, device=META), \
+        torch.empty(E, N, K // 32, dtype=torch.uint8, device=META)
+    with device_caps(**M5):
+        _, (_, w4) = run("w4_grouped_mm", torch.empty(T, K, dtype=torch.bfloat16, device=META), codes, scale, "mxfp4",
+                         32, torch.empty(E + 1, dtype=torch.int32, device=META),
+                         torch.empty(E, dtype=torch.int32, device=META), None, None)
+    assert w4["kernel"] == "w4_grouped_gemm_mpp_bfloat_e8m0_none" and w4["threads"] == (128, 1, 1)
+    assert w4["grid"] == gemm["grid"]
 
 
 @pytest.mark.parametrize("model", list(MOE))

@@ -1,8 +1,10 @@
-"""w4_mm prefill on Apple M5 (metal/w4_gemm_mpp.h on Metal 4 matmul2d) through the emulator's tensor-op model:
+"""w4_mm and w4_grouped_mm prefill on Apple M5 (metal/w4_gemm_mpp.h on Metal 4 matmul2d) through the emulator's
+tensor-op model:
 chosen on an M5 (emulator.device_caps(10, 400)) for bf16 / fp16 activations only; every format and scale encoding
 within the float64 tolerances of the portable kernels, in both thread orders, both cooperative-tensor layouts and
 every float summation order; group sizes that end K segments early (16 .. 128, odd, per channel), K and N tails
-around the 64-wide tiles, output biases, NaN / inf activations and scales."""
+around the 64-wide tiles, output biases, NaN / inf activations and scales; for the grouped op, the routing cases
+(empty groups, -1 ids, rows in no group, whole tiles) and every format."""
 import math
 
 import pytest
@@ -12,7 +14,9 @@ import torch_lowbit
 from conftest import Backend
 from torch_lowbit import emulator
 from test_metal_fp8_apple10 import M5, MODES, _on_m5
+from test_metal_fp8 import GROUPED_CASES
 from test_metal_w4 import FORMATS, SUFFIX, W4, _gen, _x, run_mm
+from test_metal_w4_grouped import W4Experts, _rows_in_no_group_are_zero, run_grouped
 
 pytestmark = pytest.mark.skipif(not emulator.available(), reason="the Metal emulator is not built in this install")
 
@@ -129,3 +133,54 @@ def test_mm_matches_the_portable_gemm_on_a_larger_shape():
     m5 = _mm(x, w)
     portable = run_mm(EMU, x, w)
     assert torch.allclose(m5.double(), portable.double(), rtol=2e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------- w4_grouped_mm
+PREFILL = ["prefill", "prefill_whole_tiles"]
+
+
+def test_grouped_plan_picks_the_m5_kernel_for_16_bit_prefill_only():
+    meta = torch.device("meta")
+
+    def kernel(T, dtype):
+        with emulator.device_caps(**M5), emulator.dry_run() as d:
+            d.ops.w4_grouped_mm(torch.empty(T, 64, dtype=dtype, device=meta),
+                                torch.empty(4, 16, 32, dtype=torch.uint8, device=meta),
+                                torch.empty(4, 16, 2, dtype=torch.uint8, device=meta), "mxfp4", 32,
+                                torch.empty(5, dtype=torch.int32, device=meta), None)
+            return d.take()[-1]["kernel"]
+
+    for dtype in DTYPES16:
+        assert kernel(32, dtype) == f"w4_grouped_gemv_{SUFFIX[dtype]}_e8m0_none"  # decode stays on the GEMV
+        assert kernel(33, dtype) == f"w4_grouped_gemm_mpp_{SUFFIX[dtype]}_e8m0_none"
+    assert kernel(33, torch.float32) == "w4_grouped_gemm_float_e8m0_none"
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("case", PREFILL)
+def test_grouped_mm_routing(case, mode):
+    c = GROUPED_CASES[case]
+    g = _gen("m5route", case, mode)
+    w = W4Experts("int4_zp_bf16", 4, 70, 100, g)
+    out = _on_m5(lambda: run_grouped(EMU, w, _x((c["T"], 100), torch.bfloat16, g), c["offsets"], c["ids"]), mode)
+    _rows_in_no_group_are_zero(out, c)
+
+
+# every format (per-expert global scales included) and 16-bit dtype; K = 45: odd and a partial last group
+@pytest.mark.parametrize("dtype", DTYPES16)
+@pytest.mark.parametrize("fid", list(FORMATS))
+def test_grouped_mm_formats(fid, dtype):
+    c = GROUPED_CASES["prefill"]
+    g = _gen("m5gfmt", fid, str(dtype))
+    w = W4Experts(fid, 4, 7, 45, g)
+    _on_m5(lambda: run_grouped(EMU, w, _x((c["T"], 45), dtype, g), c["offsets"], c["ids"]), MODES[1])
+
+
+def test_grouped_mm_non_finite():
+    c = GROUPED_CASES["prefill"]
+    g = _gen("m5gnan")
+    w = W4Experts("mxfp4", 4, 7, 64, g)
+    w.scale[1, 2, 1] = 0xFF  # e8m0 NaN: expert 1, column 2
+    x = _x((c["T"], 64), torch.bfloat16, g)
+    x[0, 5] = math.inf  # group 0's first row
+    _on_m5(lambda: run_grouped(EMU, w, x, c["offsets"], c["ids"]), MODES[2])

@@ -58,7 +58,8 @@ kernel void lowbit_tensor_ops_probe(device char* a [[buffer(0)]], device int* c 
 """
 APPLE10 = Library("lowbit_apple10", msl_version=400, apple_family=10, macos=26, macos_minor=2,
                   files=("metal/int8_gemm_apple10.metal", "metal/fp8_gemm_apple10.metal",
-                         "metal/fp8_grouped_mm_apple10.metal", "metal/w4_gemm_apple10.metal"), probe=TENSOR_OPS_PROBE)
+                         "metal/fp8_grouped_mm_apple10.metal", "metal/w4_gemm_apple10.metal",
+                         "metal/w4_grouped_mm_apple10.metal"), probe=TENSOR_OPS_PROBE)
 VARIANTS = (APPLE10,)
 
 

@@ -9,18 +9,25 @@
 
 namespace lowbit::metal {
 
-// fp8_grouped_tiles lays rows out in tiles of the fp8 GEMM's height; the 4-bit tile kernels run one per tile
+// fp8_grouped_tiles lays rows out in tiles of the fp8 GEMM's height; the 4-bit tile kernels (the M5 one's
+// kFp8GemmTile rows too) run one per tile
 static_assert(kW4GemmTile == kFp8GemmTile, "the 4-bit grouped GEMMs run fp8_grouped_tiles' row tiles");
 
 namespace {
 
-// The shape classes by mean rows per group, and their kernels (plans.h KernelVariant: newer-GPU variants go before
-// the portable line)
-enum class W4GroupedClass { Decode, Prefill };
+// The shape classes by mean rows per group, prefill split by activation width (fp32 activations never go through
+// the tensor units), and their kernels (plans.h KernelVariant: newer-GPU variants go before the portable line). On
+// M5 the bf16 / fp16 prefill runs Metal 4's matmul2d on the tile table's 32-row tiles
+// (metal/w4_grouped_mm_apple10.metal).
+enum class W4GroupedClass { Decode, Prefill16, Prefill32 };
+constexpr TileGeometry kPrefillGeometry{kW4GemmTile, kW4GemmTile, kW4GemmThreads, false};
 constexpr KernelVariant<W4GroupedClass> kW4GroupedKernels[] = {
     {W4GroupedClass::Decode, "w4_grouped_gemv", kPortableDevice,
      {0, kW4GemvSimdgroups * kW4GemvCols, kW4GemvSimdgroups * 32, false}},
-    {W4GroupedClass::Prefill, "w4_grouped_gemm", kPortableDevice, {kW4GemmTile, kW4GemmTile, kW4GemmThreads, false}},
+    {W4GroupedClass::Prefill16, "w4_grouped_gemm_mpp", kTensorOpsDevice,
+     {kFp8GemmTile, kFp8MppBN, kFp8MppThreads, false}},
+    {W4GroupedClass::Prefill16, "w4_grouped_gemm", kPortableDevice, kPrefillGeometry},
+    {W4GroupedClass::Prefill32, "w4_grouped_gemm", kPortableDevice, kPrefillGeometry},
 };
 
 }  // namespace
@@ -59,11 +66,16 @@ at::Tensor plan_w4_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& c
   if (out.numel() == 0) return out;
   if (K == 0 || G == 0) return out.zero_();  // empty sums, or every row in no group
 
-  const W4GroupedParams p = w4_grouped_params(a, vector_access_ok(kW4XVecBytes, K, {a.x}) ? kW4XVec : 0u);
   // mean rows per group up to kW4GemvRows: one GEMV pass per group reads each chosen expert's codes once (MoE
   // decode); more rows per group: the tiled GEMM reuses each decoded weight tile for 32 rows
-  const W4GroupedClass cls = T <= int64_t(kW4GemvRows) * G ? W4GroupedClass::Decode : W4GroupedClass::Prefill;
+  const at::ScalarType dtype = a.x.scalar_type();
+  const W4GroupedClass cls = T <= int64_t(kW4GemvRows) * G ? W4GroupedClass::Decode
+                             : dtype == at::kFloat         ? W4GroupedClass::Prefill32
+                                                           : W4GroupedClass::Prefill16;
   const KernelVariant<W4GroupedClass>& v = pick_variant(kW4GroupedKernels, cls, t.caps);
+  const bool tensor_ops = v.needs.msl_version >= kTensorOpsDevice.msl_version;
+  const W4GroupedParams p = w4_grouped_params(a, (vector_access_ok(kW4XVecBytes, K, {a.x}) ? kW4XVec : 0u) |
+                                                     (tensor_ops && w4_scaled_exact(a.w, dtype) ? kW4MppScaled : 0u));
   run_w4_grouped(t, v.base, "x", a, p, out, cls == W4GroupedClass::Decode, ceil_div(N, v.tile.bn), v.tile.threads);
   return out;
 }
