@@ -188,15 +188,10 @@ def test_mm_strided_x_and_scales(backend, M):
     run_mm(backend, x, w)
 
 
-# NaN and inf activations propagate as in float64 (inf times a zero weight is NaN); a NaN or infinite scale
-# makes only its own column NaN / inf, also in the GEMV lanes and GEMM tiles that pad past K with zeros.
-@pytest.mark.parametrize("backend", metal_backends())
-@pytest.mark.parametrize("M", [1, 5, 40])
-@pytest.mark.parametrize("fid", ["nvfp4", "mxfp4", "int4_zp_bf16"])
-def test_mm_non_finite(backend, fid, M):
-    g = _gen("nan", fid, M)
-    N, K = 7, 45
-    x = _x((M, K), torch.float32, g)
+def non_finite_case(fid, M, N, K, dtype, g):
+    """x [M, K] with a NaN in row 0 and an inf in row M - 1, and a weight whose column 2 has a NaN scale (one-byte
+    encodings) or an infinite one (column 4 then a NaN one)."""
+    x = _x((M, K), dtype, g)
     x[0, 3] = math.nan
     x[M - 1, K - 1] = math.inf
     w = W4(fid, N, K, g)
@@ -207,6 +202,16 @@ def test_mm_non_finite(backend, fid, M):
     else:
         w.scale[2, 1] = math.inf
         w.scale[4, 0] = math.nan
+    return x, w
+
+
+# NaN and inf activations propagate as in float64 (inf times a zero weight is NaN); a NaN or infinite scale
+# makes only its own column NaN / inf, also in the GEMV lanes and GEMM tiles that pad past K with zeros.
+@pytest.mark.parametrize("backend", metal_backends())
+@pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize("fid", ["nvfp4", "mxfp4", "int4_zp_bf16"])
+def test_mm_non_finite(backend, fid, M):
+    x, w = non_finite_case(fid, M, 7, 45, torch.float32, _gen("nan", fid, M))
     out = run_mm(backend, x, w)
     assert torch.isnan(out[0]).all() and not torch.isfinite(out[:, 2]).any()
 

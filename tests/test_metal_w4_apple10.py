@@ -15,7 +15,7 @@ from conftest import Backend
 from torch_lowbit import emulator
 from test_metal_fp8_apple10 import M5, MODES, _on_m5
 from test_metal_fp8 import GROUPED_CASES
-from test_metal_w4 import FORMATS, SUFFIX, W4, _gen, _x, run_mm
+from test_metal_w4 import FORMATS, SUFFIX, W4, _gen, _x, non_finite_case, run_mm
 from test_metal_w4_grouped import W4Experts, _rows_in_no_group_are_zero, run_grouped
 
 pytestmark = pytest.mark.skipif(not emulator.available(), reason="the Metal emulator is not built in this install")
@@ -107,19 +107,7 @@ def test_mm_bias(bias_dtype):
 @pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("fid", ["nvfp4", "mxfp4", "int4_zp_bf16", "int4_sym_f16"])
 def test_mm_non_finite(fid, mode):
-    g = _gen("m5nan", fid, mode)
-    M, N, K = 70, 7, 100
-    x = _x((M, K), torch.bfloat16, g)
-    x[0, 3] = math.nan
-    x[M - 1, K - 1] = math.inf
-    w = W4(fid, N, K, g)
-    if w.format == "nvfp4":
-        w.scale[2, 1] = 0x7F  # e4m3 NaN
-    elif w.format == "mxfp4":
-        w.scale[2, 1] = 0xFF  # e8m0 NaN
-    else:
-        w.scale[2, 1] = math.inf
-        w.scale[4, 0] = math.nan
+    x, w = non_finite_case(fid, 70, 7, 100, torch.bfloat16, _gen("m5nan", fid, mode))
     out = _mm(x, w, mode=mode)
     assert torch.isnan(out[0]).all() and torch.isnan(out[:, 2]).all()
 
