@@ -15,6 +15,7 @@ TENSOR_OPS = os.path.join(E.PLANTED, "tensor_ops.metal")
 BAD_TYPES = os.path.join(E.PLANTED, "tensor_ops_bad_types.metal")
 RELAXED = os.path.join(E.PLANTED, "tensor_ops_relaxed.metal")
 BFLOAT_OS26_0 = os.path.join(E.PLANTED, "tensor_ops_bfloat_os26_0.metal")
+COOP = [os.path.join(E.PLANTED, f"tensor_ops_coop_{t}.metal") for t in "ab"]
 
 PLAUSIBLE, PERMUTED = 0, 1
 
@@ -167,3 +168,49 @@ def test_reading_a_tensor_destination_before_the_barrier_reads_poison(lib):
 def test_refused_at_compile_time(path, message):
     with pytest.raises(RuntimeError, match=message):
         E.build([path])
+
+
+# ---- the model across kernel files, and NaN sums ----
+@pytest.fixture(scope="module")
+def coop():
+    library = E.Library(E.build(COOP))
+    library.lib.msl_emu_set_tensor_ops.argtypes = [E.ctypes.c_int, E.ctypes.c_int, E.ctypes.c_uint]
+    yield library
+    library.lib.msl_emu_set_tensor_ops(PLAUSIBLE, 0, 1)
+
+
+def run_coop(lib, kernel, a, b, reverse=False):
+    M, K = a.shape
+    N = b.shape[0]
+    out = np.zeros((M, N), np.float32)
+    lib.lib.msl_emu_set_tensor_ops(PERMUTED, 0, 7)
+    text = lib.run(kernel, [a, b, out, np.array([M, N, K, 0], np.uint32)], grid=(1,), tg=(128,), outputs=(2,),
+                   reverse=reverse, check=False)
+    return text, out
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_one_matmul2d_type_in_two_kernel_files(coop, reverse):
+    """Both files' kernels (one merged out-of-line copy of the run's resolver, each file's own inlined run) run
+    several runs each without a false 'different operands' (each run resolves the pending run its run filled)."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((50, 100)).astype(np.float16)
+    b = rng.standard_normal((61, 100)).astype(np.float16)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    bound = 100 * 2.0 ** -24 * (np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T)
+    for kernel in ("mm_half_coop_a", "mm_half_coop_b", "mm_half_coop_a"):
+        text, out = run_coop(coop, kernel, a, b, reverse)
+        assert errors(text) == [], (kernel, text)
+        assert (np.abs(out - ref) <= bound + 1e-30).all(), kernel
+
+
+def test_a_nan_sum_accumulated_again_is_not_taken_for_poison(coop):
+    """A NaN operand makes its row's sums NaN (the canonical quiet NaN); accumulating onto them in the next runs is
+    legitimate, and the row comes out NaN, the others exact within the bound."""
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((20, 96)).astype(np.float16)
+    b = rng.standard_normal((9, 96)).astype(np.float16)
+    a[3, 0] = np.nan
+    text, out = run_coop(coop, "mm_half_coop_a", a, b)
+    assert errors(text) == [], text
+    assert np.isnan(out[3]).all() and not np.isnan(np.delete(out, 3, axis=0)).any()
