@@ -37,17 +37,42 @@ struct W4MppWeight {
   }
   bool folds_after(uint k1, uint K) const { return k1 == K || (grouped() && k1 % p->group == 0); }
 
+  // group i's scale (1 where the tile holds unscaled weights) and offset, and what the tile holds for value v
+  W4Group terms(ulong i) const {
+    return W4Group{scaled() ? S::load(scale, i) : 1.0f, O::template offset<S>(offset, i)};
+  }
+  float staged(float v, W4Group g) const { return scaled() ? O::apply(v, g) : O::unscaled(v, g.o); }
+
   void stage(threadgroup T* ws, device const T* x, uint rows, uint n0, uint k0, uint k1, uint tid) const {
     const uint len = k1 - k0, rb = (p->K + 1) / 2;
-    for (uint e = tid; e < kFp8MppBN * kFp8MppBK; e += kFp8MppThreads) {
-      const uint r = e / kFp8MppBK, kk = e % kFp8MppBK, n = n0 + r, k = k0 + kk;
-      float v = 0.0f;
-      if (n < p->N && kk < len) {
-        v = p->values[(codes[ulong(n) * rb + k / 2] >> (4 * (k & 1))) & 0xFu];
-        const ulong i = ulong(n) * p->G + w4_group_of(*p, k);
-        v = scaled() ? O::apply(v, w4_group<S, O>(scale, offset, i)) : O::unscaled(v, O::template offset<S>(offset, i));
+    if (p->group % 8 == 0 || p->G <= 1) {
+      // a 32-bit word of codes per item (k0 and every group start are multiples of 8): one load of the codes and
+      // one of the group's terms per 8 weights
+      constexpr uint kWords = kFp8MppBK / 8;
+      const bool word = (p->flags & kW4CodesWord) != 0;
+      for (uint e = tid; e < kFp8MppBN * kWords; e += kFp8MppThreads) {
+        const uint r = e / kWords, kk = (e % kWords) * 8, n = n0 + r;
+        threadgroup T* dst = ws + r * kFp8MppBK + kk;
+        uint codes8 = 0;
+        W4Group g = W4Group{0.0f, 0.0f};
+        if (n < p->N && kk < len) {
+          codes8 = w4_load_word(codes + ulong(n) * rb, (k0 + kk) / 2, rb, word);
+          g = terms(ulong(n) * p->G + w4_group_of(*p, k0 + kk));
+        }
+        for (uint j = 0; j < 8; j++) {
+          dst[j] = n < p->N && kk + j < len ? T(staged(p->values[(codes8 >> (4 * j)) & 0xFu], g)) : T(0.0f);
+        }
       }
-      ws[e] = T(v);
+    } else {  // groups that split a word: code by code
+      for (uint e = tid; e < kFp8MppBN * kFp8MppBK; e += kFp8MppThreads) {
+        const uint r = e / kFp8MppBK, kk = e % kFp8MppBK, n = n0 + r, k = k0 + kk;
+        float v = 0.0f;
+        if (n < p->N && kk < len) {
+          v = staged(p->values[(codes[ulong(n) * rb + k / 2] >> (4 * (k & 1))) & 0xFu],
+                     terms(ulong(n) * p->G + w4_group_of(*p, k)));
+        }
+        ws[e] = T(v);
+      }
     }
     if (O::adds_x_sums() && !scaled() && tid < kFp8MppBM) {  // the row's sum of x over [k0, k1), joined to the group's
       float s = 0.0f;
