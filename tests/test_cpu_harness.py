@@ -242,6 +242,8 @@ ARM_PLANTS = [
     ("csrc/cpu/arch/arm/w4_bf16.cpp", "return vcombine_f32(vdup_lane_f32(v, 0), vdup_lane_f32(v, 1));",
      "return vcombine_f32(vdup_lane_f32(v, 0), vdup_lane_f32(v, 0));",
      "the bf16 4-bit tile scales a register's second group of 16 by the first's scale"),
+    ("csrc/cpu/arch/arm/w4_bf16.cpp", "vdup_n_u8(kEnc == W4Scale::E4M3 ? 0x80 : 0)", "vdup_n_u8(0)",
+     "the bf16 4-bit tile's scale decode misses e4m3's NaN 0x7F"),
     ("csrc/cpu/arch/arm/w4_bf16.cpp", "vst1q_u16(dst + k + 32 * j + 8 * c, v.val[j]);",
      "vst1q_u16(dst + k + 32 * c + 8 * j, v.val[j]);", "the bf16 activation pack transposes the step"),
 ]

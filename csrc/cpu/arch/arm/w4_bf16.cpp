@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "cpu/arch/arm/target.h"
 #include "cpu/arch/kernel_set.h"
@@ -43,11 +44,53 @@ LOWBIT_TARGET_BF16 inline ValueBytes value_bytes(const float* values) {
   return {vld1q_u8(lo), vld1q_u8(hi)};
 }
 
-// Stored scales (or biases: the same encoding) i .. i + count - 1 as fp32, zero up to `to`.
+// 8 stored scales of a one-byte encoding at p as fp32 (lo: the first 4), the values of w4_scale_to_float. E4M3:
+// the byte sign-extended to 16 bits, shifted left by 7, bit 14 cleared, is a half of 1/256 the value (subnormals
+// stay subnormal), widened exactly; 0x7F and 0xFF are NaN. E8M0: 2^(b - 127) as the fp32 exponent field b, 0 the
+// subnormal 2^-127, 0xFF NaN.
+template <W4Scale kEnc>
+LOWBIT_TARGET_BF16 inline __attribute__((always_inline)) void scales8(const void* p, float32x4_t& lo,
+                                                                      float32x4_t& hi) {
+  const uint8x8_t b = vld1_u8(static_cast<const uint8_t*>(p));
+  // the NaN bytes' all-ones lanes, widened by sign extension
+  const int16x8_t nan16 =
+      vmovl_s8(vreinterpret_s8_u8(vceq_u8(vorr_u8(b, vdup_n_u8(kEnc == W4Scale::E4M3 ? 0x80 : 0)), vdup_n_u8(0xFF))));
+  const uint32x4_t nan_lo = vreinterpretq_u32_s32(vmovl_s16(vget_low_s16(nan16)));
+  const uint32x4_t nan_hi = vreinterpretq_u32_s32(vmovl_high_s16(nan16));
+  const float32x4_t nan = vdupq_n_f32(std::numeric_limits<float>::quiet_NaN());
+  if constexpr (kEnc == W4Scale::E4M3) {
+    const int16x8_t h = vandq_s16(vshlq_n_s16(vmovl_s8(vreinterpret_s8_u8(b)), 7), vdupq_n_s16(int16_t(0xBF80)));
+    const float16x8_t f = vreinterpretq_f16_s16(h);
+    lo = vmulq_n_f32(vcvt_f32_f16(vget_low_f16(f)), 256.f);
+    hi = vmulq_n_f32(vcvt_high_f32_f16(f), 256.f);
+  } else {  // E8M0
+    const uint16x8_t w = vmovl_u8(b);
+    const uint32x4_t e_lo = vmovl_u16(vget_low_u16(w)), e_hi = vmovl_high_u16(w);
+    const uint32x4_t sub = vdupq_n_u32(0x00400000u), zero = vdupq_n_u32(0);
+    lo = vreinterpretq_f32_u32(vbslq_u32(vceqq_u32(e_lo, zero), sub, vshlq_n_u32(e_lo, 23)));
+    hi = vreinterpretq_f32_u32(vbslq_u32(vceqq_u32(e_hi, zero), sub, vshlq_n_u32(e_hi, 23)));
+  }
+  lo = vbslq_f32(nan_lo, nan, lo);
+  hi = vbslq_f32(nan_hi, nan, hi);
+}
+
+// Stored scales (or biases: the same encoding) i .. i + count - 1 as fp32, zero up to `to`. One-byte encodings 8 at
+// a time (nvfp4 has a scale per 16 codes: its table loads were a tenth of its instructions); the 16- and 32-bit
+// ones by the loop (bf16 scales 8 at a time counted 4% more instructions for int4 g128, not fewer).
 template <W4Scale kEnc>
 LOWBIT_TARGET_BF16 void decode_floats_t(const void* p, int64_t i, int64_t count, int64_t to, float* dst) {
+  int64_t j = 0;
+  if constexpr (kEnc == W4Scale::E4M3 || kEnc == W4Scale::E8M0) {
+    const uint8_t* base = static_cast<const uint8_t*>(p) + i;
+    for (; j + 8 <= count; j += 8) {
+      float32x4_t lo, hi;
+      scales8<kEnc>(base + j, lo, hi);
+      vst1q_f32(dst + j, lo);
+      vst1q_f32(dst + j + 4, hi);
+    }
+  }
   const float* byte_table = w4_byte_scale_table(kEnc);
-  for (int64_t j = 0; j < count; j++)
+  for (; j < count; j++)
     dst[j] = byte_table ? byte_table[static_cast<const uint8_t*>(p)[i + j]] : w4_scale_to_float(kEnc, p, i + j);
   std::fill(dst + count, dst + to, 0.f);
 }
