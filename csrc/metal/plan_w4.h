@@ -23,6 +23,9 @@ W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags);
 // folding group scales (kW4MppScaled, metal/w4_gemm_mpp.h). True for nvfp4 (E2M1 x E4M3) with bf16 and fp16;
 // only E4M3 scales without offsets are tried.
 bool w4_scaled_exact(const W4Weight& w, at::ScalarType dtype);
+// The params flag of that choice for a kernel line with these needs: kW4MppScaled for a tensor-op kernel where
+// w4_scaled_exact, else 0 (the portable kernels decode every weight in fp32).
+uint32_t w4_mpp_flags(const DeviceCaps& kernel_needs, const W4Weight& w, at::ScalarType dtype);
 
 // Binds the weight's four buffers in kernel order: codes, scale, offset, global_scale. An absent offset or global
 // scale binds the scale in its place (never read: the params say it is absent), so no buffer is ever unbound.

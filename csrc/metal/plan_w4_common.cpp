@@ -65,6 +65,10 @@ bool w4_scaled_exact(const W4Weight& w, at::ScalarType dtype) {
   return exact[size_t(w.format - kW4Formats)][dtype == at::kBFloat16 ? 1 : 0];
 }
 
+uint32_t w4_mpp_flags(const DeviceCaps& kernel_needs, const W4Weight& w, at::ScalarType dtype) {
+  return uses_tensor_ops(kernel_needs) && w4_scaled_exact(w, dtype) ? kW4MppScaled : 0u;
+}
+
 W4Params w4_params(const W4Weight& w, int64_t M, uint32_t flags) {
   W4Params p{};
   p.M = checked_u32("M", M);

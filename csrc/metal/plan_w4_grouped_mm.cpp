@@ -73,9 +73,8 @@ at::Tensor plan_w4_grouped_mm(Target t, const at::Tensor& x, const at::Tensor& c
                              : dtype == at::kFloat         ? W4GroupedClass::Prefill32
                                                            : W4GroupedClass::Prefill16;
   const KernelVariant<W4GroupedClass>& v = pick_variant(kW4GroupedKernels, cls, t.caps);
-  const bool tensor_ops = v.needs.msl_version >= kTensorOpsDevice.msl_version;
   const W4GroupedParams p = w4_grouped_params(a, (vector_access_ok(kW4XVecBytes, K, {a.x}) ? kW4XVec : 0u) |
-                                                     (tensor_ops && w4_scaled_exact(a.w, dtype) ? kW4MppScaled : 0u));
+                                                     w4_mpp_flags(v.needs, a.w, dtype));
   run_w4_grouped(t, v.base, "x", a, p, out, cls == W4GroupedClass::Decode, ceil_div(N, v.tile.bn), v.tile.threads);
   return out;
 }

@@ -28,10 +28,8 @@ at::Tensor plan_w4_mm(Target t, const at::Tensor& x, const at::Tensor& codes, co
   if (empty_product(out, a.bias, K)) return out.view(a.out_shape);
   const at::ScalarType dtype = a.x.scalar_type();
   const KernelVariant<MmWidthClass>& v = pick_variant(kW4MmKernels, mm_width_class(M, kW4GemvRows, dtype), t.caps);
-  const bool tensor_ops = v.needs.msl_version >= kTensorOpsDevice.msl_version;
   W4Params p = w4_params(a.w, M, (vector_access_ok(kW4XVecBytes, K, {a.x}) ? kW4XVec : 0u) |
-                                     (a.bias ? kW4HasBias : 0u) |
-                                     (tensor_ops && w4_scaled_exact(a.w, dtype) ? kW4MppScaled : 0u));
+                                     (a.bias ? kW4HasBias : 0u) | w4_mpp_flags(v.needs, a.w, dtype));
   if (a.bias) p.bias_dtype = kernel_dtype_code(a.bias->scalar_type());
 
   Dispatch d(w4_kernel_name(v.base, dtype, a.w));

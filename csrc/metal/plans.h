@@ -88,8 +88,10 @@ inline constexpr DeviceCaps kTestOnlyDevice{1000, 9900};
 // emulator alike (read at each choice, so a test can flip it).
 bool tensor_ops_disabled();
 
+// Whether a kernel line with these needs runs on the tensor units (an MSL 4.0 kernel)
+inline bool uses_tensor_ops(const DeviceCaps& needs) { return needs.msl_version >= kTensorOpsDevice.msl_version; }
 inline bool runs_on(const DeviceCaps& device, const DeviceCaps& needs) {
-  if (needs.msl_version >= kTensorOpsDevice.msl_version && tensor_ops_disabled()) return false;
+  if (uses_tensor_ops(needs) && tensor_ops_disabled()) return false;
   return device.apple_family >= needs.apple_family && device.msl_version >= needs.msl_version;
 }
 

@@ -108,13 +108,13 @@ LOWBIT_TARGET_BF16 void decode_floats(W4Scale enc, const void* p, int64_t i, int
 
 // What the tiles of a range of rows share (made once per range, as the AVX-512 set's: a MoE expert's short rows).
 struct RowsSetup {
-  int64_t n0, K, rb, Kp, full, G, group, window;
+  int64_t n0, rb, Kp, full, G, group, window;
   bool offsets;
   ValueBytes vb;
   GemvPrefetch prefetch;
 
   LOWBIT_TARGET_BF16 RowsSetup(const W4Operand& op, int64_t n0, int nr)
-      : n0(n0), K(op.K), rb(op.row_bytes()), Kp(w4_bf16_padded(K)), full(K / kW4Bf16Step * kW4Bf16Step),
+      : n0(n0), rb(op.row_bytes()), Kp(w4_bf16_padded(op.K)), full(op.K / kW4Bf16Step * kW4Bf16Step),
         G(std::max<int64_t>(op.G, 1)), group(op.G <= 1 ? Kp : op.group),
         // codes per window: a whole number of steps and of groups
         window(op.G <= 1 ? Kp : kWindowGroups * op.group),
@@ -207,7 +207,7 @@ LOWBIT_TARGET_BF16 void tile(const RowsSetup& s, const uint16_t* x, int64_t ldx,
     }
   float sc[NR][kWindowGroups + 1], off[NR][kWindowGroups];  // +1: the pair a group-16 lane pair loads
   for (int64_t w0 = 0; w0 < s.Kp; w0 += s.window) {
-    const int64_t base = op.G <= 1 ? 0 : w0 / op.group, count = std::min(kWindowGroups, s.G - base);
+    const int64_t base = w0 / s.group, count = std::min(kWindowGroups, s.G - base);  // per channel: group Kp
     for (int r = 0; r < NR; r++) {
       const int64_t i = (n + r) * op.G + base;
       decode_floats(op.scale_enc, op.scale, i, count, kWindowGroups + 1, sc[r]);
@@ -215,7 +215,8 @@ LOWBIT_TARGET_BF16 void tile(const RowsSetup& s, const uint16_t* x, int64_t ldx,
       if (op.offset_kind == W4Offset::Bias) {
         decode_floats(op.scale_enc, op.offset, i, count, kWindowGroups, off[r]);
       } else {  // w = (value - zp) * scale: the offset is -(zp * scale)
-        for (int64_t j = 0; j < count; j++) off[r][j] = -(float(static_cast<const int8_t*>(op.offset)[i + j]) * sc[r][j]);
+        const int8_t* zp = static_cast<const int8_t*>(op.offset) + i;
+        for (int64_t j = 0; j < count; j++) off[r][j] = -(float(zp[j]) * sc[r][j]);
         std::fill(off[r] + count, off[r] + kWindowGroups, 0.f);
       }
       // the window's offsets times the groups' sums of x (zero past the last group: w4_bf16_group_sums)
