@@ -645,6 +645,14 @@ void check_w4(const KernelSet& s) {
             const W4Case c = make_w4(f, W4Scale(enc), offset, 11, K, group, false);
             check_w4_gemv_rows_bf16(s, c.op, f.name);
           }
+      // tiles of 16 rows (the amx set's): ranges of two tiles and a rest, groups of whole steps and per channel
+      for (int64_t K : {100, 1000, 2100})
+        for (int64_t group : {int64_t(128), int64_t(256), K})
+          for (bool offset : {false, true}) {
+            if (offset && f.offset == W4Offset::None) continue;
+            const W4Case c = make_w4(f, W4Scale(enc), offset, 37, K, group, K == 1000);
+            check_w4_gemv_rows_bf16(s, c.op, f.name);
+          }
     }
 }
 
