@@ -624,7 +624,8 @@ LOWBIT_TARGET_AMX void tile(const Bf16RowsSetup& s, const uint16_t* x, const W4O
   const GemvPrefetch prefetch = s.prefetch.rows_on(n0 - s.n0), scale_prefetch = s.scale_prefetch.rows_on(n0 - s.n0),
                      offset_prefetch = s.offset_prefetch.rows_on(n0 - s.n0);
   const float* xsums = reinterpret_cast<const float*>(x + Kp);
-  alignas(64) uint16_t stage[4 * kRows * 32];
+  // two stages, by step parity: a step's decode does not write what the previous step's tile loads may still read
+  alignas(64) uint16_t stage[2][4 * kRows * 32];
   RowsTotal t;  // scales and offsets of groups base .. base + 15
   t.tot = _mm512_setzero_ps();
   int64_t base = -16;
@@ -655,15 +656,16 @@ LOWBIT_TARGET_AMX void tile(const Bf16RowsSetup& s, const uint16_t* x, const W4O
       }
     }
     for (const int64_t end = std::min(Kp, k + per); k < end; k += kW4Bf16Step) {
+      uint16_t* a = stage[(k / kW4Bf16Step) & 1];
       for (int r = 0; r < kRows; r++) {
         _mm_prefetch(prefetch(r, k / 2), kOuterPrefetchHint);
         __m512i d[4];
         if (k < full) decode_step_bf16<true>(w + r * rb + k / 2, kW4Bf16Step, s.table, d);
         else decode_step_bf16<false>(w + r * rb + k / 2, K - k, s.table, d);
-        for (int j = 0; j < 4; j++) _mm512_store_si512(stage + j * kRows * 32 + r * 32, d[j]);
+        for (int j = 0; j < 4; j++) _mm512_store_si512(a + j * kRows * 32 + r * 32, d[j]);
       }
-      if (g & 1) step_products<kC1>(stage, x + k);
-      else step_products<kC0>(stage, x + k);
+      if (g & 1) step_products<kC1>(a, x + k);
+      else step_products<kC0>(a, x + k);
       // the previous group's sums, stored now that this group's first products run in the other tile
       if (pending >= 0) {
         t.add_group(pending, pending - base, s.offsets ? xsums : nullptr);
