@@ -149,7 +149,7 @@ X86_PLANTS = [
 ]
 
 
-def planted_harness(cxx, objects, plants, plant, link_extra=(), flags=CXX_FLAGS):
+def planted_harness(cxx, objects, plants, plant, link_extra=()):
     """(the harness built with `plant` -- (source, text, replacement, what) -- in its source, the set's name)."""
     out, objs = objects
     src, text, planted, _ = plant
@@ -158,7 +158,7 @@ def planted_harness(cxx, objects, plants, plant, link_extra=(), flags=CXX_FLAGS)
     plant_dir = os.path.join(out, "plant_" + str(plants.index(plant)))
     # a plant may leave a variable unused (no -Werror); -O0: the plant's build is most of these tests' time, and
     # what is checked is the harness noticing the bug, not the optimizer
-    flags = ["-O0" if f == "-O1" else f for f in flags if f != "-Werror"]
+    flags = ["-O0" if f == "-O1" else f for f in CXX_FLAGS if f != "-Werror"]
     obj = compile_objects(cxx, flags, [src], plant_dir, {src: code.replace(text, planted)})[0]
     exe = link(cxx, [obj if s == src else o for s, o in objs.items()], os.path.join(plant_dir, "harness"), link_extra)
     # a set's file is named after it; its 4-bit loops' file too, with the prefix w4_
@@ -174,51 +174,6 @@ def test_planted_x86_bug_fails_the_harness(host_objects, src, text, planted, wha
     if "lacks its features" in r.stdout:
         pytest.skip(f"this CPU cannot run the {set_name} set")
     assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
-
-
-# ---- the amx set on emulated tiles (csrc/cpu/arch/x86/amx_tiles.h): its loops run on any AVX-512 CPU ----
-def cpu_runs_avx512():
-    from torch_lowbit.testing import cpu_kernel_sets
-    return dict(cpu_kernel_sets()).get("avx512", False)
-
-
-needs_avx512 = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not cpu_runs_avx512(),
-                                  reason="the amx set's vector loops need an AVX-512 CPU")
-EMULATED_AMX_FLAGS = CXX_FLAGS + ["-DLOWBIT_AMX_EMULATED=1"]
-
-
-@pytest.fixture(scope="module")
-def emulated_amx_objects(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("harness_amx"))
-    return out, dict(zip(HOST_SOURCES, compile_objects(HOST_CXX, EMULATED_AMX_FLAGS, HOST_SOURCES, out)))
-
-
-@needs_host_cxx
-@needs_avx512
-def test_amx_set_on_emulated_tiles(emulated_amx_objects):
-    out, objs = emulated_amx_objects
-    r = run([link(HOST_CXX, list(objs.values()), os.path.join(out, "harness")), "amx"])
-    assert r.returncode == 0 and r.stdout.startswith("ok amx:"), r.stdout[-4000:] + r.stderr[-2000:]
-
-
-AMX_PLANTS = [
-    ("csrc/cpu/arch/x86/w4_avx512.cpp", "amx::load<kB + 1>(xs + 32, 4);", "amx::load<kB + 1>(xs + 64, 4);",
-     "the tile GEMV multiplies plane 1 by plane 2's activations"),
-    ("csrc/cpu/arch/x86/w4_avx512.cpp", "_mm512_set1_epi32(int(j)));", "_mm512_set1_epi32(int(j ? j - 1 : j)));",
-     "the tile GEMV scales a group's sums by the previous group's scales"),
-    ("csrc/cpu/arch/x86/w4_avx512.cpp", "(g & 1) ? take_sums<kC1>() : take_sums<kC0>()", "take_sums<kC0>()",
-     "the tile GEMV reads every group's sums from the even groups' C tile"),
-]
-
-
-@needs_host_cxx
-@needs_avx512
-@pytest.mark.parametrize("src,text,planted,what", AMX_PLANTS, ids=[p[3] for p in AMX_PLANTS])
-def test_planted_amx_bug_fails_the_harness(emulated_amx_objects, src, text, planted, what):
-    exe, _ = planted_harness(HOST_CXX, emulated_amx_objects, AMX_PLANTS, (src, text, planted, what),
-                             flags=EMULATED_AMX_FLAGS)
-    r = run([exe, "amx"])
-    assert r.returncode == 1 and "FAILED amx" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
 
 
 # ---- the Arm sets, cross-compiled and run under qemu-aarch64 ----

@@ -36,11 +36,4 @@ struct AmxTileScope {
   bool amx = amx_gemm_available();
 };
 
-// Forgets, on this thread, the tile configuration that torch's brgemm keeps loaded from call to call: a kernel set's
-// own tile loops (the amx set's batch-1 4-bit GEMV) load theirs and release it, after which torch, still taking its
-// configuration as loaded, would run tile instructions on none (SIGILL).
-inline void forget_brgemm_tile_config() {
-  if (amx_gemm_available()) at::native::cpublas::brgemm_release(true);
-}
-
 }  // namespace lowbit::cpu

@@ -334,7 +334,6 @@ template <typename T>
 void w4_gemv_rows(const W4Kernels& kern, const W4GemvActivations& acts, const void* xp, int64_t M, const W4Operand& op,
                   int64_t n0, int64_t n1, T* out, int64_t ldo) {
   const int64_t ldx = acts.row_elems();
-  if (acts.bf16) forget_brgemm_tile_config();
   // one activation row: 4 weight rows per fp32 tile share its loads; more rows: 2 weight rows x up to 4 x rows
   const int64_t tile_rows = M == 1 ? 4 : 2;
   // Output columns a block at a time: the kernels' sums of the block, then its global scale, bias and rounding in

@@ -645,7 +645,7 @@ void check_w4(const KernelSet& s) {
             const W4Case c = make_w4(f, W4Scale(enc), offset, 11, K, group, false);
             check_w4_gemv_rows_bf16(s, c.op, f.name);
           }
-      // tiles of 16 rows (the amx set's): ranges of two tiles and a rest, groups of whole steps and per channel
+      // ranges of many tiles and a rest (37 rows), groups of whole steps and per channel, partial last steps
       for (int64_t K : {100, 1000, 2100})
         for (int64_t group : {int64_t(128), int64_t(256), K})
           for (bool offset : {false, true}) {

@@ -38,8 +38,6 @@ enum CpuFeature : uint64_t {
   kFeatAvxVnni = 1u << 1,
   // AVX-512 F, BW, VL, VNNI, VBMI and BF16 together: the AVX-512 set uses all of them
   kFeatAvx512 = 1u << 2,
-  // AMX-TILE and AMX-BF16, with the OS saving the tile state and letting this process use it
-  kFeatAmx = 1u << 3,
   kFeatDotprod = 1u << 8,  // Arm sdot / udot (FEAT_DotProd)
   kFeatI8mm = 1u << 9,     // Arm usdot / smmla (FEAT_I8MM)
   kFeatBf16 = 1u << 10,    // Arm bfdot / bfmmla (FEAT_BF16)

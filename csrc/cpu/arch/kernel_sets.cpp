@@ -6,10 +6,6 @@
 
 #if LOWBIT_X86
 #include <cpuid.h>
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #elif LOWBIT_ARM && defined(__APPLE__)
 #include <sys/sysctl.h>
 #elif LOWBIT_ARM && defined(__linux__)
@@ -21,7 +17,7 @@ namespace lowbit::cpu {
 // This architecture's sets after portable, in order of preference (each file under arch/<architecture>/ defines
 // kernel_set_<name>()): a new level is one entry here.
 #if LOWBIT_X86
-#define LOWBIT_ARCH_KERNEL_SETS(X) X(avx2) X(avxvnni) X(avx512) X(amx)
+#define LOWBIT_ARCH_KERNEL_SETS(X) X(avx2) X(avxvnni) X(avx512)
 #elif LOWBIT_ARM
 #define LOWBIT_ARCH_KERNEL_SETS(X) X(neon) X(dotprod) X(i8mm) X(bf16)
 #else
@@ -45,25 +41,6 @@ bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
   if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3])) return false;
   return (r[reg] >> bit) & 1u;
 }
-
-// Whether this process may run tile instructions: the CPU has AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24, 22),
-// the OS saves the tile state (XCR0 bits 17, 18), and -- Linux 5.16 on -- grants this process the tile data
-// (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile load is SIGILL). Other systems: no.
-// LOWBIT_AMX_EMULATED (the torch-free harness): the tiles are C++ (amx_tiles.h), usable wherever AVX-512 is.
-bool amx_usable() {
-#if LOWBIT_AMX_EMULATED
-  return true;
-#elif defined(__linux__)
-  if (!(cpuid_bit(7, 0, 3, 24) && cpuid_bit(7, 0, 3, 22) && cpuid_bit(1, 0, 2, 27))) return false;
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & 0x60000u) != 0x60000u) return false;
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
-}
 #endif
 
 uint64_t detect_features() {
@@ -77,7 +54,6 @@ uint64_t detect_features() {
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
       __builtin_cpu_supports("avx512bf16"))
     f |= kFeatAvx512;
-  if ((f & kFeatAvx512) && amx_usable()) f |= kFeatAmx;
 #elif LOWBIT_ARM && defined(__APPLE__)
   const auto has = [](const char* name) {
     int v = 0;

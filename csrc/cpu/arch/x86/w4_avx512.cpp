@@ -10,7 +10,6 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "cpu/arch/kernel_set.h"
-#include "cpu/arch/x86/amx_tiles.h"
 #include "cpu/arch/x86/prefetch_hints.h"
 #include "cpu/arch/x86/target.h"
 
@@ -554,148 +553,6 @@ void gemv_rows_bf16(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op,
   kRowsBf16<false>[mr - 1](x, ldx, op, n0, n1, sums, lds);
 }
 
-// ---- the amx set's batch-1 bf16 GEMV: 16 weight rows a tile, the products on the tile unit ----
-// A step's four decoded vectors of a row (decode_step_bf16) are rows of four A tiles (16 weight rows x 32 codes,
-// row-major as decoded: no transpose); the step's packed activations are the B tiles as they lie (16 pairs, 4 bytes
-// apart); TDPBF16PS sums them into C, one fp32 per weight row. The vector step spent as many instructions on its
-// vdpbf16ps as on the decode, on the same ports; here the tile unit takes the products. C holds one group's sums
-// (groups are whole steps or the row): at the group's end they go out through a 64-byte store, scaled by the 16 rows'
-// scales at once, the offsets times the group's sum of x added. Two C tiles alternate by group, so that a group's
-// sums are stored while the next group's products run. mr > 1 and groups of 16-64 codes stay on the vector tiles.
-namespace amx_gemv {
-
-constexpr int kRows = 16;                          // weight rows a tile: the A and C tiles' rows
-constexpr int kC0 = 0, kC1 = 1, kA = 2, kB = 6;    // tiles: C of even and odd groups; A of each plane; B of two planes
-
-inline amx::TileConfig tile_config() {
-  amx::TileConfig c;
-  c.set(kC0, kRows, 4);
-  c.set(kC1, kRows, 4);
-  for (int j = 0; j < 4; j++) c.set(kA + j, kRows, 64);
-  c.set(kB, 16, 4);
-  c.set(kB + 1, 16, 4);
-  return c;
-}
-
-// The products of one step: plane j's A (staged at a + j * 1 KB) times its 32 activations.
-template <int C>
-LOWBIT_TARGET_AMX inline __attribute__((always_inline)) void step_products(const uint16_t* a, const uint16_t* xs) {
-  amx::load<kA + 0>(a, 64);
-  amx::load<kB + 0>(xs, 4);
-  amx::dp_bf16<C, kA + 0, kB + 0>();
-  amx::load<kA + 1>(a + 512, 64);
-  amx::load<kB + 1>(xs + 32, 4);
-  amx::dp_bf16<C, kA + 1, kB + 1>();
-  amx::load<kA + 2>(a + 1024, 64);
-  amx::load<kB + 0>(xs + 64, 4);
-  amx::dp_bf16<C, kA + 2, kB + 0>();
-  amx::load<kA + 3>(a + 1536, 64);
-  amx::load<kB + 1>(xs + 96, 4);
-  amx::dp_bf16<C, kA + 3, kB + 1>();
-}
-
-template <int C>
-LOWBIT_TARGET_AMX inline __attribute__((always_inline)) __m512 take_sums() {
-  alignas(64) float s[kRows];
-  amx::store<C>(s, 4);
-  amx::zero<C>();
-  return _mm512_load_ps(s);
-}
-
-// Scales and offsets of the 16 rows for 16 groups (row r's at [r][j]) and the total so far.
-struct RowsTotal {
-  alignas(64) float sc[kRows][16], off[kRows][16];
-  __m512 tot;
-  // tot += the 16 rows' sums of group g (window column j) times their scales, taken out of the C tile of the
-  // group's parity, + their offsets times the group's sum of x (xsums: the row's group sums, null without offsets)
-  LOWBIT_TARGET_AMX inline __attribute__((always_inline)) void add_group(int64_t g, int64_t j, const float* xsums) {
-    const __m512 part = (g & 1) ? take_sums<kC1>() : take_sums<kC0>();
-    const __m512i rows = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-    const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32(int(j)));
-    tot = _mm512_fmadd_ps(part, _mm512_i32gather_ps(at, &sc[0][0], 4), tot);
-    if (xsums) tot = _mm512_fmadd_ps(_mm512_i32gather_ps(at, &off[0][0], 4), _mm512_set1_ps(xsums[g]), tot);
-  }
-};
-
-// Rows [n0, n0 + 16): sums[r] for r < 16.
-LOWBIT_TARGET_AMX void tile(const Bf16RowsSetup& s, const uint16_t* x, const W4Operand& op, int64_t n0, float* sums) {
-  const int64_t K = s.K, rb = s.rb, Kp = s.Kp, full = s.full, G = s.G, per = s.per;
-  const uint8_t* w = op.codes + n0 * rb;
-  const GemvPrefetch prefetch = s.prefetch.rows_on(n0 - s.n0), scale_prefetch = s.scale_prefetch.rows_on(n0 - s.n0),
-                     offset_prefetch = s.offset_prefetch.rows_on(n0 - s.n0);
-  const float* xsums = reinterpret_cast<const float*>(x + Kp);
-  // two stages, by step parity: a step's decode does not write what the previous step's tile loads may still read
-  alignas(64) uint16_t stage[2][4 * kRows * 32];
-  RowsTotal t;  // scales and offsets of groups base .. base + 15
-  t.tot = _mm512_setzero_ps();
-  int64_t base = -16;
-  // the group whose sums wait in the other C tile, -1 for none
-  int64_t pending = -1;
-  for (int64_t k = 0, g = 0; k < Kp; g++) {
-    if (g >= base + 16) {  // the window of 16 groups (finished groups first: their scales are the window's)
-      if (pending >= 0) {
-        t.add_group(pending, pending - base, s.offsets ? xsums : nullptr);
-        pending = -1;
-      }
-      base = g;
-      const int64_t count = std::min<int64_t>(16, G - base);
-      for (int r = 0; r < kRows; r++) {
-        const int64_t i = (n0 + r) * op.G + base;
-        _mm_prefetch(scale_prefetch(r, base * s.sb), kOuterPrefetchHint);
-        const __m512 sv = load_scales16(op.scale_enc, op.scale, i, count);
-        _mm512_store_ps(t.sc[r], sv);
-        if (!s.offsets) continue;
-        _mm_prefetch(offset_prefetch(r, base * s.ob), kOuterPrefetchHint);
-        const __m512 o = op.offset_kind == W4Offset::Bias
-                             ? load_scales16(op.scale_enc, op.offset, i, count)
-                             : _mm512_sub_ps(_mm512_setzero_ps(),
-                                             _mm512_mul_ps(load_zero_points16(static_cast<const int8_t*>(op.offset), i,
-                                                                              count),
-                                                           sv));
-        _mm512_store_ps(t.off[r], o);
-      }
-    }
-    for (const int64_t end = std::min(Kp, k + per); k < end; k += kW4Bf16Step) {
-      uint16_t* a = stage[(k / kW4Bf16Step) & 1];
-      for (int r = 0; r < kRows; r++) {
-        _mm_prefetch(prefetch(r, k / 2), kOuterPrefetchHint);
-        __m512i d[4];
-        if (k < full) decode_step_bf16<true>(w + r * rb + k / 2, kW4Bf16Step, s.table, d);
-        else decode_step_bf16<false>(w + r * rb + k / 2, K - k, s.table, d);
-        for (int j = 0; j < 4; j++) _mm512_store_si512(a + j * kRows * 32 + r * 32, d[j]);
-      }
-      if (g & 1) step_products<kC1>(a, x + k);
-      else step_products<kC0>(a, x + k);
-      // the previous group's sums, stored now that this group's first products run in the other tile
-      if (pending >= 0) {
-        t.add_group(pending, pending - base, s.offsets ? xsums : nullptr);
-        pending = -1;
-      }
-    }
-    pending = g;
-  }
-  if (pending >= 0) t.add_group(pending, pending - base, s.offsets ? xsums : nullptr);
-  _mm512_storeu_ps(sums, t.tot);
-}
-
-// W4Kernels::gemv_rows_bf16 of the amx set: one activation row and groups of whole steps (or the row) in tiles of 16
-// rows, one tile configuration per range; the rest on the vector tiles.
-LOWBIT_TARGET_AMX void gemv_rows_bf16(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
-                                      int64_t n1, float* sums, int64_t lds) {
-  int64_t n = n0;
-  if (mr == 1 && (op.G <= 1 || op.group % kW4Bf16Step == 0) && n1 - n0 >= kRows) {
-    const Bf16RowsSetup s(op, n0, kRows, false);
-    amx::load_config(tile_config());
-    amx::zero<kC0>();
-    amx::zero<kC1>();
-    for (; n + kRows <= n1; n += kRows) tile(s, x, op, n, sums + (n - n0));
-    amx::release();
-  }
-  ::lowbit::cpu::gemv_rows_bf16(mr, x, ldx, op, n, n1, sums + (n - n0), lds);
-}
-
-}  // namespace amx_gemv
-
 // W4Kernels::pack_bf16_row. A step of 128 words is four vectors; bf16 position 32 j + i holds word 4 i + j, taken
 // for i < 16 from the first two vectors and for i >= 16 from the last two, by two-source word permutes. The group
 // sums add 16 values at a time, widened to fp32 (a bf16 word is the high half of its float), each group's lanes
@@ -917,8 +774,5 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
 
 extern const W4Kernels kW4KernelsAvx512{&gemv_tile,      &decode_rows,      &dequantize_rows, &w4_bf16_tile_takes,
                                          &gemv_rows_bf16, &decode_rows_bf16, &pack_bf16_row};
-// the amx set's: the AVX-512 loops with the batch-1 bf16 GEMV on the tiles
-extern const W4Kernels kW4KernelsAmx{&gemv_tile,      &decode_rows,      &dequantize_rows, &w4_bf16_tile_takes,
-                                      &amx_gemv::gemv_rows_bf16, &decode_rows_bf16, &pack_bf16_row};
 
 }  // namespace lowbit::cpu
