@@ -9,8 +9,9 @@ import torch.nn as nn
 
 import torch_lowbit
 from conftest import Backend
-from reference import assert_matmul_close, fp8_bits_to_f64, ref_fp8_mm, ref_int8_mm, ref_int8_quantize
-from torch_lowbit.nn import Fp8Linear, Int8Linear
+from reference import (assert_matmul_close, fp8_bits_to_f64, ref_fp8_mm, ref_int8_mm, ref_int8_quantize,
+                       ref_w4_mm)
+from torch_lowbit.nn import Fp8Linear, Int8Linear, W4Linear
 
 FP8 = torch.float8_e4m3fn
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -309,6 +310,88 @@ def test_forward_with_the_wrong_in_features_names_x(cls, shape):
 def test_int8_from_quantized_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         Int8Linear.from_quantized(*args)
+
+
+# ---------------------------------------------------------------------------------------------- W4Linear state_dict
+# a state_dict of each 4-bit format (and option), from W4Linear.from_float: K = 70 (partial groups, odd bytes)
+W4_SOURCES = {"nvfp4": ("nvfp4", None, {}), "mxfp4": ("mxfp4", None, {}), "int4": ("int4", 32, {}),
+              "int4-zp": ("int4", 32, {"symmetric": False}), "uint4": ("uint4", 32, {})}
+
+
+def _w4_source(name):
+    fmt, gs, kw = W4_SOURCES[name]
+    return W4Linear.from_float(_linear(70, 12, dtype=torch.float32), fmt, gs, **kw)
+
+
+def _assert_runs_as_f64(layer, sd):
+    """layer's output is the float64 product of the state_dict's tensors read by the layer's format."""
+    x = _x((3, 70), torch.float32)
+    ref, absref = ref_w4_mm(x, layer.format, sd["weight_packed"], sd["weight_scale"], layer.group_size,
+                            sd.get("weight_offset"), sd.get("weight_scale_2"), sd.get("bias"))
+    assert_matmul_close(layer(x), ref, absref, acc_rtol=1e-5)
+
+
+def test_w4_load_takes_8bit_scale_encodings_as_their_bits():
+    """nvfp4's E4M3 and mxfp4's E8M0 scales are loaded as bits, whichever 8-bit dtype holds them (a value copy
+    turned uint8 bits 0x38 into the scale 56.0)."""
+    for name, fmt in (("nvfp4", "nvfp4"), ("mxfp4", "mxfp4")):
+        src = _w4_source(name).state_dict()
+        as_bits = src["weight_scale"].view(torch.uint8)
+        encodings = [as_bits, as_bits.view(torch.float8_e4m3fn) if fmt == "nvfp4" else
+                     as_bits.view(getattr(torch, "float8_e8m0fnu", torch.uint8))]
+        for scale_dtype in (None, torch.uint8) if fmt == "nvfp4" else (None,):
+            for scale in encodings:
+                layer = W4Linear(70, 12, dtype=torch.float32, format=fmt, group_size=16 if fmt == "nvfp4" else 32,
+                                 scale_dtype=scale_dtype, global_scale="weight_scale_2" in src)
+                layer.load_state_dict({**src, "weight_scale": scale})
+                assert torch.equal(layer.weight_scale.view(torch.uint8), as_bits), (fmt, scale_dtype, scale.dtype)
+                _assert_runs_as_f64(layer, {**src, "weight_scale": as_bits})
+
+
+@pytest.mark.parametrize("source,target,key", [
+    ("nvfp4", "int4", "weight_scale"), ("int4", "nvfp4", "weight_scale"), ("nvfp4", "mxfp4", "weight_scale"),
+    ("int4", "mxfp4", "weight_scale"), ("int4-zp", "uint4", "weight_offset"), ("uint4", "int4", "weight_offset"),
+    ("nvfp4", "int4", "weight_scale_2"), ("int4-zp", "nvfp4", "weight_offset")])
+def test_w4_load_of_another_formats_state_dict_is_an_error_naming_the_key(source, target, key):
+    """Scales, offsets and global scales of another format fail by key (not converted by value into numbers the
+    layer's format reads differently), strict or not."""
+    sd = _w4_source(source).state_dict()
+    fmt, gs, kw = W4_SOURCES[target]
+    layer = W4Linear(70, 12, dtype=torch.float32, format=fmt, group_size=gs or 16,
+                     offset=target in ("int4-zp", "uint4") or fmt == "uint4")
+    if key == "weight_scale" or target == "nvfp4":  # take only the key under test from the other format
+        sd = {**_w4_source(target).state_dict(), key: sd[key]}
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=rf"{key}: format '{fmt}' (stores|takes no)"):
+            layer.load_state_dict(sd, strict=strict)
+
+
+def test_w4_load_of_a_float_weight_is_an_error():
+    sd = _w4_source("int4").state_dict()
+    with pytest.raises(RuntimeError, match=r"weight_packed: expected uint8"):
+        W4Linear(70, 12, group_size=32).load_state_dict({**sd, "weight_packed": torch.zeros(12, 35)})
+
+
+@pytest.mark.parametrize("source", ["int4-zp", "uint4", "nvfp4"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_w4_load_gives_a_layer_without_zero_points_or_global_scale_the_state_dicts(source, strict):
+    """A layer built without the optional tensors a state_dict has adopts them (strict=False dropped them and ran
+    another weight); a 0-d global scale loads into [1]."""
+    src = _w4_source(source)
+    sd = src.state_dict()
+    if "weight_scale_2" in sd:
+        sd["weight_scale_2"] = sd["weight_scale_2"].reshape(())
+    layer = W4Linear(70, 12, dtype=torch.float32, format=src.format, group_size=src.group_size,
+                     scale_dtype=src.weight_scale.dtype, offset=src.format == "uint4")  # uint4 has no layer without biases worth loading into
+    if src.format == "uint4":
+        layer.weight_offset = None
+    keys = layer.load_state_dict(sd, strict=strict)
+    assert not keys.missing_keys and not keys.unexpected_keys
+    assert (layer.weight_offset is None) == (src.weight_offset is None)
+    assert (layer.weight_scale_2 is None) == (src.weight_scale_2 is None)
+    _assert_runs_as_f64(layer, sd)
+    x = _x((3, 70), torch.float32)
+    assert torch.equal(layer(x), src(x))
 
 
 # ---------------------------------------------------------------------------------------------- quantize_

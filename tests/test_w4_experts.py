@@ -120,6 +120,55 @@ def test_torch_compile_fullgraph_equals_eager(variant):
         assert torch.equal(compiled(x, ids, w), layer(x, ids, w))
 
 
+# ------------------------------------------------------------------------------------------------- state_dict
+def _empty(variant, group_size=None, **kw):
+    """An unloaded layer of `variant`'s options (kw overrides them), shaped as _layer's."""
+    fmt, gs, offset, glob = VARIANTS[variant]
+    options = {"offset": offset, "global_scale": glob, **kw}
+    return W4Experts(6, 41, 24, format=fmt, group_size=group_size or gs, dtype=torch.float32, **options)
+
+
+def _assert_runs(layer, gu, down):
+    ids, w = _routing(9, 2, 6, seed=4)
+    x = torch.randn(9, 41, generator=torch.Generator().manual_seed(5))
+    _check(layer(x, ids, w), ref_experts(x, ids, w, gu, down), torch.float32)
+
+
+def test_state_dict_loads_by_its_formats_meaning():
+    """nvfp4 scales load as bits whichever 8-bit dtype holds them; another format's scales or offsets are errors
+    naming the key, strict or not (a value copy turned E4M3 codes into bf16 numbers, int8 zero points into biases)."""
+    src, (gu, down) = _layer("nvfp4")
+    sd = src.state_dict()
+    for as_bits in (False, True):
+        layer = _empty("nvfp4")
+        layer.load_state_dict({k: v.view(torch.uint8) if as_bits and k.endswith("_scale") else v
+                               for k, v in sd.items()})
+        _assert_runs(layer, gu, down)
+    for source, target, key in (("nvfp4", "int4", "gate_up_scale"), ("nvfp4", "mxfp4", "down_scale"),
+                                ("int4", "nvfp4", "gate_up_scale"), ("int4-zp", "uint4", "down_offset"),
+                                ("uint4", "int4-zp", "gate_up_offset"), ("nvfp4", "int4", "down_scale_2")):
+        layer, other = _empty(target, group_size=VARIANTS[source][1]), _layer(source)[0].state_dict()
+        if source == "nvfp4":  # _layer's nvfp4 holds uint8 bits; a checkpoint's scales are float8_e4m3fn
+            other = {k: v.view(torch.float8_e4m3fn) if k.endswith("_scale") else v for k, v in other.items()}
+        for strict in (True, False):
+            with pytest.raises(RuntimeError, match=rf"{key}: format '{layer.format}' (stores|takes no)"):
+                layer.load_state_dict(other, strict=strict)
+
+
+@pytest.mark.parametrize("variant", ["int4-zp", "uint4", "nvfp4"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_state_dict_zero_points_and_global_scales_a_layer_lacks_are_taken(variant, strict):
+    """A layer built without offsets / global scales adopts a state_dict's (strict=False dropped them silently)."""
+    src, (gu, down) = _layer(variant)
+    layer = _empty(variant, offset=False, global_scale=False)
+    keys = layer.load_state_dict(src.state_dict(), strict=strict)
+    assert not keys.missing_keys and not keys.unexpected_keys
+    for p in PROJ:
+        for s in ("offset", "scale_2"):
+            assert (getattr(layer, f"{p}_{s}") is None) == (getattr(src, f"{p}_{s}") is None)
+    _assert_runs(layer, gu, down)
+
+
 # ------------------------------------------------------------------------------------------------- bad input
 def test_bad_input_names_the_argument():
     layer, _ = _layer("int4", E=4)

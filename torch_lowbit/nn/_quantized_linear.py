@@ -40,6 +40,8 @@ class QuantizedLinear(FormatBuffers):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # the weight's entries first: a layer may adopt an optional scale buffer there, which the loop below reshapes
+        self._load_weight_entry(state_dict, prefix + "weight", error_msgs)
         for name in self._scale_buffers:
             key, cur = prefix + name, getattr(self, name)
             if key not in state_dict or cur is None:
@@ -50,7 +52,6 @@ class QuantizedLinear(FormatBuffers):
             if v.is_floating_point() and v.dtype != cur.dtype:
                 v = v.to(cur.dtype)
             state_dict[key] = v
-        self._load_weight_entry(state_dict, prefix + "weight", error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

@@ -15,7 +15,7 @@ from ..quantize import (AffineWeightOnly, Int4WeightOnly, Mxfp4WeightOnly, Nvfp4
 from ..quantize_w4 import W4_DEFAULT_GROUP, quantize_w4
 from ._format_buffers import FormatBuffers
 from .experts import attach_dense_template, combine, route
-from .w4_linear import W4_OFFSETS, W4_SCALE_DTYPES, check_w4_options
+from .w4_linear import W4_OFFSETS, W4_SCALE_DTYPES, check_w4_options, load_w4_entries
 
 _PROJECTIONS = ("gate_up", "down")
 # from_float quantizes this many weight elements at a time (slices of whole experts): quantize_w4's float32
@@ -201,6 +201,13 @@ class W4Experts(FormatBuffers):
                                     for e in range(self.num_experts)]) if self.num_experts else
                        torch.empty(0, *packed.shape[1:2], K, dtype=dtype, device=packed.device))
         return out[0], out[1]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for p in _PROJECTIONS:
+            load_w4_entries(self, state_dict, prefix + p, (self.num_experts,), error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
         s = (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

@@ -23,6 +23,11 @@ W4_SCALE_DTYPES = {
 }
 W4_OFFSETS = {"int4": "zero points", "uint4": "biases"}  # what weight_offset holds, per format that takes one
 W4_GLOBAL_SCALE = ("nvfp4",)
+# the float8 dtype whose encoding a format's one-byte scales are (uint8 holds the same bits); a checkpoint's scales
+# in another float8 dtype are another format's, whose bits would decode to other values
+W4_SCALE_ENCODING = {"nvfp4": FP8, "mxfp4": getattr(torch, "float8_e8m0fnu", None)}
+_W4_OFFSET_KINDS = {"int4": ("int8 zero points", lambda t: t.dtype == torch.int8),
+                    "uint4": ("floating biases", lambda t: t.is_floating_point() and t.element_size() > 1)}
 
 
 def check_w4_options(layer: str, format: str, scale_dtype: Optional[torch.dtype], offset: bool,
@@ -39,6 +44,61 @@ def check_w4_options(layer: str, format: str, scale_dtype: Optional[torch.dtype]
     if global_scale and format not in W4_GLOBAL_SCALE:
         raise ValueError(f"{layer}: format {format!r} takes no global scale")
     return scale_dtype
+
+
+def _w4_scale_mismatch(format: str, v: torch.Tensor) -> Optional[str]:
+    """Why checkpoint scales ``v`` are not scales of ``format`` (None if they are)."""
+    encoding = W4_SCALE_ENCODING.get(format)
+    if encoding is not None:  # one-byte codes: taken as bits, so only the format's own encoding (or raw bytes)
+        ok = v.dtype == torch.uint8 or v.dtype == encoding
+        expected = f"{encoding} codes (or their bits as uint8)"
+    else:
+        ok = v.is_floating_point() and v.element_size() > 1
+        expected = "float16 / bfloat16 / float32 values"
+    return None if ok else f"format {format!r} stores scales as {expected}"
+
+
+def load_w4_entries(module: nn.Module, state_dict: dict, base: str, scale_2_shape, error_msgs: list) -> None:
+    """Prepare a state_dict's entries ``{base}_packed / _scale / _offset / _scale_2`` for one 4-bit weight of
+    ``module`` (a W4Linear, or one projection of W4Experts; ``base`` is the prefixed key stem) before nn.Module
+    copies them: nn.Module's copy converts by value, which would turn one format's scale codes into another's
+    values, so
+    - one-byte scale codes (nvfp4's E4M3, mxfp4's E8M0, or their uint8 bits) are taken as bits, and scales or
+      offsets that belong to another format are errors naming the key;
+    - an offset or global scale the layer was built without is adopted (a strict=False load would drop it and
+      run another weight), one the format cannot take is an error.
+    """
+    fmt, name = module.format, base.rsplit(".", 1)[-1]
+    key = base + "_packed"
+    if key in state_dict and state_dict[key].dtype != torch.uint8:
+        QuantizedLinear._reject_weight(state_dict, key, error_msgs, "uint8 (two 4-bit codes per byte)")
+    key, cur = base + "_scale", getattr(module, name + "_scale")
+    if key in state_dict:
+        why = _w4_scale_mismatch(fmt, state_dict[key])
+        if why is not None:
+            error_msgs.append(f"{key}: {why}, got {state_dict.pop(key).dtype} (a checkpoint of another 4-bit format?)")
+        elif cur.element_size() == 1:
+            state_dict[key] = state_dict[key].view(cur.dtype)
+    key = base + "_offset"
+    if key in state_dict:
+        v = state_dict[key]
+        if fmt not in _W4_OFFSET_KINDS:
+            error_msgs.append(f"{key}: format {fmt!r} takes no offset (formats with one: {list(W4_OFFSETS)})")
+            state_dict.pop(key)
+        elif not _W4_OFFSET_KINDS[fmt][1](v):
+            error_msgs.append(f"{key}: format {fmt!r} stores offsets as {_W4_OFFSET_KINDS[fmt][0]}, got {v.dtype} "
+                              "(a checkpoint of another 4-bit format?)")
+            state_dict.pop(key)
+        elif getattr(module, name + "_offset") is None:
+            dtype = torch.int8 if fmt == "int4" else cur.dtype
+            setattr(module, name + "_offset", torch.zeros(cur.shape, dtype=dtype, device=cur.device))
+    key = base + "_scale_2"
+    if key in state_dict:
+        if fmt not in W4_GLOBAL_SCALE:
+            error_msgs.append(f"{key}: format {fmt!r} takes no global scale (formats with one: {list(W4_GLOBAL_SCALE)})")
+            state_dict.pop(key)
+        elif getattr(module, name + "_scale_2") is None:
+            setattr(module, name + "_scale_2", torch.ones(scale_2_shape, dtype=torch.float32, device=cur.device))
 
 
 class W4Linear(QuantizedLinear):
@@ -145,9 +205,7 @@ class W4Linear(QuantizedLinear):
         return s
 
     def _load_weight_entry(self, state_dict, key, error_msgs):
-        key = key + "_packed"
-        if key in state_dict and state_dict[key].dtype != torch.uint8:
-            self._reject_weight(state_dict, key, error_msgs, "uint8 (two 4-bit codes per byte)")
+        load_w4_entries(self, state_dict, key, (1,), error_msgs)
 
 
 @register_quantize_module_handler(Int4WeightOnly)
