@@ -255,6 +255,10 @@ base.load_state_dict(torch.load(sys.argv[2] + "/base.pt", weights_only=True))
 model = PeftModel.from_pretrained(base, sys.argv[2])
 with torch.no_grad():
     torch.save(model(input_ids=batch(1)).logits, sys.argv[2] + "/logits.pt")
+# "all-linear" expands to the low-bit layers in this import order too (PEFT's tuners already hold its helper)
+import torch_lowbit.peft
+fresh = peft.get_peft_model(quantized_llama(torch_lowbit.Int8Dynamic()), peft.LoraConfig(target_modules="all-linear"))
+assert isinstance(fresh.base_model.model.model.layers[0].mlp.down_proj, torch_lowbit.peft.LowbitLoraLinear)
 """
 
 
@@ -375,3 +379,70 @@ def test_lora_on_the_attention_of_a_4bit_moe_matches_float64_and_trains(config):
         opt.zero_grad()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.95 * losses[0], losses
+
+
+# ---- target_modules="all-linear": PEFT expands it to nn.Linear names; the low-bit layers must be among them
+def _lora_targets(pm):
+    return {n.removeprefix("base_model.model.") for n, m in pm.named_modules()
+            if isinstance(m, peft.tuners.lora.LoraLayer)}
+
+
+@LOW_BIT_CONFIGS
+def test_all_linear_targets_every_low_bit_linear_but_the_output_embedding(config):
+    model = tiny_llama(1)
+    torch_lowbit.quantize_(model, config, filter_fn=lambda m, fqn: True)  # lm_head too: it must still be left out
+    low_bit = {n for n, m in model.named_modules() if isinstance(m, lowbit_peft.LOW_BIT_LAYERS)}
+    assert "lm_head" in low_bit and len(low_bit) == 8
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                    lora_dropout=0.0))
+    assert _lora_targets(pm) == low_bit - {"lm_head"}
+    assert not isinstance(pm.base_model.model.lm_head, peft.tuners.lora.LoraLayer)
+    assert set(pm.peft_config["default"].target_modules) == low_bit - {"lm_head"}  # what adapter_config.json saves
+    losses = train(pm, 3)
+    assert losses[-1] < losses[0], losses
+
+
+def test_all_linear_on_a_4bit_moe_targets_the_attention_not_only_the_router(tmp_path):
+    import hf_writers as W
+    model = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Int4WeightOnly(16, symmetric=False))
+    spare = copy.deepcopy(model)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="ALL-LINEAR",
+                                                    lora_dropout=0.0, init_lora_weights=False))
+    targets = _lora_targets(pm)
+    attention = {n for n, m in spare.named_modules() if isinstance(m, W4Linear)}
+    assert attention and {n for n in attention if "self_attn" in n} == attention
+    assert attention <= targets, attention - targets
+    # the adapter reloads onto a fresh copy of the quantized model and gives the same logits
+    pm.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(spare, tmp_path)
+    assert attention <= _lora_targets(loaded)
+    ids = torch.randint(0, W.V, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, pm(input_ids=ids).logits)
+
+
+def test_all_linear_in_another_peft_method_is_left_to_peft():
+    # IA3 does not take the low-bit layers: the expansion for other methods stays PEFT's own (nn.Linear only)
+    model = tiny_llama(1)
+    torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly("channel"), filter_fn=lambda m, fqn: fqn.endswith("proj")
+                           and "mlp" in fqn)
+    config = peft.IA3Config(target_modules="all-linear", feedforward_modules=[])
+    pm = peft.get_peft_model(model, config)
+    wrapped = {n.removeprefix("base_model.model.") for n, m in pm.named_modules()
+               if isinstance(m, peft.tuners.ia3.IA3Layer)}
+    assert wrapped == {f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+
+def test_lora_targeting_quantized_experts_warns_that_they_stay_frozen():
+    import hf_writers as W
+    from torch_lowbit.nn import W4Experts
+    model = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Nvfp4WeightOnly())
+    assert isinstance(model.model.layers[0].mlp.experts, W4Experts)
+    with pytest.warns(UserWarning, match=r"fused experts of 2 module\(s\) held quantized .*W4Experts.*stay frozen"):
+        peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    # attention only: nothing to warn about
+    model = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Nvfp4WeightOnly())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch_lowbit")
+        peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -1,17 +1,27 @@
-"""PEFT's LoRA wraps Fp8Linear / Int8Linear as soon as torch_lowbit is imported, with no change to the user's
-config: ``peft.get_peft_model(model, LoraConfig(...))``, ``PeftModel.from_pretrained(base, adapter_dir)``.
+"""PEFT's LoRA wraps Fp8Linear / Int8Linear / W4Linear as soon as torch_lowbit is imported, with no change to the
+user's config: ``peft.get_peft_model(model, LoraConfig(...))``, ``PeftModel.from_pretrained(base, adapter_dir)``,
+``target_modules="all-linear"``.
 
 PEFT (0.21) has no global registry for third-party layers: its extension point is per config
 (``LoraConfig._register_custom_module``, what :func:`torch_lowbit.peft.register` calls), and a config that
 ``PeftModel.from_pretrained`` reads from ``adapter_config.json`` never passes through user code. So torch_lowbit
-adds one hook, and only one: ``peft.tuners.lora.model.LoraModel._create_new_module`` (the static method that
-creates every LoRA layer) is wrapped so that a target whose base layer is a torch_lowbit layer becomes
-:class:`torch_lowbit.peft.LowbitLoraLinear`, unless the config maps that layer type to a custom module of its own
-(which PEFT then uses, as before). Every other target goes to PEFT's own dispatchers untouched.
+adds two hooks:
+- ``peft.tuners.lora.model.LoraModel._create_new_module`` (the static method that creates every LoRA layer) is
+  wrapped so that a target whose base layer is a torch_lowbit layer becomes :class:`torch_lowbit.peft.LowbitLoraLinear`,
+  unless the config maps that layer type to a custom module of its own (which PEFT then uses, as before). Every other
+  target goes to PEFT's own dispatchers untouched.
+- ``peft.tuners.tuners_utils._maybe_include_all_linear_layers`` (which expands ``"all-linear"`` to the model's
+  ``nn.Linear`` names; the low-bit layers are not ``nn.Linear``) is wrapped so that a LoRA config's expansion also
+  names the low-bit layers, with PEFT's exclusions (the output embedding, a classification head, layers inside
+  adapters). Without it a quantized model's "all-linear" adapter silently trained only what stayed in float (on a
+  4-bit MoE: the routers). PEFT calls it for every LoRA injection, so it also warns where the config targets fused
+  experts held quantized (LoRA cannot adapt them). If a PEFT release renames the helper, this hook is skipped and the
+  tests say so.
 
-The hook is installed once, when both packages are imported: at torch_lowbit's import if PEFT's LoRA module is
+Both are installed once, when both packages are imported: at torch_lowbit's import if PEFT's LoRA module is
 already loaded, else right after it loads (a one-shot import watcher that removes itself). This module imports
-nothing of PEFT (which pulls in transformers) until PEFT creates a LoRA layer on a torch_lowbit layer.
+nothing of PEFT (which pulls in transformers) until PEFT creates a LoRA layer on a torch_lowbit layer or expands
+"all-linear".
 """
 from __future__ import annotations
 
@@ -20,6 +30,8 @@ import importlib.abc
 import sys
 
 _LORA_MODEL = "peft.tuners.lora.model"
+_TUNERS_UTILS = "peft.tuners.tuners_utils"
+_ALL_LINEAR = "_maybe_include_all_linear_layers"
 _MARK = "_torch_lowbit_dispatch"
 
 
@@ -39,8 +51,45 @@ def _wrap_create_new_module(lora_model_module) -> None:
     lora_model._create_new_module = staticmethod(_create_new_module)
 
 
+def _is_lora(peft_config) -> bool:
+    return str(getattr(peft_config, "peft_type", "")).rsplit(".", 1)[-1] == "LORA"
+
+
+def _wrap_all_linear() -> None:
+    tuners_utils = sys.modules.get(_TUNERS_UTILS)
+    expand = getattr(tuners_utils, _ALL_LINEAR, None)
+    if expand is None or getattr(expand, _MARK, False):
+        return
+
+    # PEFT calls this once per adapter injection with the config it will apply (after its transformers-v5 MoE
+    # conversion has turned expert targets into target_parameters), so it is also where frozen experts are named
+    @functools.wraps(expand)
+    def _maybe_include_all_linear_layers(peft_config, model):
+        if not _is_lora(peft_config):
+            return expand(peft_config, model)
+        targets = getattr(peft_config, "target_modules", None)
+        all_linear = isinstance(targets, str) and targets.lower() == "all-linear"
+        peft_config = expand(peft_config, model)
+        from .peft import low_bit_linear_names, warn_of_quantized_expert_targets
+        if all_linear:
+            peft_config.target_modules = set(peft_config.target_modules) | low_bit_linear_names(model, peft_config)
+        warn_of_quantized_expert_targets(model, peft_config)
+        return peft_config
+
+    setattr(_maybe_include_all_linear_layers, _MARK, True)
+    # PEFT's tuners import the helper by name: rebind it wherever a loaded peft module holds the original
+    for name, module in list(sys.modules.items()):
+        if (name == "peft" or name.startswith("peft.")) and getattr(module, _ALL_LINEAR, None) is expand:
+            setattr(module, _ALL_LINEAR, _maybe_include_all_linear_layers)
+
+
+def _install_hooks(lora_model_module) -> None:
+    _wrap_create_new_module(lora_model_module)
+    _wrap_all_linear()
+
+
 class _InstallAfterExec(importlib.abc.Loader):
-    """The LoRA module's own loader, then the hook; handed back to the module once it has run."""
+    """The LoRA module's own loader, then the hooks; handed back to the module once it has run."""
 
     def __init__(self, loader):
         self._loader = loader
@@ -53,12 +102,12 @@ class _InstallAfterExec(importlib.abc.Loader):
             self._loader.exec_module(module)
         finally:
             module.__loader__ = module.__spec__.loader = self._loader
-        _wrap_create_new_module(module)
+        _install_hooks(module)
 
 
 class _LoraImportWatcher(importlib.abc.MetaPathFinder):
     """Finds nothing itself: when peft's LoRA module is about to be imported, it takes the spec the other finders
-    give, has the hook installed after the module runs, and leaves ``sys.meta_path``."""
+    give, has the hooks installed after the module runs, and leaves ``sys.meta_path``."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != _LORA_MODEL:
@@ -84,7 +133,7 @@ def install() -> None:
     docstring); idempotent."""
     module = sys.modules.get(_LORA_MODEL)
     if module is not None and hasattr(module, "LoraModel"):
-        _wrap_create_new_module(module)
+        _install_hooks(module)
     elif module is None:
         _remove_watchers()
         sys.meta_path.insert(0, _LoraImportWatcher())
