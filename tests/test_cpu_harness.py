@@ -170,7 +170,7 @@ def planted_harness(cxx, objects, plants, plant, link_extra=()):
 @pytest.mark.parametrize("src,text,planted,what", X86_PLANTS, ids=[p[3] for p in X86_PLANTS])
 def test_planted_x86_bug_fails_the_harness(host_objects, src, text, planted, what):
     exe, set_name = planted_harness(HOST_CXX, host_objects, X86_PLANTS, (src, text, planted, what))
-    r = run([exe, set_name])
+    r = run([exe, "--first-failure", set_name])
     if "lacks its features" in r.stdout:
         pytest.skip(f"this CPU cannot run the {set_name} set")
     assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
@@ -253,7 +253,7 @@ ARM_PLANTS = [
 @pytest.mark.parametrize("src,text,planted,what", ARM_PLANTS, ids=[p[3] for p in ARM_PLANTS])
 def test_planted_arm_bug_fails_the_harness(arm_objects, src, text, planted, what):
     exe, set_name = planted_harness(ARM_CXX, arm_objects, ARM_PLANTS, (src, text, planted, what), ["-static"])
-    r = run([QEMU, "-cpu", "max", exe, set_name])
+    r = run([QEMU, "-cpu", "max", exe, "--first-failure", set_name])
     assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
 
 

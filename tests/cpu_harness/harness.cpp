@@ -5,7 +5,8 @@
 // float64-bounded elsewhere. tests/test_cpu_harness.py builds and runs it (natively, and cross-compiled under
 // qemu for other architectures). Prints one line per set; exits 1 when any check fails.
 //
-//   harness [set ...]   check these sets (default: every set this CPU supports)
+//   harness [--first-failure] [set ...]   check these sets (default: every set this CPU supports); stop at the
+//                                         first failing check
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -30,6 +31,9 @@ namespace {
 int g_failures = 0;
 int g_checks = 0;
 const char* g_set = "";
+// --first-failure: a run that only has to show that a set fails (a planted bug) ends at its first failing check;
+// under qemu a whole set's checks take half a minute
+bool g_stop_at_first_failure = false;
 
 #define CHECK(cond, ...)                                                      \
   do {                                                                        \
@@ -39,6 +43,10 @@ const char* g_set = "";
         std::printf("FAIL %s: %s:%d: %s: ", g_set, __FILE__, __LINE__, #cond); \
         std::printf(__VA_ARGS__);                                             \
         std::printf("\n");                                                    \
+      }                                                                       \
+      if (g_stop_at_first_failure) {                                         \
+        std::printf("FAILED %s: stopped at its first failure\n", g_set);     \
+        std::exit(1);                                                         \
       }                                                                       \
     }                                                                         \
   } while (0)
@@ -846,7 +854,13 @@ void check_set(const KernelSet& s, const KernelSet& portable) {
 
 int main(int argc, char** argv) {
   const KernelSet& portable = *kernel_sets().front();
-  std::vector<std::string> wanted(argv + 1, argv + argc);
+  std::vector<std::string> wanted;
+  for (int i = 1; i < argc; i++) {
+    if (std::string(argv[i]) == "--first-failure")
+      g_stop_at_first_failure = true;
+    else
+      wanted.push_back(argv[i]);
+  }
   for (const KernelSet* s : kernel_sets()) {
     const bool named = std::find(wanted.begin(), wanted.end(), s->name) != wanted.end();
     if (!wanted.empty() && !named) continue;
