@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_lowbit
-from reference import fp8_bits_to_f64, ref_quantize_fp8, ref_quantize_int8
+from reference import fp8_bits_to_f64, fp8_weight_f64, ref_quantize_fp8, ref_quantize_int8
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 1), (3, 5), (17, 33), (70, 300), (130, 129)]
@@ -374,3 +374,16 @@ def test_torch_lowbit_config_converts_experts_through_quantize_(tmp_path, weight
     want = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), config.quantize_config())
     with torch.no_grad():
         assert torch.equal(model(MOE_IDS).logits, want(MOE_IDS).logits)
+
+
+def test_a_layer_a_parent_holds_twice_is_quantized_under_both_names():
+    # named_children() names a module once per parent: the second name kept the dense layer, silently
+    shared = torch.nn.Linear(32, 32)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    x = torch.randn(3, 32)
+    torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly())
+    assert isinstance(model[0], torch_lowbit.nn.Fp8Linear) and model[2] is model[0]
+    w = fp8_weight_f64(model[0].weight.view(torch.uint8), model[0].weight_scale)
+    h = torch.relu(x.double() @ w.T + model[0].bias.double())
+    want = h @ w.T + model[0].bias.double()
+    assert float((model(x).double() - want).abs().max()) <= 1e-4 * float(want.abs().max())

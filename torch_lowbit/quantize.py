@@ -438,6 +438,17 @@ class _Walker:
         return new
 
 
+def swap_children(model: nn.Module, replacement: Callable[[nn.Module], nn.Module]) -> None:
+    """Put ``replacement(child)`` in place of every submodule of ``model`` under every name it has (a module a parent
+    holds twice included: ``named_children`` names it once); ``replacement`` returns the child itself to keep it."""
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None:
+                new = replacement(child)
+                if new is not child:
+                    setattr(parent, name, new)
+
+
 def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *,
               return_report: bool = False):
     """Replace the ``nn.Linear`` layers and the fused MoE experts of ``model`` in place by quantized layers,
@@ -502,10 +513,7 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
             new = walker.convert(m, fqn, k)
             done[id(m)] = m if new is None else new
             progress.update()
-    for fqn, parent in list(model.named_modules(remove_duplicate=False)):
-        for name, child in list(parent.named_children()):
-            if id(child) in done and done[id(child)] is not child:
-                setattr(parent, name, done[id(child)])
+    swap_children(model, lambda child: done.get(id(child), child))
     if report.converted:
         from .hf import attach_save_pretrained  # a transformers model's save_pretrained writes what loads right
         attach_save_pretrained(model)
