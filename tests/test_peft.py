@@ -339,6 +339,54 @@ def test_dequantize_model_names_what_it_cannot_do():
         torch_lowbit.dequantize_model(model, experts="dense")
 
 
+
+@LOW_BIT_CONFIGS
+def test_dequantize_in_place_holds_the_float64_weights_and_merges(config):
+    pm = peft.get_peft_model(quantized_llama(config), plain_lora(init_lora_weights=False))
+    want = {n: (dense_weight_f64(m.base_layer), m.base_layer.bias) for n, m in pm.named_modules()
+            if isinstance(m, lowbit_peft.LowbitLoraLinear)}
+    copied = torch_lowbit.dequantize_model(pm, dtype=torch.float32)
+    assert torch_lowbit.dequantize_(pm, dtype=torch.float32) is pm
+    assert not [n for n, m in pm.named_modules() if isinstance(m, lowbit_peft.LOW_BIT_LAYERS)]
+    eps = torch.finfo(torch.float32).eps
+    for name, (w, bias) in want.items():
+        dense = pm.get_submodule(name).base_layer
+        assert type(dense) is nn.Linear and not dense.weight.requires_grad, name
+        assert ((dense.weight.double() - w).abs() <= eps * w.abs()).all(), name  # rounded once
+        assert torch.equal(dense.weight, copied.get_submodule(name).base_layer.weight)
+        assert torch.equal(dense.bias, bias) and dense.bias.requires_grad == bias.requires_grad
+    ids = batch(1)
+    with torch.no_grad():
+        unmerged = pm(input_ids=ids).logits
+        assert torch.equal(unmerged, copied(input_ids=ids).logits)
+        merged = pm.merge_and_unload()(input_ids=ids).logits  # PEFT's own merge on the dense layers
+    assert float((merged - unmerged).abs().max()) <= 1e-5 * float(unmerged.abs().max())
+
+
+def test_dequantize_in_place_replaces_a_shared_layer_once_and_checks_everything_first():
+    from torch_lowbit.nn import W4Experts
+    shared = Fp8Linear.from_float(nn.Linear(32, 32))
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    w = dense_weight_f64(shared)
+    torch_lowbit.dequantize_(model, dtype=torch.float32)
+    assert type(model[0]) is nn.Linear and model[2] is model[0]
+    assert torch.equal(model[0].weight, w.float())
+    assert type(torch_lowbit.dequantize_(Fp8Linear.from_float(nn.Linear(8, 4)))) is nn.Linear  # a bare layer
+    # gpt-oss-like experts (biases) have no dense counterpart: refused before the linear layer beside them changes
+    t = {p: {"packed": torch.zeros(2, rows, cols // 2, dtype=torch.uint8),
+             "scale": torch.full((2, rows, cols // 32), 127, dtype=torch.uint8), "bias": torch.zeros(2, rows)}
+         for p, rows, cols in (("gate_up", 64, 64), ("down", 64, 32))}
+    biased = W4Experts.from_quantized(t["gate_up"], t["down"], format="mxfp4", group_size=32, hidden_size=64,
+                                      intermediate_size=32, dtype=torch.float32)
+    model = nn.Sequential(Fp8Linear.from_float(nn.Linear(32, 16)), biased)
+    with pytest.raises(ValueError, match=r"dequantize_: 1 is a W4Experts with its own arithmetic"):
+        torch_lowbit.dequantize_(model)
+    assert isinstance(model[0], Fp8Linear) and model[1] is biased
+    with pytest.raises(ValueError, match=r"dequantize_: dtype must be one of .*got torch.float64"):
+        torch_lowbit.dequantize_(model, dtype=torch.float64, experts="keep")
+    assert isinstance(model[0], Fp8Linear)
+
+
 # ---- QLoRA on a 4-bit MoE: adapters on the attention, experts frozen in W4Experts
 @pytest.mark.parametrize("config", [torch_lowbit.Int4WeightOnly(16, symmetric=False), torch_lowbit.Nvfp4WeightOnly()],
                          ids=["int4-asym", "nvfp4"])

@@ -172,6 +172,27 @@ def test_transformers_own_save_pretrained_on_a_torch_lowbit_config_model_refuses
     assert not os.path.exists(tmp_path / "x")
 
 
+
+@pytest.mark.parametrize("how", ["quantize_", "from_pretrained", "load_quantized", "TorchLowbitConfig"])
+def test_model_dequantize_gives_a_dense_model_that_saves_and_reloads_as_one(ct_llama, tmp_path, how):
+    model = _quantized_by(how, ct_llama, tmp_path)
+    low_bit = {n: _dequantized_weight(m) for n, m in model.named_modules() if isinstance(m, (Fp8Linear, Int8Linear))}
+    assert low_bit
+    want = _logits(torch_lowbit.dequantize_model(model, dtype=torch.float32))
+    assert model.dequantize(dtype="float32") is model  # transformers' dtype spelling
+    for n, w in low_bit.items():
+        assert type(model.get_submodule(n)) is nn.Linear and torch.equal(model.get_submodule(n).weight, w), n
+    assert torch.equal(_logits(model), want)
+    assert not model.is_quantized and getattr(model, "hf_quantizer", None) is None
+    assert "quantization_config" not in model.config.to_dict()
+    assert "save_pretrained" not in vars(model) and "dequantize" not in vars(model)
+    model.save_pretrained(tmp_path / "dense")  # transformers' own save, of a dense model
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32)
+    assert all(type(again.get_submodule(n)) is nn.Linear for n in low_bit)
+    assert torch.equal(_logits(again), want)
+
+
 def test_tokenizer_saved_first_is_kept(ct_llama, tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel

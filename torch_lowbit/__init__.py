@@ -10,7 +10,7 @@ work too); 4-bit ops ``w4_mm``, ``w4_dequantize``, ``w4_mm_t``; scale
 granularities ``PerTensor``, ``PerChannel``, ``PerBlock``; checkpoints: ``load_quantized(model, path)``;
 Hugging Face models: ``from_pretrained(path)`` (a quantized checkpoint -> a running transformers model),
 ``save_quantized(model, path)`` (-> a compressed-tensors checkpoint); ``dequantize_model(model)``: a dense copy
-(to merge LoRA adapters into).
+(to merge LoRA adapters into), ``dequantize_(model)`` the same in place (a transformers model's ``dequantize()``).
 Benchmarks: ``python -m torch_lowbit.bench``.
 """
 import glob as _glob
@@ -50,7 +50,7 @@ from .quantize_w4 import W4Quantized, quantize_w4  # noqa: E402,F401
 from .diffusion import diffusion_filter  # noqa: E402,F401
 from .formats import LoadReport, detect_format, load_quantized  # noqa: E402,F401
 from .hf import enable_save_pretrained, from_pretrained, parameters_on_meta, save_quantized  # noqa: E402,F401
-from .dequantize import dequantize_model  # noqa: E402,F401
+from .dequantize import dequantize_, dequantize_model  # noqa: E402,F401
 from ._version import __version__  # noqa: E402,F401
 
 

@@ -13,9 +13,12 @@ from torch import nn
 from ._ops import fp8_dequantize
 from .nn import Fp8Linear, Int8Linear, W4Experts, W4Linear
 from .nn.experts import Fp8Experts
+from .quantize import swap_children
 
 _EXPERTS_CHOICES = ("refuse", "keep")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the low-bit layers compute in
+_LINEARS = (Fp8Linear, Int8Linear, W4Linear)
+_EXPERTS = (W4Experts, Fp8Experts)
 
 
 def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, experts: str = "refuse") -> nn.Module:
@@ -38,26 +41,58 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
     dense counterpart here: ``"refuse"`` (default) raises naming them, ``"keep"`` copies every fused experts layer
     as it is (fp8, 4-bit; LoRA adapters on the linear layers merge all the same).
     """
+    dtype, found = _plan(model, dtype, experts, "dequantize_model")
+    # deepcopy takes each low-bit module's entry in memo as its copy: the dense layer, wherever it is referenced
+    memo = {i: _dense(m, dtype) for i, m in found.items()}
+    return copy.deepcopy(model, memo)
+
+
+def dequantize_(model: nn.Module, *, dtype: Optional[torch.dtype] = None, experts: str = "refuse") -> nn.Module:
+    """In place, what :func:`dequantize_model` does in a copy: every low-bit layer of ``model`` is replaced by its
+    dense counterpart (same ``dtype`` default, ``experts`` choices and errors, checked before anything changes), one
+    layer at a time, so the low-bit and dense weights are held together for one layer only. A module shared by
+    several parents gets one dense replacement. Returns ``model`` (the dense layer if ``model`` itself is a low-bit
+    layer). What ``model.dequantize()`` runs on a transformers model holding torch_lowbit layers."""
+    dtype, found = _plan(model, dtype, experts, "dequantize_")
+    if id(model) in found:
+        return _dense(model, dtype)
+    done = {}
+
+    def dense(child):
+        if id(child) in found and id(child) not in done:
+            done[id(child)] = _dense(child, dtype)
+        return done.get(id(child), child)
+
+    swap_children(model, dense)
+    return model
+
+
+def _plan(model, dtype, experts, caller):
+    """(the dense dtype, id -> module of every low-bit module of ``model`` that becomes dense), with every argument
+    and module checked."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"dequantize_model: model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"{caller}: model must be an nn.Module, got {type(model).__name__}")
     if experts not in _EXPERTS_CHOICES:
-        raise ValueError(f"dequantize_model: experts must be one of {_EXPERTS_CHOICES}, got {experts!r}")
+        raise ValueError(f"{caller}: experts must be one of {_EXPERTS_CHOICES}, got {experts!r}")
     dtype = dtype or _model_dtype(model)
     if dtype not in _DTYPES:
-        raise ValueError(f"dequantize_model: dtype must be one of {_DTYPES}, got {dtype!r}")
-    memo = {}
+        raise ValueError(f"{caller}: dtype must be one of {_DTYPES}, got {dtype!r}")
+    found = {}
     for name, module in model.named_modules():
-        if isinstance(module, (Fp8Linear, Int8Linear, W4Linear)):
-            memo[id(module)] = _dense_linear(module, dtype)
-        elif isinstance(module, (W4Experts, Fp8Experts)) and experts != "keep":
+        if isinstance(module, _LINEARS):
+            found[id(module)] = module
+        elif isinstance(module, _EXPERTS) and experts != "keep":
             if isinstance(module, Fp8Experts) or (module.activation == "swiglu" and module.gate_up_bias is None):
-                memo[id(module)] = _dense_experts(module, dtype)
+                found[id(module)] = module
             else:
-                raise ValueError(f"dequantize_model: {name} is a {type(module).__name__} with its own arithmetic "
+                raise ValueError(f"{caller}: {name or 'model'} is a {type(module).__name__} with its own arithmetic "
                                  f"(activation {module.activation!r}, biases), which has no dense counterpart here; "
-                                 "pass experts='keep' to keep them 4-bit in the copy")
-    # deepcopy takes each low-bit module's entry in memo as its copy: the dense layer, wherever it is referenced
-    return copy.deepcopy(model, memo)
+                                 "pass experts='keep' to keep them 4-bit")
+    return dtype, found
+
+
+def _dense(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    return _dense_linear(module, dtype) if isinstance(module, _LINEARS) else _dense_experts(module, dtype)
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:

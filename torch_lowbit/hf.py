@@ -727,7 +727,11 @@ def enable_save_pretrained(model):
     honoured (``max_shard_size`` in its spellings, ``is_main_process``, ``push_to_hub`` and its keywords, ``token``)
     or refused by name (``variant``, ``distributed_checkpoint``, ``save_original_format=False``, a ``state_dict``
     that is not the model's own) with an error naming ``torch_lowbit.save_quantized``. With PEFT adapters loaded
-    into the model, transformers' own save (adapters only) runs. Returns the model."""
+    into the model, transformers' own save (adapters only) runs.
+    It also sets the model's ``dequantize(dtype=None)``, transformers' way back to a dense model (without it:
+    "You need to first quantize your model", or NotImplementedError): :func:`torch_lowbit.dequantize_` in place,
+    then the model is a plain transformers model again (no quantization config in ``config.json``, transformers'
+    own ``save_pretrained``). Returns the model."""
     tf = _transformers()
     if not isinstance(model, tf.PreTrainedModel):
         raise TypeError(f"enable_save_pretrained: expected a transformers PreTrainedModel, got "
@@ -735,7 +739,28 @@ def enable_save_pretrained(model):
     import types
 
     model.save_pretrained = types.MethodType(_save_pretrained, model)
+    model.dequantize = types.MethodType(_dequantize, model)
     return model
+
+
+def _dequantize(self, dtype=None):
+    """transformers' ``PreTrainedModel.dequantize`` for a model holding torch_lowbit layers (see
+    :func:`enable_save_pretrained`)."""
+    from .dequantize import dequantize_
+
+    if isinstance(dtype, str):  # transformers' spellings: "bfloat16", "torch.float16"
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+    dequantize_(self, dtype=dtype)
+    for method in ("save_pretrained", "dequantize"):  # the class's own again
+        self.__dict__.pop(method, None)
+    quantizer = getattr(self, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(self)
+    else:
+        if hasattr(self.config, "quantization_config"):
+            del self.config.quantization_config
+        self.is_quantized = False
+    return self
 
 
 def attach_save_pretrained(model) -> None:

@@ -180,6 +180,12 @@ class TorchLowbitHfQuantizer(HfQuantizer):
     def is_trainable(self):
         return False
 
+    def _dequantize(self, model, dtype=None):
+        # HfQuantizer.dequantize's step (model.dequantize() reaches the model's own method first: enable_save_pretrained)
+        from .dequantize import dequantize_
+
+        return dequantize_(model, dtype=dtype)
+
 
 
 def _register_with_diffusers():
