@@ -280,12 +280,18 @@ def test_loader_missing_expert_names_the_tensor():
         load_quantized(model, sd, config=config_for("hf-fp8-block"))
 
 
-@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to(torch.bfloat16),
-                                     lambda m: m.to("cpu", torch.float16), lambda m: m.double()])
-def test_module_dtype_conversion_keeps_fp8_codes_and_fp32_scales(convert):
+@pytest.mark.parametrize("convert,dtype", [(lambda m: m.half(), torch.float16),
+                                           (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+                                           (lambda m: m.to("cpu", torch.float16), torch.float16),
+                                           (lambda m: m.float(), torch.float32),
+                                           (lambda m: m.double(), torch.bfloat16), (lambda m: m.cpu(), torch.bfloat16)])
+def test_module_dtype_conversion_keeps_fp8_codes_and_fp32_scales(convert, dtype):
     layer, gu, down = _layer(3, 24, 10, "block", (8, 16))
+    assert layer.dtype == torch.bfloat16
     codes = (layer.gate_up.clone(), layer.down.clone(), layer.gate_up_scale.clone(), layer.down_scale.clone())
     convert(layer)
+    # the dense dtype follows the cast as a dense layer's weight would, to the dtypes the ops compute in
+    assert layer.dtype == dtype and layer.dequantize()[0].dtype == dtype
     def bits(t):
         return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
     for t, before in zip((layer.gate_up, layer.down, layer.gate_up_scale, layer.down_scale), codes):

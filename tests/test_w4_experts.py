@@ -323,3 +323,12 @@ def test_dequantize_model_refuses_4bit_experts_with_their_own_arithmetic():
                                          r"'swiglu', biases\).*experts='keep'"):
         torch_lowbit.dequantize_model(model)
     assert isinstance(torch_lowbit.dequantize_model(model, experts="keep")[0], W4Experts)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dense_dtype_follows_half_and_the_format_buffers_do_not(variant):
+    layer = _empty(variant)
+    before = {n: b.dtype for n, b in layer.named_buffers()}
+    layer.half()
+    assert layer.dtype == torch.float16 and all(t.dtype == torch.float16 for t in layer.dequantize())
+    assert {n: b.dtype for n, b in layer.named_buffers()} == before

@@ -10,6 +10,9 @@ import torch.nn as nn
 from .._storage import as_fp8_dtype, as_stored_fp8
 
 
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 class FormatBuffers(nn.Module):
     # buffers whose dtype is part of the format: moved by .to() / .cuda() / .mps(), never dtype-converted
     _format_buffers: tuple = ()
@@ -38,6 +41,14 @@ class FormatBuffers(nn.Module):
             self._buffers.update(kept)
             raise
         self._buffers.update(moved)
+        # a layer's `dtype` (the dense model's, which fused experts stand in for and dequantize to) follows
+        # .half() / .to(dtype) as the dense layer's weight would have (what fn makes of a tensor of that dtype), to
+        # the dtypes the low-bit ops compute in
+        dense = self.__dict__.get("dtype")
+        if isinstance(dense, torch.dtype):
+            cast = fn(torch.empty(0, dtype=dense)).dtype
+            if cast in _COMPUTE_DTYPES:
+                self.dtype = cast
         return self
 
     def _adopt_optional_buffer(self, name, state_dict, prefix, device):
