@@ -24,6 +24,7 @@ from ._ops import (fp8_dequantize, fp8_grouped_mm, fp8_grouped_mm_t, fp8_mm, fp8
                    int8_linear, int8_mm, int8_quantize, int8_weight_mm_t, w4_dequantize, w4_grouped_mm, w4_grouped_mm_t, w4_mm, w4_mm_t,
                    _register_fakes)
 from ._autograd import _register_autograd  # noqa: E402
+from ._autocast import register_autocast as _register_autocast  # noqa: E402
 from ._peft_dispatch import install as _install_peft_dispatch  # noqa: E402
 
 _register_fakes()
@@ -39,6 +40,7 @@ def _load_emulator():
 
 
 _load_emulator()
+_register_autocast()  # after the emulator's ops exist: both namespaces
 
 from . import emulator  # noqa: E402,F401
 from . import nn  # noqa: E402,F401

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ._autocast import autocast_dtype, cast
+
 _NAMESPACES = ("lowbit", "lowbit_emu")
 
 
@@ -267,6 +269,9 @@ class _Int8Linear(torch.autograd.Function):
 
 
 def int8_linear(x, wq, w_scale, bias=None, ns="lowbit"):
+    dtype = autocast_dtype(x)
+    if dtype is not None:  # under torch.autocast, as F.linear: activations and bias in autocast's dtype
+        x, bias = cast(x, dtype), cast(bias, dtype)
     # Without a gradient to record (inference, every decode step) the ops run directly: Function.apply binds its
     # default arguments through inspect.signature on every call, which costs several times the op pair.
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (x, w_scale, bias)):

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from .. import _ops
+from .._autocast import autocast_dtype
 from .._storage import FP8, as_fp8_dtype, as_stored_fp8
 from ..granularity import GranularityLike, PerBlock, as_granularity, infer_granularity
 from ..quantize import Fp8WeightOnly, quantize_fp8, register_quantize_module_handler
@@ -60,8 +61,12 @@ class Fp8Linear(QuantizedLinear):
         if not self.quantize_activations:
             return _ops.fp8_mm(x, self.weight, self.weight_scale, self.bias, self.block_size)
         static = self.input_scale if self.activation_scheme == "static" else None
-        xq = _ops.fp8_fake_quantize(x, static)  # float32: not rounded again to x's dtype
-        return _ops.fp8_mm(xq, self.weight, self.weight_scale, self.bias, self.block_size).to(x.dtype)
+        xq = _ops.fp8_fake_quantize(x, static)  # float32: not rounded again to x's dtype (nor by autocast)
+        out_dtype = autocast_dtype(x)
+        if out_dtype is None:
+            return _ops.fp8_mm(xq, self.weight, self.weight_scale, self.bias, self.block_size).to(x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return _ops.fp8_mm(xq, self.weight, self.weight_scale, self.bias, self.block_size).to(out_dtype)
 
     def set_activation_scheme(self, scheme: Optional[str], run: bool = False) -> "Fp8Linear":
         """Record the activation quantization the weights were written for (None, ``"dynamic"``, ``"static"``; a
