@@ -494,3 +494,31 @@ def test_lora_targeting_quantized_experts_warns_that_they_stay_frozen():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="torch_lowbit")
         peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+# ---- transformers' Trainer: QLoRA on a model TorchLowbitConfig quantized as it loaded
+def test_trainer_trains_lora_on_a_torch_lowbit_config_model_and_refuses_the_bare_base(tmp_path):
+    import hf_writers as W
+    transformers.set_seed(0)
+    W.tiny_model("llama").save_pretrained(tmp_path / "dense")
+
+    def load():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "dense", dtype=torch.float32, quantization_config=torch_lowbit.TorchLowbitConfig("nvfp4"))
+
+    ids = torch.randint(0, W.V, (4, 9), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=2,
+                                          learning_rate=3e-2, report_to=[], use_cpu=True, save_strategy="no",
+                                          logging_steps=1, disable_tqdm=True)
+    with pytest.raises(ValueError, match="purely quantized"):  # transformers' own refusal, kept
+        transformers.Trainer(model=load(), args=args, train_dataset=data)
+    pm = peft.get_peft_model(load(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                     lora_dropout=0.0, init_lora_weights=False))
+    before = {n: p.detach().clone() for n, p in adapters(pm).items()}
+    trainer = transformers.Trainer(model=pm, args=args, train_dataset=data)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert all(not torch.equal(p, before[n]) for n, p in adapters(pm).items())
+    assert isinstance(pm.base_model.model.model.layers[0].mlp.down_proj.base_layer, W4Linear)

@@ -178,7 +178,9 @@ class TorchLowbitHfQuantizer(HfQuantizer):
 
     @property
     def is_trainable(self):
-        return False
+        # adapters (PEFT LoRA) train on the frozen low-bit base: Trainer asks this of a quantized model with adapters
+        # (a bare quantized model it refuses on its own)
+        return True
 
     def _dequantize(self, model, dtype=None):
         # HfQuantizer.dequantize's step (model.dequantize() reaches the model's own method first: enable_save_pretrained)
