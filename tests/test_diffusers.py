@@ -2,7 +2,9 @@
 transformers saved by diffusers quantizes them as they load (the diffusion skip rule), save_pretrained -> reload gives
 the same model, a FluxPipeline runs on it; from_single_file of FLUX, SD3.5 and Wan2.1 (T2V, I2V) FP8 files written in
 their published layouts (raw e4m3, ComfyUI scaled fp8, weight_scale) keeps the stored codes, matches diffusers' own
-upcast load and (FLUX) peaks near the file size; bad files are refused naming the file and the tensor."""
+upcast load and (FLUX) peaks near the file size; bad files are refused naming the file and the tensor. A FLUX LoRA
+saved by diffusers loads into a quantized transformer with pipe.load_lora_weights as into the dense one; fuse_lora
+is refused by name."""
 import copy
 import json
 import math
@@ -25,6 +27,8 @@ from torch_lowbit.formats import CheckpointError
 from torch_lowbit.nn import Fp8Linear
 
 diffusers = pytest.importorskip("diffusers")
+peft = pytest.importorskip("peft")
+from torch_lowbit.peft import LowbitLoraLinear  # noqa: E402
 from test_diffusion import (LAYER, MODEL_ERR, MODELS, _flux_inputs, _image, _rel, _sd3_inputs,  # noqa: E402
                             _wan_inputs, _with_transformer,  # noqa: E402
                             tiny_flux_pipeline)  # noqa: F401  (the fixture)
@@ -670,3 +674,36 @@ def test_quant_method_is_one_value_for_both_libraries():
     assert json.loads(json.dumps(config.to_dict()))["quant_method"] == "torch_lowbit"
     assert AUTO_QUANTIZATION_CONFIG_MAPPING[method] is TF_CONFIGS[method] is type(config)
     assert AUTO_QUANTIZER_MAPPING["torch_lowbit"].__name__ == "TorchLowbitDiffusersQuantizer"
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+@pytest.mark.parametrize("scheme", CONFIG)
+def test_flux_lora_loads_into_a_quantized_transformer_as_into_the_dense_one(tiny_flux_pipeline, scheme, tmp_path):
+    # the diffusers habit: pipe.load_lora_weights(dir) of a LoRA trained on the dense transformer
+    from peft.utils import get_peft_model_state_dict
+    trained = copy.deepcopy(tiny_flux_pipeline.transformer)
+    trained.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                        target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_mlp"]))
+    with torch.no_grad():  # a trained adapter's size of update
+        for n, p in trained.named_parameters():
+            if "lora_B" in n:
+                p.mul_(8)
+    diffusers.FluxPipeline.save_lora_weights(tmp_path / "lora", transformer_lora_layers=get_peft_model_state_dict(
+        trained))
+    dense = _with_transformer(tiny_flux_pipeline, copy.deepcopy(tiny_flux_pipeline.transformer))
+    dense.load_lora_weights(tmp_path / "lora")
+    tiny_flux_pipeline.transformer.save_pretrained(tmp_path / "transformer")
+    quantized = _with_transformer(tiny_flux_pipeline, diffusers.FluxTransformer2DModel.from_pretrained(
+        tmp_path / "transformer", quantization_config=CONFIG[scheme](), torch_dtype=torch.float32))
+    quantized.load_lora_weights(tmp_path / "lora")
+    wrapped = [n for n, m in quantized.transformer.named_modules() if isinstance(m, LowbitLoraLinear)]
+    assert wrapped and len(wrapped) == len([n for n, m in dense.transformer.named_modules()
+                                            if isinstance(m, peft.tuners.lora.LoraLayer)])
+    inputs = _flux_inputs(torch.Generator().manual_seed(1))
+    out, ref, base = (_run(p.transformer, inputs) for p in (quantized, dense, tiny_flux_pipeline))
+    assert _rel(ref, base) > 3 * MODEL_ERR[scheme]  # the adapter changes the output far more than quantizing does
+    assert _rel(out, ref) < MODEL_ERR[scheme]
+    quantized.set_progress_bar_config(disable=True)
+    assert torch.isfinite(_image(quantized)).all()
+    with pytest.raises(ValueError, match="dequantize_model"):  # fuse_lora would re-quantize: refused by name
+        quantized.fuse_lora()
