@@ -522,3 +522,25 @@ def test_trainer_trains_lora_on_a_torch_lowbit_config_model_and_refuses_the_bare
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert all(not torch.equal(p, before[n]) for n, p in adapters(pm).items())
     assert isinstance(pm.base_model.model.model.layers[0].mlp.down_proj.base_layer, W4Linear)
+
+
+def test_qlora_recipe_with_gradient_checkpointing_gives_the_gradients_without_it():
+    # prepare_model_for_kbit_training recognizes bitsandbytes / GPTQ / torchao models only: on a torch_lowbit model
+    # it upcasts and freezes but leaves checkpointing off, so the README's recipe turns it on explicitly
+    import hf_writers as W
+    ids = torch.randint(0, W.V, (2, 7), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        model = torch_lowbit.quantize_(W.tiny_model("llama").to(torch.bfloat16), torch_lowbit.Nvfp4WeightOnly())
+        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(1)
+        pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        pm.train()
+        assert pm.base_model.model.is_gradient_checkpointing == checkpointing
+        pm(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in pm.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 28
+    for n, g in grads[0].items():
+        assert torch.allclose(grads[1][n], g, rtol=1e-4, atol=1e-6), n
