@@ -439,3 +439,32 @@ def test_a_config_value_transformers_cannot_build_names_config_json(checkpoint, 
     _edit_config(path, lambda d: d.update({field: value}))
     with pytest.raises(CheckpointError, match=r"config\.json: transformers cannot build"):
         torch_lowbit.from_pretrained(path, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ T5 encoders
+def _tiny_t5():
+    torch.manual_seed(0)
+    return transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=50, d_model=32, d_ff=48, d_kv=8, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu")).eval()
+
+
+@pytest.mark.parametrize("how", ["quantize_", "TorchLowbitConfig"])
+def test_t5_encoder_keeps_its_fp32_module_and_runs(how, tmp_path):
+    # T5 (the text encoder of FLUX, SD3, Wan as UMT5) casts the FF's input to wo.weight's dtype: an fp8 wo would get
+    # fp8 activations. transformers' quantizers leave _keep_in_fp32_modules ('wo') unconverted; so do these
+    dense = _tiny_t5()
+    ids = torch.tensor([[3, 17, 42, 5, 8, 1]])
+    if how == "quantize_":
+        model, report = torch_lowbit.quantize_(_tiny_t5(), torch_lowbit.Fp8WeightOnly(), return_report=True)
+        assert report.skipped["encoder.block.0.layer.1.DenseReluDense.wo"] == (
+            "kept in fp32 by the model (T5EncoderModel._keep_in_fp32_modules: 'wo')")
+    else:
+        dense.save_pretrained(tmp_path)
+        model = transformers.T5EncoderModel.from_pretrained(
+            tmp_path, dtype=torch.float32, quantization_config=torch_lowbit.TorchLowbitConfig("fp8"))
+    ff = model.encoder.block[0].layer[1].DenseReluDense
+    assert type(ff.wo) is nn.Linear and isinstance(ff.wi_0, Fp8Linear)
+    assert isinstance(model.encoder.block[0].layer[0].SelfAttention.q, Fp8Linear)
+    with torch.no_grad():
+        got, want = model(ids).last_hidden_state, dense(ids).last_hidden_state
+    assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())

@@ -22,7 +22,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .granularity import as_granularity, normalize_block_size
-from .quantize import Fp8WeightOnly, Int8Dynamic, quantize_
+from .quantize import Fp8WeightOnly, Int8Dynamic, kept_in_fp32, kept_name, quantize_
 
 
 
@@ -135,6 +135,7 @@ def _module_names(names) -> Optional[List[str]]:
 @register_quantizer(QUANT_METHOD.value)
 class TorchLowbitHfQuantizer(HfQuantizer):
     requires_calibration = False
+    _keep_fp32 = ()
 
     def update_dtype(self, dtype):
         return torch.bfloat16 if dtype is None else dtype
@@ -143,10 +144,13 @@ class TorchLowbitHfQuantizer(HfQuantizer):
         from .formats.detect import matches  # the loader's ignore-list rule
 
         names = self.quantization_config.modules_to_not_convert
-        return any(matches(fqn, p) for p in (TRANSFORMERS_SKIPPED if names is None else names))
+        return (any(matches(fqn, p) for p in (TRANSFORMERS_SKIPPED if names is None else names))
+                or kept_name(fqn, self._keep_fp32) is not None)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
+        # what the model keeps in fp32 stays unconverted, as transformers' own quantizers leave it (T5's wo)
+        self._keep_fp32 = kept_in_fp32(model)
         keep = (lambda m, fqn: not self._skipped(fqn))
         if getattr(model, "_is_distributed_loading_by_transformers", False):
             # tp_plan: the plan's modules hold DTensor shards; each is gathered, quantized whole, then cut for this

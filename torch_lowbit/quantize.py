@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.nn as nn
@@ -325,6 +325,7 @@ def Int4WeightOnlyConfig(group_size: int = 128, layout=None, use_hqq: bool = Fal
 
 
 SKIPPED_BY_DEFAULT = ("lm_head",)
+_DEFAULT_SKIP_REASON = "skipped by the default filter (lm_head)"
 
 
 def _swappable(module) -> bool:
@@ -345,6 +346,38 @@ def default_filter(module: nn.Module, fqn: str) -> bool:
     """Quantize every swappable nn.Linear and fused experts module except those named ``lm_head`` (the logits are
     accuracy-critical)."""
     return fqn.rsplit(".", 1)[-1] not in SKIPPED_BY_DEFAULT
+
+
+def kept_in_fp32(model: nn.Module) -> Tuple[str, ...]:
+    """The module names a transformers model keeps in high precision (``_keep_in_fp32_modules`` and its ``_strict``
+    twin), which transformers' own quantizers leave unconverted: T5's ``wo``, whose input the model casts to that
+    layer's weight dtype (an fp8 weight would make it fp8 activations)."""
+    names = set()
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        names |= set(getattr(model, attr, None) or ())
+    return tuple(sorted(names))
+
+
+def kept_name(fqn: str, names: Sequence[str]) -> Optional[str]:
+    """The entry of ``names`` that module ``fqn`` is or lies in (whole name components), or None."""
+    return next((k for k in names if fqn == k or fqn.endswith("." + k) or fqn.startswith(k + ".")
+                 or ("." + k + ".") in fqn), None)
+
+
+class _KeepFp32Filter:
+    """quantize_'s default on a model that keeps modules in fp32: ``default_filter``, and those modules left alone."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.keep = type(model).__name__, kept_in_fp32(model)
+
+    def skip_reason(self, fqn: str) -> Optional[str]:
+        if not default_filter(None, fqn):
+            return _DEFAULT_SKIP_REASON
+        k = kept_name(fqn, self.keep)
+        return None if k is None else f"kept in fp32 by the model ({self.model}._keep_in_fp32_modules: {k!r})"
+
+    def __call__(self, module: nn.Module, fqn: str) -> bool:
+        return self.skip_reason(fqn) is None
 
 
 @dataclasses.dataclass
@@ -380,10 +413,13 @@ def _describe(layer: nn.Module) -> str:
 
 
 def _default_filter_for(model: nn.Module) -> Callable[[nn.Module, str], bool]:
-    """quantize_'s filter when none is given: the diffusion rule on a diffusers model, else ``default_filter``."""
+    """quantize_'s filter when none is given: the diffusion rule on a diffusers model, else ``default_filter`` (and
+    the modules a transformers model keeps in fp32)."""
     from .diffusion import diffusion_filter, is_diffusers_model
 
-    return diffusion_filter if is_diffusers_model(model) else default_filter
+    if is_diffusers_model(model):
+        return diffusion_filter
+    return _KeepFp32Filter(model) if kept_in_fp32(model) else default_filter
 
 
 def _skip_reason(filter_fn, fqn: str) -> str:
@@ -391,7 +427,9 @@ def _skip_reason(filter_fn, fqn: str) -> str:
     from .diffusion import diffusion_filter, diffusion_skip_reason
 
     if filter_fn is default_filter:
-        return "skipped by the default filter (lm_head)"
+        return _DEFAULT_SKIP_REASON
+    if isinstance(filter_fn, _KeepFp32Filter):
+        return filter_fn.skip_reason(fqn)
     if filter_fn is diffusion_filter:
         return diffusion_skip_reason(fqn)
     return "filter_fn returned False"
@@ -471,7 +509,8 @@ def quantize_(model: nn.Module, config, filter_fn: Optional[Callable[[nn.Module,
 
     ``filter_fn(module, fqn) -> bool`` is asked about each candidate: every nn.Linear and every fused experts module
     (``fqn`` is its dotted name in ``model``; tell them apart by ``isinstance(module, nn.Linear)``). It replaces the
-    default filter, which skips modules named ``lm_head`` (on a diffusers model -- a transformer or UNet,
+    default filter, which skips modules named ``lm_head`` and those a transformers model keeps in fp32
+    (``_keep_in_fp32_modules``, as transformers' quantizers do: T5's ``wo``) (on a diffusers model -- a transformer or UNet,
     ``pipe.transformer`` -- the default is :func:`torch_lowbit.diffusion.diffusion_filter`: embedders and the final
     layer stay in high precision). A module shared by several parents is quantized once and stays shared. Progress (modules done)
     is shown on a terminal (``torch_lowbit._progress``).
