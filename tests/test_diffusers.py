@@ -118,16 +118,17 @@ def test_save_pretrained_then_reload(saved_dense, model, scheme, tmp_path):
     assert _rel(_run(again, x), _run(q, x)) < 1e-6
 
 
-def test_reload_in_a_fresh_process(saved_dense, tmp_path):
-    """A user's reflex: save, then reload in a new Python that imports diffusers and torch_lowbit (no config made):
-    the same layers, the same output."""
+@pytest.mark.parametrize("imports", ["diffusers, torch_lowbit", "torch_lowbit, diffusers"])
+def test_reload_in_a_fresh_process(saved_dense, tmp_path, imports):
+    """A user's reflex: save, then reload in a new Python that imports diffusers and torch_lowbit (no config made),
+    in either order: the same layers, the same output."""
     dense, path = saved_dense["flux"]
     q = _load(type(dense), path, "fp8")
     q.save_pretrained(tmp_path / "saved")
     x = MODELS["flux"][1](torch.Generator().manual_seed(1))
     save_file({**{k: v.contiguous() for k, v in x.items()}, "expected": _run(q, x)}, str(tmp_path / "io.safetensors"))
     out = _python("""
-        import sys, torch, diffusers, torch_lowbit
+        import sys, torch, IMPORTS
         from safetensors.torch import load_file, save_file
         io = load_file(sys.argv[2])
         expected = io.pop("expected")
@@ -136,7 +137,7 @@ def test_reload_in_a_fresh_process(saved_dense, tmp_path):
         with torch.no_grad():
             y = model(**io, return_dict=False)[0]
         print(float((y - expected).abs().max() / expected.abs().max()))
-        """, tmp_path / "saved", tmp_path / "io.safetensors")
+        """.replace("IMPORTS", imports), tmp_path / "saved", tmp_path / "io.safetensors")
     assert float(out.split()[-1]) < 1e-6
 
 
@@ -707,3 +708,25 @@ def test_flux_lora_loads_into_a_quantized_transformer_as_into_the_dense_one(tiny
     assert torch.isfinite(_image(quantized)).all()
     with pytest.raises(ValueError, match="dequantize_model"):  # fuse_lora would re-quantize: refused by name
         quantized.fuse_lora()
+
+
+# ------------------------------------------------------------------------------------------------ pipelines
+@pytest.mark.parametrize("spelling", ["quant_backend", "quant_mapping"])
+def test_pipeline_quantization_config_quantizes_the_named_components(tiny_flux_pipeline, spelling, tmp_path):
+    # diffusers' pipeline-level habit: DiffusionPipeline.from_pretrained(..., quantization_config=
+    # PipelineQuantizationConfig(...)), with the backend by name or a config per component
+    tiny_flux_pipeline.save_pretrained(tmp_path)
+    components = ["transformer", "text_encoder_2"]
+    if spelling == "quant_backend":
+        config = diffusers.PipelineQuantizationConfig(quant_backend="torch_lowbit", quant_kwargs={"weights": "fp8"},
+                                                      components_to_quantize=components)
+    else:
+        config = diffusers.PipelineQuantizationConfig(
+            quant_mapping={c: torch_lowbit.TorchLowbitConfig("fp8") for c in components})
+    pipe = diffusers.FluxPipeline.from_pretrained(tmp_path, quantization_config=config, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, Fp8Linear)
+    assert isinstance(pipe.text_encoder_2.encoder.block[0].layer[0].SelfAttention.q, Fp8Linear)
+    assert not any(isinstance(m, Fp8Linear) for m in pipe.text_encoder.modules())  # not named: stays dense
+    img, ref = _image(pipe), _image(tiny_flux_pipeline)
+    assert 0 < _rel(img, ref) < MODEL_ERR["fp8"]

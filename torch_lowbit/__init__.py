@@ -15,7 +15,6 @@ Benchmarks: ``python -m torch_lowbit.bench``.
 """
 import glob as _glob
 import os as _os
-import sys as _sys
 
 import torch as _torch
 
@@ -25,6 +24,7 @@ from ._ops import (fp8_dequantize, fp8_grouped_mm, fp8_grouped_mm_t, fp8_mm, fp8
                    _register_fakes)
 from ._autograd import _register_autograd  # noqa: E402
 from ._autocast import register_autocast as _register_autocast  # noqa: E402
+from ._import_hooks import after_import as _after_import  # noqa: E402
 from ._peft_dispatch import install as _install_peft_dispatch  # noqa: E402
 
 _register_fakes()
@@ -56,10 +56,14 @@ from .dequantize import dequantize_, dequantize_model  # noqa: E402,F401
 from ._version import __version__  # noqa: E402,F401
 
 
-if "diffusers" in _sys.modules:
-    # a diffusers user's fresh process (import diffusers, then torch_lowbit): from_pretrained of a directory
-    # save_pretrained wrote needs the method registered, before any TorchLowbitConfig is made
-    from . import hf_quantizer as _hf_quantizer  # noqa: E402,F401  (registers with transformers and diffusers)
+def _register_quantization_method(_diffusers):
+    # a diffusers user's process, whichever of diffusers and torch_lowbit it imports first: from_pretrained of a
+    # directory save_pretrained wrote, and PipelineQuantizationConfig(quant_backend="torch_lowbit"), need the method
+    # registered before any TorchLowbitConfig is made
+    from . import hf_quantizer  # noqa: F401  (registers with transformers and diffusers)
+
+
+_after_import("diffusers", _register_quantization_method)
 
 
 def __getattr__(name):

@@ -19,15 +19,16 @@ adds two hooks:
   tests say so.
 
 Both are installed once, when both packages are imported: at torch_lowbit's import if PEFT's LoRA module is
-already loaded, else right after it loads (a one-shot import watcher that removes itself). This module imports
+already loaded, else right after it loads (``torch_lowbit._import_hooks``). This module imports
 nothing of PEFT (which pulls in transformers) until PEFT creates a LoRA layer on a torch_lowbit layer or expands
 "all-linear".
 """
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import sys
+
+from ._import_hooks import after_import
 
 _LORA_MODEL = "peft.tuners.lora.model"
 _TUNERS_UTILS = "peft.tuners.tuners_utils"
@@ -88,52 +89,7 @@ def _install_hooks(lora_model_module) -> None:
     _wrap_all_linear()
 
 
-class _InstallAfterExec(importlib.abc.Loader):
-    """The LoRA module's own loader, then the hooks; handed back to the module once it has run."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        try:
-            self._loader.exec_module(module)
-        finally:
-            module.__loader__ = module.__spec__.loader = self._loader
-        _install_hooks(module)
-
-
-class _LoraImportWatcher(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when peft's LoRA module is about to be imported, it takes the spec the other finders
-    give, has the hooks installed after the module runs, and leaves ``sys.meta_path``."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _LORA_MODEL:
-            return None
-        _remove_watchers()
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _InstallAfterExec(spec.loader)
-                return spec
-        return None
-
-
-def _remove_watchers() -> None:
-    # by class name: a reloaded torch_lowbit defines a new class, and one watcher is enough
-    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != _LoraImportWatcher.__name__]
-
-
 def install() -> None:
     """Route PEFT's LoRA layer creation for torch_lowbit layers through :mod:`torch_lowbit.peft` (see the module
     docstring); idempotent."""
-    module = sys.modules.get(_LORA_MODEL)
-    if module is not None and hasattr(module, "LoraModel"):
-        _install_hooks(module)
-    elif module is None:
-        _remove_watchers()
-        sys.meta_path.insert(0, _LoraImportWatcher())
+    after_import(_LORA_MODEL, _install_hooks)
