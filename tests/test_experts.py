@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import torch_lowbit
 import torch_lowbit.nn as tlnn
 from reference import fp8_bits_to_f64, random_fp8_bits
+from torch_lowbit.nn import Int8Experts, Int8Linear
 from torch_lowbit.nn.experts import Fp8Experts
 
 
@@ -518,3 +519,28 @@ def test_dequantize_model_gives_back_the_models_own_dense_fp8_experts():
     with torch.no_grad():
         out, want = copy_(MOE_IDS).logits, model(MOE_IDS).logits
     assert (out - want).abs().max() <= 1e-5 * want.abs().max()  # W8A16: the dequantized model up to fp32 sums
+
+
+def test_dequantize_model_gives_back_the_models_own_dense_int8_experts():
+    # W8A8 experts had no dense counterpart: dequantize_model kept them int8 in the "dense" copy, and a transformers
+    # model's dequantize() left them int8 under a config that no longer said so
+    import hf_writers as W
+    from test_quantize import MOE_IDS
+    model = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Int8Dynamic())
+    fqn = "model.layers.0.mlp.experts"
+    layer = model.get_submodule(fqn)
+    assert isinstance(layer, Int8Experts)
+    want_gu = layer.gate_up.double() * layer.gate_up_scale.double()[..., None]
+    want_down = layer.down.double() * layer.down_scale.double()[..., None]
+    got_gu, got_down = layer.dequantize(torch.float64)
+    assert torch.equal(got_gu, want_gu) and torch.equal(got_down, want_down)
+    copy_ = torch_lowbit.dequantize_model(model, dtype=torch.float32)
+    got = copy_.get_submodule(fqn)
+    assert type(got) is type(W.tiny_model("qwen3_moe").get_submodule(fqn))
+    assert torch.equal(got.gate_up_proj, want_gu.float()) and torch.equal(got.down_proj, want_down.float())
+    assert not any(isinstance(m, (Int8Experts, Int8Linear)) for m in copy_.modules())
+    with torch.no_grad():  # W8A8 against its dequantized weights: the activations' rounding apart
+        out, want = model(MOE_IDS).logits, copy_(MOE_IDS).logits
+    assert (out - want).abs().max() <= 0.05 * want.abs().max()
+    torch_lowbit.dequantize_(model, dtype=torch.float32)
+    assert torch.equal(model.get_submodule(fqn).gate_up_proj, want_gu.float())

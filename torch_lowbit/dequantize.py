@@ -12,13 +12,14 @@ from torch import nn
 
 from ._ops import fp8_dequantize
 from .nn import Fp8Linear, Int8Linear, W4Experts, W4Linear
+from .nn import Int8Experts
 from .nn.experts import Fp8Experts
 from .quantize import swap_children
 
 _EXPERTS_CHOICES = ("refuse", "keep")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the low-bit layers compute in
 _LINEARS = (Fp8Linear, Int8Linear, W4Linear)
-_EXPERTS = (W4Experts, Fp8Experts)
+_EXPERTS = (W4Experts, Fp8Experts, Int8Experts)
 
 
 def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, experts: str = "refuse") -> nn.Module:
@@ -34,7 +35,7 @@ def dequantize_model(model: nn.Module, *, dtype: Optional[torch.dtype] = None, e
     dtype: of the dense weights and biases (bfloat16, float16 or float32); default: the dtype holding most of the
     model's floating-point parameters (embeddings, norms: what ``model.to(dtype)`` set), bfloat16 if it has none.
     The weights stay frozen (requires_grad=False, as they were); each bias keeps its requires_grad.
-    Fused experts (``Fp8Experts``, ``W4Experts``) become dense fused experts holding their dequantized ``gate_up_proj
+    Fused experts (``Fp8Experts``, ``Int8Experts``, ``W4Experts``) become dense fused experts holding their dequantized ``gate_up_proj
     [E, 2I, H]`` / ``down_proj [E, H, I]`` (the layer's ``dequantize``): the model's own experts module where
     ``quantize_`` made them (Qwen3MoeExperts, MixtralExperts, ...), else :class:`DenseSwiGLUExperts`.
     experts: 4-bit experts with their own arithmetic (gpt-oss's ``GptOssW4Experts``: clamped SwiGLU, biases) have no
@@ -82,7 +83,7 @@ def _plan(model, dtype, experts, caller):
         if isinstance(module, _LINEARS):
             found[id(module)] = module
         elif isinstance(module, _EXPERTS) and experts != "keep":
-            if isinstance(module, Fp8Experts) or (module.activation == "swiglu" and module.gate_up_bias is None):
+            if not isinstance(module, W4Experts) or (module.activation == "swiglu" and module.gate_up_bias is None):
                 found[id(module)] = module
             else:
                 raise ValueError(f"{caller}: {name or 'model'} is a {type(module).__name__} with its own arithmetic "

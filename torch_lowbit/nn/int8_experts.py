@@ -6,7 +6,7 @@ Same interface as :class:`torch_lowbit.nn.Fp8Experts` and transformers' fused ex
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from torch import nn
 from .. import _ops
 from ..quantize import Int8Dynamic, quantize_int8, register_quantize_experts_handler
 from ._format_buffers import FormatBuffers
-from .experts import combine, route, swiglu
+from .experts import attach_dense_template, combine, route, swiglu
 
 
 def _check_stacked(name: str, w: torch.Tensor, scale: torch.Tensor):
@@ -144,6 +144,13 @@ class Int8Experts(FormatBuffers):
         pieces.append(x.new_zeros(xs.shape[0] - bounds[E], H))
         return combine(torch.cat(pieces), topk_weights, r, hidden)
 
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The dense ``(gate_up [E, 2I, H], down [E, H, I])``: each int8 weight times its row's scale, exact (in
+        float64), rounded once to ``dtype`` (default the layer's ``dtype``)."""
+        dtype = dtype or self.dtype
+        return tuple((w.double() * s.double()[..., None]).to(dtype)
+                     for w, s in ((self.gate_up, self.gate_up_scale), (self.down, self.down_scale)))
+
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, weights int8 per channel, activations int8 per token "
@@ -152,4 +159,5 @@ class Int8Experts(FormatBuffers):
 
 @register_quantize_experts_handler(Int8Dynamic)
 def _quantize_int8_experts(experts: nn.Module, config: Int8Dynamic) -> Int8Experts:
-    return Int8Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach())
+    return attach_dense_template(Int8Experts.from_float(experts.gate_up_proj.detach(), experts.down_proj.detach()),
+                                 experts)
