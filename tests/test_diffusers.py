@@ -141,6 +141,18 @@ def test_reload_in_a_fresh_process(saved_dense, tmp_path, imports):
     assert float(out.split()[-1]) < 1e-6
 
 
+
+@pytest.mark.parametrize("imports", ["diffusers, torch_lowbit", "torch_lowbit, diffusers"])
+def test_without_transformers_both_import_in_either_order(imports):
+    # registering TorchLowbitConfig needs transformers; where it is missing, a diffusers user's imports must not fail
+    out = _python("""
+        import sys
+        sys.modules["transformers"] = None  # as if not installed
+        import IMPORTS
+        print("imported", "torch_lowbit.hf_quantizer" in sys.modules)
+        """.replace("IMPORTS", imports))
+    assert out.split()[-2:] == ["imported", "False"]
+
 def test_modules_to_not_convert_replaces_the_diffusion_rule(saved_dense):
     dense, path = saved_dense["flux"]
     q = dense.from_pretrained(path, quantization_config=torch_lowbit.TorchLowbitConfig(

@@ -60,7 +60,10 @@ def _register_quantization_method(_diffusers):
     # a diffusers user's process, whichever of diffusers and torch_lowbit it imports first: from_pretrained of a
     # directory save_pretrained wrote, and PipelineQuantizationConfig(quant_backend="torch_lowbit"), need the method
     # registered before any TorchLowbitConfig is made
-    from . import hf_quantizer  # noqa: F401  (registers with transformers and diffusers)
+    try:
+        from . import hf_quantizer  # noqa: F401  (registers with transformers and diffusers)
+    except ImportError:  # no transformers: TorchLowbitConfig needs it, and the user's import of diffusers must not fail
+        pass
 
 
 _after_import("diffusers", _register_quantization_method)
