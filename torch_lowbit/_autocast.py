@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-_NAMESPACES = ("lowbit", "lowbit_emu")
+from ._ops import _NAMESPACES
 # the ops that are to autocast what F.linear is (lower-precision ops), and the arguments it casts
 _MATMULS = ("fp8_mm", "fp8_grouped_mm", "w4_mm", "w4_grouped_mm")
 _CAST = ("x", "bias")

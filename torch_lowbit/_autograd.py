@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._autocast import autocast_dtype, cast
-
-_NAMESPACES = ("lowbit", "lowbit_emu")
+from ._ops import _NAMESPACES
 
 
 def _transposed(ns: str, name: str):

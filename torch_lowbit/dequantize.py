@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._ops import _FLOAT_DTYPES as _DTYPES  # what the low-bit layers compute in
 from ._ops import fp8_dequantize
 from .nn import Fp8Linear, Int8Linear, W4Experts, W4Linear
 from .nn import Int8Experts
@@ -17,7 +18,6 @@ from .nn.experts import Fp8Experts
 from .quantize import swap_children
 
 _EXPERTS_CHOICES = ("refuse", "keep")
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the low-bit layers compute in
 _LINEARS = (Fp8Linear, Int8Linear, W4Linear)
 _EXPERTS = (W4Experts, Fp8Experts, Int8Experts)
 

@@ -359,9 +359,11 @@ def kept_in_fp32(model: nn.Module) -> Tuple[str, ...]:
 
 
 def kept_name(fqn: str, names: Sequence[str]) -> Optional[str]:
-    """The entry of ``names`` that module ``fqn`` is or lies in (whole name components), or None."""
-    return next((k for k in names if fqn == k or fqn.endswith("." + k) or fqn.startswith(k + ".")
-                 or ("." + k + ".") in fqn), None)
+    """The entry of ``names`` that module ``fqn`` is or lies in (whole name components, the loaders' ignore-list
+    rule), or None."""
+    from .formats.registry import matches
+
+    return next((k for k in names if matches(fqn, k)), None)
 
 
 class _KeepFp32Filter:

@@ -7,10 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .._ops import _FLOAT_DTYPES
 from .._storage import as_fp8_dtype, as_stored_fp8
-
-
-_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class FormatBuffers(nn.Module):
@@ -47,7 +45,7 @@ class FormatBuffers(nn.Module):
         dense = self.__dict__.get("dtype")
         if isinstance(dense, torch.dtype):
             cast = fn(torch.empty(0, dtype=dense)).dtype
-            if cast in _COMPUTE_DTYPES:
+            if cast in _FLOAT_DTYPES:
                 self.dtype = cast
         return self
 
