@@ -86,6 +86,8 @@ def test_from_pretrained_quantizes_as_it_loads(saved_dense, model, scheme):
                            u.view(torch.uint8) if u.dtype == torch.float8_e4m3fn else u)
                for t, u in zip(q.state_dict().values(), after.state_dict().values()))
     assert list(q.state_dict()) == list(after.state_dict()) and _rel(y, _run(after, x)) < 1e-6
+    # each low-bit weight counts as the dense parameter it stands for (buffers: parameters() lists none of them)
+    assert q.num_parameters() == after.num_parameters() == dense.num_parameters()
     if scheme == "fp8":  # the dense model on the dequantized weights, in float64
         ref = copy.deepcopy(dense).double()
         for name, layer in q.named_modules():

@@ -249,7 +249,7 @@ assert "peft.tuners.lora.model" in sys.modules
 import torch
 import torch_lowbit
 sys.path.insert(0, sys.argv[1])
-from test_peft import quantized_llama, batch
+from test_peft import quantized_llama, batch, tiny_llama
 base = quantized_llama(torch_lowbit.Fp8WeightOnly("block", (16, 32)))
 base.load_state_dict(torch.load(sys.argv[2] + "/base.pt", weights_only=True))
 model = PeftModel.from_pretrained(base, sys.argv[2])
@@ -259,6 +259,9 @@ with torch.no_grad():
 import torch_lowbit.peft
 fresh = peft.get_peft_model(quantized_llama(torch_lowbit.Int8Dynamic()), peft.LoraConfig(target_modules="all-linear"))
 assert isinstance(fresh.base_model.model.model.layers[0].mlp.down_proj, torch_lowbit.peft.LowbitLoraLinear)
+# and its parameter count is the dense model's (the counting hook in this import order)
+dense = peft.get_peft_model(tiny_llama(1, biases=True), peft.LoraConfig(target_modules="all-linear"))
+assert fresh.get_nb_trainable_parameters() == dense.get_nb_trainable_parameters()
 """
 
 

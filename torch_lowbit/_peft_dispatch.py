@@ -5,7 +5,7 @@ user's config: ``peft.get_peft_model(model, LoraConfig(...))``, ``PeftModel.from
 PEFT (0.21) has no global registry for third-party layers: its extension point is per config
 (``LoraConfig._register_custom_module``, what :func:`torch_lowbit.peft.register` calls), and a config that
 ``PeftModel.from_pretrained`` reads from ``adapter_config.json`` never passes through user code. So torch_lowbit
-adds two hooks:
+adds hooks:
 - ``peft.tuners.lora.model.LoraModel._create_new_module`` (the static method that creates every LoRA layer) is
   wrapped so that a target whose base layer is a torch_lowbit layer becomes :class:`torch_lowbit.peft.LowbitLoraLinear`,
   unless the config maps that layer type to a custom module of its own (which PEFT then uses, as before). Every other
@@ -17,8 +17,12 @@ adds two hooks:
   4-bit MoE: the routers). PEFT calls it for every LoRA injection, so it also warns where the config targets fused
   experts held quantized (LoRA cannot adapt them). If a PEFT release renames the helper, this hook is skipped and the
   tests say so.
+- ``PeftModel.get_nb_trainable_parameters`` (and ``PeftMixedModel``'s), which ``print_trainable_parameters``
+  prints, counts ``named_parameters()``: the low-bit weights are buffers, so "all params" left them out and a LoRA
+  on a quantized model showed a trainable share many times the true one. The wrapper adds them, one per weight, as
+  PEFT counts a bitsandbytes 4-bit weight (:func:`torch_lowbit.nn.low_bit_parameter_count`).
 
-Both are installed once, when both packages are imported: at torch_lowbit's import if PEFT's LoRA module is
+Each is installed once, when both packages are imported: at torch_lowbit's import if the PEFT module is
 already loaded, else right after it loads (``torch_lowbit._import_hooks``). This module imports
 nothing of PEFT (which pulls in transformers) until PEFT creates a LoRA layer on a torch_lowbit layer or expands
 "all-linear".
@@ -84,6 +88,26 @@ def _wrap_all_linear() -> None:
             setattr(module, _ALL_LINEAR, _maybe_include_all_linear_layers)
 
 
+# the PEFT modules whose model class counts parameters -> that class
+_COUNTING_MODELS = {"peft.peft_model": "PeftModel", "peft.mixed_model": "PeftMixedModel"}
+
+
+def _wrap_parameter_count(module) -> None:
+    cls = getattr(module, _COUNTING_MODELS[module.__name__], None)
+    count = getattr(cls, "get_nb_trainable_parameters", None)
+    if count is None or getattr(count, _MARK, False):
+        return
+
+    @functools.wraps(count)
+    def get_nb_trainable_parameters(self):
+        from .nn import low_bit_parameter_count
+        trainable, total = count(self)
+        return trainable, total + low_bit_parameter_count(self)  # frozen: never trainable
+
+    setattr(get_nb_trainable_parameters, _MARK, True)
+    cls.get_nb_trainable_parameters = get_nb_trainable_parameters
+
+
 def _install_hooks(lora_model_module) -> None:
     _wrap_create_new_module(lora_model_module)
     _wrap_all_linear()
@@ -93,3 +117,5 @@ def install() -> None:
     """Route PEFT's LoRA layer creation for torch_lowbit layers through :mod:`torch_lowbit.peft` (see the module
     docstring); idempotent."""
     after_import(_LORA_MODEL, _install_hooks)
+    for name in _COUNTING_MODELS:
+        after_import(name, _wrap_parameter_count)

@@ -731,7 +731,7 @@ def enable_save_pretrained(model):
     It also sets the model's ``dequantize(dtype=None)``, transformers' way back to a dense model (without it:
     "You need to first quantize your model", or NotImplementedError): :func:`torch_lowbit.dequantize_` in place,
     then the model is a plain transformers model again (no quantization config in ``config.json``, transformers'
-    own ``save_pretrained``). Returns the model."""
+    own ``save_pretrained``), and its ``num_parameters()`` (:func:`attach_parameter_count`). Returns the model."""
     tf = _transformers()
     if not isinstance(model, tf.PreTrainedModel):
         raise TypeError(f"enable_save_pretrained: expected a transformers PreTrainedModel, got "
@@ -740,7 +740,26 @@ def enable_save_pretrained(model):
 
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     model.dequantize = types.MethodType(_dequantize, model)
+    return attach_parameter_count(model)
+
+
+def attach_parameter_count(model):
+    """Make a transformers or diffusers model's ``num_parameters()`` count the weights its torch_lowbit layers hold
+    as low-bit buffers (``parameters()`` lists none of them: a quantized model counted only what stayed float), one
+    per weight, as both libraries count a bitsandbytes 4-bit weight; frozen, so never under ``only_trainable``.
+    Per model, as :func:`enable_save_pretrained`. Returns the model."""
+    import types
+
+    if callable(getattr(type(model), "num_parameters", None)):
+        model.num_parameters = types.MethodType(_num_parameters, model)
     return model
+
+
+def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    from .nn import low_bit_parameter_count
+
+    n = type(self).num_parameters(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+    return n if only_trainable else n + low_bit_parameter_count(self)
 
 
 def _dequantize(self, dtype=None):
@@ -751,7 +770,7 @@ def _dequantize(self, dtype=None):
     if isinstance(dtype, str):  # transformers' spellings: "bfloat16", "torch.float16"
         dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
     dequantize_(self, dtype=dtype)
-    for method in ("save_pretrained", "dequantize"):  # the class's own again
+    for method in ("save_pretrained", "dequantize", "num_parameters"):  # the class's own again
         self.__dict__.pop(method, None)
     quantizer = getattr(self, "hf_quantizer", None)
     if quantizer is not None:
@@ -764,13 +783,17 @@ def _dequantize(self, dtype=None):
 
 
 def attach_save_pretrained(model) -> None:
-    """:func:`enable_save_pretrained` for a transformers model holding torch_lowbit layers, nothing for any other
-    module: what ``quantize_``, ``load_quantized`` and ``from_pretrained`` call, so that a transformers user's
-    ``save_pretrained`` after them writes a checkpoint that loads right."""
+    """:func:`enable_save_pretrained` for a transformers model holding torch_lowbit layers
+    (:func:`attach_parameter_count` for a diffusers one), nothing for any other module: what ``quantize_``,
+    ``load_quantized`` and ``from_pretrained`` call, so that a transformers user's ``save_pretrained`` after them
+    writes a checkpoint that loads right."""
+    from .diffusion import is_diffusers_model
     from .formats.hf_names import _transformers_model
 
     if _transformers_model(model) is not None:
         enable_save_pretrained(model)
+    elif is_diffusers_model(model):
+        attach_parameter_count(model)
 
 
 def _refuse(what: str):

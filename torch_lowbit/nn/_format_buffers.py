@@ -49,6 +49,11 @@ class FormatBuffers(nn.Module):
                 self.dtype = cast
         return self
 
+    def dense_parameter_count(self) -> int:
+        """How many of the dense layer's parameters this module holds as buffers (its low-bit weights, counted in
+        weights, not bytes; fused experts' biases), which ``parameters()`` does not list."""
+        raise NotImplementedError(f"{type(self).__name__}.dense_parameter_count")
+
     def _adopt_optional_buffer(self, name, state_dict, prefix, device):
         """Give a buffer that is None here the checkpoint's tensor (e.g. an input_scale), so it loads."""
         key = prefix + name
@@ -61,3 +66,10 @@ class FormatBuffers(nn.Module):
         for n in self._fp8_buffers:
             if destination.get(prefix + n) is not None:
                 destination[prefix + n] = as_fp8_dtype(destination[prefix + n])
+
+
+def low_bit_parameter_count(model: nn.Module) -> int:
+    """The parameters of the dense model that `model`'s torch_lowbit layers hold as buffers (each layer once, however
+    many names it has): what PEFT's ``print_trainable_parameters`` and transformers' ``num_parameters()`` add to the
+    parameters they list, as they count a bitsandbytes 4-bit weight by its weights rather than its bytes."""
+    return sum(m.dense_parameter_count() for m in model.modules() if isinstance(m, FormatBuffers))

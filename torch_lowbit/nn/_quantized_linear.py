@@ -31,6 +31,9 @@ class QuantizedLinear(FormatBuffers):
     in_features: int
     out_features: int
 
+    def dense_parameter_count(self) -> int:
+        return self.in_features * self.out_features  # the bias is a parameter
+
     def _check_input(self, x: torch.Tensor) -> None:
         """The layer's own check of x, so that the error names the layer's argument rather than an op's internal
         one (Int8Linear's int8_mm sees xq); static under torch.compile."""

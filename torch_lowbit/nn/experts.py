@@ -222,6 +222,9 @@ class Fp8Experts(FormatBuffers):
         return cls.from_quantized(q_gu, s_gu, q_d, s_d, block_size=g.block_size, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ forward
+    def dense_parameter_count(self) -> int:
+        return 3 * self.num_experts * self.hidden_size * self.intermediate_size  # gate, up and down
+
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         E, I = self.num_experts, self.intermediate_size
         x, r = route(self, hidden, topk_ids, topk_weights)

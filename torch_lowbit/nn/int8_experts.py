@@ -107,6 +107,9 @@ class Int8Experts(FormatBuffers):
         dtype = gate_up.dtype if gate_up.is_floating_point() else torch.bfloat16
         return cls.from_quantized(q_gu, s_gu, q_d, s_d, dtype=dtype)
 
+    def dense_parameter_count(self) -> int:
+        return 3 * self.num_experts * self.hidden_size * self.intermediate_size  # gate, up and down
+
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.run(hidden, topk_ids, topk_weights)
 

@@ -105,6 +105,11 @@ class W4Experts(FormatBuffers):
                                  torch.ones(E, dtype=torch.float32, device=device) if global_scale else None)
             self.register_buffer(f"{p}_bias", torch.zeros(E, rows, dtype=dtype, device=device) if bias else None)
 
+    def dense_parameter_count(self) -> int:  # gate, up and down, and the experts' biases (buffers here)
+        biases = (getattr(self, f"{p}_bias") for p in _PROJECTIONS)
+        return 3 * self.num_experts * self.hidden_size * self.intermediate_size + sum(
+            b.numel() for b in biases if b is not None)
+
     def _project(self, p: str, x: torch.Tensor, r) -> torch.Tensor:
         return w4_grouped_mm(x, getattr(self, f"{p}_packed"), getattr(self, f"{p}_scale"), self.format,
                              self.group_size, r.offsets, r.expert_ids, getattr(self, f"{p}_offset"),
