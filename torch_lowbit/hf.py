@@ -85,14 +85,20 @@ _CONFIG_FILE = "config.json"
 _GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-def _dtype_arg(value, name: str) -> Optional[torch.dtype]:
-    """A dtype argument as transformers spells it (a torch.dtype, "bfloat16", "torch.float16"); None for "auto"."""
+def _spelled_dtype(value):
+    """The torch.dtype transformers' spelling of one names ("bfloat16", "torch.float16"); any other value as it is."""
     if isinstance(value, str):
-        if value == "auto":
-            return None
-        dtype = getattr(torch, value[len("torch."):] if value.startswith("torch.") else value, None)
-    else:
-        dtype = value
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        return dtype if isinstance(dtype, torch.dtype) else value
+    return value
+
+
+def _dtype_arg(value, name: str) -> Optional[torch.dtype]:
+    """from_pretrained's dtype argument as transformers spells it (a torch.dtype, "bfloat16", "torch.float16"); None
+    for "auto"."""
+    if value == "auto":
+        return None
+    dtype = _spelled_dtype(value)
     if not isinstance(dtype, torch.dtype) or dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"from_pretrained: {name}={value!r} is not supported: the model's activations and "
                          f"high-precision weights must be torch.bfloat16, torch.float16 or torch.float32 (what the "
@@ -767,9 +773,7 @@ def _dequantize(self, dtype=None):
     :func:`enable_save_pretrained`)."""
     from .dequantize import dequantize_
 
-    if isinstance(dtype, str):  # transformers' spellings: "bfloat16", "torch.float16"
-        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
-    dequantize_(self, dtype=dtype)
+    dequantize_(self, dtype=_spelled_dtype(dtype))
     for method in ("save_pretrained", "dequantize", "num_parameters"):  # the class's own again
         self.__dict__.pop(method, None)
     quantizer = getattr(self, "hf_quantizer", None)

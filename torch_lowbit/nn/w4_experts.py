@@ -218,7 +218,7 @@ class W4Experts(FormatBuffers):
         s = (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
              f"intermediate_size={self.intermediate_size}, format={self.format}, group_size={self.group_size}")
         if self.gate_up_offset is not None:
-            s += f", offset={W4_OFFSETS[self.format]}"
+            s += f", offset={W4_OFFSETS[self.format].name}"
         if self.activation != "swiglu":
             s += f", activation={self.activation}"
         if self.gate_up_bias is not None:

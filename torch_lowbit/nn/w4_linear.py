@@ -2,7 +2,7 @@
 with optional zero points, uint4 with MLX's additive biases), group scales along K."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -21,13 +21,21 @@ W4_SCALE_DTYPES = {
     "int4": (torch.bfloat16, torch.float16, torch.float32),
     "uint4": (torch.bfloat16, torch.float16, torch.float32),
 }
-W4_OFFSETS = {"int4": "zero points", "uint4": "biases"}  # what weight_offset holds, per format that takes one
+
+
+class W4OffsetKind(NamedTuple):
+    """What weight_offset holds in a format that takes one."""
+    name: str  # "zero points" / "biases"
+    stored_as: str  # how a checkpoint stores them (for errors)
+    holds: Callable[[torch.Tensor], bool]  # whether a checkpoint tensor is stored so
+
+
+W4_OFFSETS = {"int4": W4OffsetKind("zero points", "int8 zero points", lambda t: t.dtype == torch.int8),
+              "uint4": W4OffsetKind("biases", "floating biases", lambda t: t.is_floating_point() and t.element_size() > 1)}
 W4_GLOBAL_SCALE = ("nvfp4",)
 # the float8 dtype whose encoding a format's one-byte scales are (uint8 holds the same bits); a checkpoint's scales
 # in another float8 dtype are another format's, whose bits would decode to other values
 W4_SCALE_ENCODING = {"nvfp4": FP8, "mxfp4": getattr(torch, "float8_e8m0fnu", None)}
-_W4_OFFSET_KINDS = {"int4": ("int8 zero points", lambda t: t.dtype == torch.int8),
-                    "uint4": ("floating biases", lambda t: t.is_floating_point() and t.element_size() > 1)}
 
 
 def check_w4_options(layer: str, format: str, scale_dtype: Optional[torch.dtype], offset: bool,
@@ -82,11 +90,11 @@ def load_w4_entries(module: nn.Module, state_dict: dict, base: str, scale_2_shap
     key = base + "_offset"
     if key in state_dict:
         v = state_dict[key]
-        if fmt not in _W4_OFFSET_KINDS:
+        if fmt not in W4_OFFSETS:
             error_msgs.append(f"{key}: format {fmt!r} takes no offset (formats with one: {list(W4_OFFSETS)})")
             state_dict.pop(key)
-        elif not _W4_OFFSET_KINDS[fmt][1](v):
-            error_msgs.append(f"{key}: format {fmt!r} stores offsets as {_W4_OFFSET_KINDS[fmt][0]}, got {v.dtype} "
+        elif not W4_OFFSETS[fmt].holds(v):
+            error_msgs.append(f"{key}: format {fmt!r} stores offsets as {W4_OFFSETS[fmt].stored_as}, got {v.dtype} "
                               "(a checkpoint of another 4-bit format?)")
             state_dict.pop(key)
         elif getattr(module, name + "_offset") is None:
@@ -201,7 +209,7 @@ class W4Linear(QuantizedLinear):
         s = (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
              f"format={self.format}, group_size={self.group_size}")
         if self.weight_offset is not None:
-            s += f", offset={W4_OFFSETS[self.format]}"
+            s += f", offset={W4_OFFSETS[self.format].name}"
         return s
 
     def _load_weight_entry(self, state_dict, key, error_msgs):
