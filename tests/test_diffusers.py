@@ -170,6 +170,77 @@ def test_4bit_weights_are_refused_by_name(saved_dense):
         dense.from_pretrained(path, quantization_config=torch_lowbit.TorchLowbitConfig("int4"))
 
 
+# ---- fuse_qkv_projections (diffusers' torch.compile recipes call it): the low-bit projections are joined as stored
+FUSE_CONFIGS = {"fp8": torch_lowbit.Fp8WeightOnly(), "int8": torch_lowbit.Int8Dynamic(),
+                "int4": torch_lowbit.Int4WeightOnly(32, symmetric=False)}
+
+
+def _projection_calls_fail(model):
+    """Make every projection joined into a fused layer (diffusers keeps them beside it) raise when called."""
+    from torch_lowbit._diffusers_model import FUSED_PROJECTIONS
+
+    for name, _ in list(model.named_modules()):
+        parent, _, kind = name.rpartition(".")
+        for source in FUSED_PROJECTIONS.get(kind, ()):
+            model.get_submodule(f"{parent}.{source}").forward = \
+                lambda *a, _n=f"{parent}.{source}", **k: pytest.fail(f"{_n} ran after fusing")
+
+
+@pytest.mark.parametrize("config", FUSE_CONFIGS)
+@pytest.mark.parametrize("model", MODELS)
+def test_fuse_qkv_projections_joins_the_low_bit_projections(saved_dense, model, config):
+    from test_cat_out_features import weight_f64
+    from torch_lowbit._diffusers_model import FUSED_PROJECTIONS
+    dense, _ = saved_dense[model]
+    q = torch_lowbit.quantize_(copy.deepcopy(dense), FUSE_CONFIGS[config])
+    x = MODELS[model][1](torch.Generator().manual_seed(1))
+    y = _run(q, x)
+    q.fuse_qkv_projections()
+    fused = {n: m for n, m in q.named_modules() if n.rpartition(".")[2] in FUSED_PROJECTIONS}
+    assert fused and all(type(m) is LAYER_OF[config] for m in fused.values())
+    for name, layer in fused.items():  # each is its projections' float64 weights stacked
+        parent, _, kind = name.rpartition(".")
+        parts = [q.get_submodule(f"{parent}.{p}") for p in FUSED_PROJECTIONS[kind]]
+        assert torch.equal(weight_f64(layer), torch.cat([weight_f64(p) for p in parts]))
+    unfused = copy.deepcopy(q)
+    _projection_calls_fail(q)
+    assert torch.equal(_run(q, x), y)  # the fused layers ran, and gave each projection's output as it was
+    unfused.unfuse_qkv_projections()  # diffusers' own undo (SD3's keeps the fused layers, unused)
+    assert torch.equal(_run(unfused, x), y)
+
+
+LAYER_OF = {"fp8": Fp8Linear, "int8": torch_lowbit.nn.Int8Linear, "int4": torch_lowbit.nn.W4Linear}
+
+
+def test_fuse_qkv_projections_on_a_model_loaded_quantized(saved_dense):
+    dense, path = saved_dense["flux"]
+    q = _load(type(dense), path, "fp8")
+    x = MODELS["flux"][1](torch.Generator().manual_seed(1))
+    y = _run(q, x)
+    q.fuse_qkv_projections()
+    assert isinstance(q.transformer_blocks[0].attn.to_qkv, Fp8Linear)
+    _projection_calls_fail(q)
+    assert torch.equal(_run(q, x), y)
+
+
+def test_fuse_qkv_projections_refuses_what_cannot_be_joined_and_leaves_the_model_unfused(saved_dense):
+    dense, _ = saved_dense["flux"]
+    q = torch_lowbit.quantize_(copy.deepcopy(dense), torch_lowbit.Nvfp4WeightOnly())  # a global scale per layer
+    x = MODELS["flux"][1](torch.Generator().manual_seed(1))
+    y = _run(q, x)
+    with pytest.raises(ValueError, match=r"fuse_qkv_projections: .*weight_scale_2 differ.*left unfused.*"
+                                         r"fuse the dense model first"):
+        q.fuse_qkv_projections()
+    assert not any(n.endswith(("to_qkv", "to_added_qkv")) for n, _ in q.named_modules())
+    assert not any(t.is_meta for t in q.parameters()) and torch.equal(_run(q, x), y)
+    # the way the message names: fuse, then quantize
+    fused_first = copy.deepcopy(dense)
+    fused_first.fuse_qkv_projections()
+    torch_lowbit.quantize_(fused_first, torch_lowbit.Nvfp4WeightOnly())
+    assert isinstance(fused_first.transformer_blocks[0].attn.to_qkv, torch_lowbit.nn.W4Linear)
+    assert 0 < _rel(_run(fused_first, x), _run(dense, x)) < 0.2
+
+
 @pytest.mark.parametrize("scheme", CONFIG)
 def test_flux_pipeline_with_a_transformer_loaded_quantized(tiny_flux_pipeline, scheme, tmp_path):
     tiny_flux_pipeline.transformer.save_pretrained(tmp_path)

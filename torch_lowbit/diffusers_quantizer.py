@@ -153,8 +153,8 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
         if meta:
             raise CheckpointError(f"after loading, {len(meta)} model tensors were given no value by the checkpoint "
                                   f"(still on the meta device): {', '.join(meta[:6])}")
-        from .hf import attach_parameter_count
-        return attach_parameter_count(model)
+        from ._diffusers_model import attach_diffusers_methods
+        return attach_diffusers_methods(model)
 
 
 def _module_of(model, param_name: str):

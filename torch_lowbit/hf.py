@@ -788,7 +788,7 @@ def _dequantize(self, dtype=None):
 
 def attach_save_pretrained(model) -> None:
     """:func:`enable_save_pretrained` for a transformers model holding torch_lowbit layers
-    (:func:`attach_parameter_count` for a diffusers one), nothing for any other module: what ``quantize_``,
+    (``_diffusers_model.attach_diffusers_methods`` for a diffusers one), nothing for any other module: what ``quantize_``,
     ``load_quantized`` and ``from_pretrained`` call, so that a transformers user's ``save_pretrained`` after them
     writes a checkpoint that loads right."""
     from .diffusion import is_diffusers_model
@@ -797,7 +797,8 @@ def attach_save_pretrained(model) -> None:
     if _transformers_model(model) is not None:
         enable_save_pretrained(model)
     elif is_diffusers_model(model):
-        attach_parameter_count(model)
+        from ._diffusers_model import attach_diffusers_methods
+        attach_diffusers_methods(model)
 
 
 def _refuse(what: str):

@@ -3,7 +3,7 @@
 size-1 dims (``[N, 1]`` vs ``[N]``, 0-d vs ``[1]``)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -23,6 +23,31 @@ def _squeezed(shape):
     return [d for d in shape if d != 1]
 
 
+def same_attributes(layers, names, where) -> None:
+    """Refuse `layers` (for one fused layer) unless each of `names` has one value across them."""
+    for name in names:
+        values = [getattr(layer, name) for layer in layers]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"{where}: the layers' {name} differ: {values}")
+
+
+def same_tensor(layers, name, where) -> Optional[torch.Tensor]:
+    """The per-tensor buffer `name` that `layers` share (None where none has it); refused where they differ, as one
+    layer holds one."""
+    values = [getattr(layer, name) for layer in layers]
+    if all(v is None for v in values):
+        return None
+    if any(v is None or v.shape != values[0].shape or not torch.equal(v, values[0]) for v in values):
+        raise ValueError(f"{where}: the layers' {name} differ ({[None if v is None else v.tolist() for v in values]}); "
+                         f"one layer holds one {name}")
+    return values[0]
+
+
+def cat_per_row(layers, name) -> torch.Tensor:
+    """The layers' per-row (or one-element, per-tensor) scales `name` as one per-row vector of them all."""
+    return torch.cat([getattr(layer, name).reshape(-1).expand(layer.out_features) for layer in layers])
+
+
 class QuantizedLinear(FormatBuffers):
     _format_buffers = ("weight", "weight_scale")
     # Scales: float32 in the module; loaded from fp32 / bf16 / fp16 checkpoints and reshaped by size-1 dims.
@@ -33,6 +58,28 @@ class QuantizedLinear(FormatBuffers):
 
     def dense_parameter_count(self) -> int:
         return self.in_features * self.out_features  # the bias is a parameter
+
+    @classmethod
+    def cat_out_features(cls, layers: Sequence["QuantizedLinear"]) -> "QuantizedLinear":
+        """One layer whose output features are `layers`' in order (what fusing attention's q, k and v projections
+        makes): each row keeps its codes and scales, so each slice of the output is what its layer gives. Refused,
+        naming what differs, where the layers cannot be one layer (another class, format or in_features, a bias on
+        some only, per-tensor values that differ and have no per-row form)."""
+        layers, where = list(layers), f"{cls.__name__}.cat_out_features"
+        if not layers:
+            raise ValueError(f"{where}: no layers")
+        for i, layer in enumerate(layers):
+            if type(layer) is not cls:
+                raise ValueError(f"{where}: layers[{i}] is a {type(layer).__name__}, expected {cls.__name__}")
+        same_attributes(layers, ("in_features",), where)
+        if len({layer.bias is None for layer in layers}) > 1:
+            raise ValueError(f"{where}: some layers have a bias and some not ({[l.bias is not None for l in layers]})")
+        bias = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+        return cls._cat_rows(layers, bias, where)
+
+    @classmethod
+    def _cat_rows(cls, layers, bias, where):
+        raise NotImplementedError(where)
 
     def _check_input(self, x: torch.Tensor) -> None:
         """The layer's own check of x, so that the error names the layer's argument rather than an op's internal

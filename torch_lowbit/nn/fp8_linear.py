@@ -12,7 +12,7 @@ from .._autocast import autocast_dtype
 from .._storage import FP8, as_fp8_dtype, as_stored_fp8
 from ..granularity import GranularityLike, PerBlock, as_granularity, infer_granularity
 from ..quantize import Fp8WeightOnly, quantize_fp8, register_quantize_module_handler
-from ._quantized_linear import QuantizedLinear, frozen_bias
+from ._quantized_linear import QuantizedLinear, cat_per_row, frozen_bias, same_attributes, same_tensor
 
 
 class Fp8Linear(QuantizedLinear):
@@ -87,6 +87,28 @@ class Fp8Linear(QuantizedLinear):
                                  f"'static', got {s.reshape(-1).tolist()}")
         self.activation_scheme, self.quantize_activations = scheme, bool(run)
         return self
+
+    @classmethod
+    def _cat_rows(cls, layers, bias, where):
+        first = layers[0]
+        same_attributes(layers, ("activation_scheme", "quantize_activations", "block_size"), where)
+        if first.block_size is not None:  # whole blocks of rows: every layer but the last fills its last block
+            bn = first.block_size[0]
+            for i, layer in enumerate(layers[:-1]):
+                if layer.out_features % bn:
+                    raise ValueError(f"{where}: layers[{i}] has {layer.out_features} output features, not a multiple "
+                                     f"of its scale blocks' {bn} rows: its last block would take the next layer's rows")
+            scale = torch.cat([layer.weight_scale for layer in layers])
+        elif all(layer.weight_scale.numel() == 1 and torch.equal(layer.weight_scale.reshape(1),
+                                                                 first.weight_scale.reshape(1)) for layer in layers):
+            scale = first.weight_scale  # one per-tensor scale stays one
+        else:
+            scale = cat_per_row(layers, "weight_scale")  # per-tensor scales become their rows'
+        weight = torch.cat([layer.weight.view(torch.uint8) for layer in layers])
+        return cls.from_quantized(weight, scale, bias, block_size=first.block_size,
+                                  input_scale=same_tensor(layers, "input_scale", where),
+                                  activation_scheme=first.activation_scheme,
+                                  quantize_activations=first.quantize_activations)
 
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .. import _ops
 from ..quantize import Int8Dynamic, quantize_int8, register_quantize_module_handler
-from ._quantized_linear import QuantizedLinear, frozen_bias
+from ._quantized_linear import QuantizedLinear, cat_per_row, frozen_bias
 
 
 class Int8Linear(QuantizedLinear):
@@ -34,6 +34,11 @@ class Int8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         return _ops.int8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    @classmethod
+    def _cat_rows(cls, layers, bias, where):
+        weight = torch.cat([layer.weight for layer in layers])
+        return cls.from_quantized(weight, cat_per_row(layers, "weight_scale"), bias)
 
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor,

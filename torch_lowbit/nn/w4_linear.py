@@ -12,7 +12,7 @@ from .._storage import FP8, as_stored_fp8
 from ..quantize import (AffineWeightOnly, Int4WeightOnly, Mxfp4WeightOnly, Nvfp4WeightOnly,
                         register_quantize_module_handler)
 from ..quantize_w4 import W4_DEFAULT_GROUP, quantize_w4
-from ._quantized_linear import QuantizedLinear, frozen_bias
+from ._quantized_linear import QuantizedLinear, frozen_bias, same_attributes, same_tensor
 
 # scale dtypes each format stores (the first is what a new layer holds); uint8 = bits of an 8-bit scale encoding
 W4_SCALE_DTYPES = {
@@ -161,6 +161,25 @@ class W4Linear(QuantizedLinear):
         dtype = dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
         return _ops.w4_dequantize(self.weight_packed, self.weight_scale, self.format, self.group_size,
                                   self.in_features, self.weight_offset, self.weight_scale_2, dtype)
+
+    @classmethod
+    def _cat_rows(cls, layers, bias, where):
+        first = layers[0]
+        same_attributes(layers, ("format", "group_size"), where)
+        same_attributes([layer.weight_scale for layer in layers], ("dtype",), where + ": weight_scale")
+        if len({layer.weight_offset is None for layer in layers}) > 1:
+            raise ValueError(f"{where}: some layers have {W4_OFFSETS[first.format].name} and some not")
+
+        def cat(name):  # one-byte scales as their bits: no dtype conversion on the way
+            parts = [getattr(layer, name) for layer in layers]
+            if parts[0] is None:
+                return None
+            return torch.cat([p.view(torch.uint8) if p.element_size() == 1 else p for p in parts]).view(parts[0].dtype)
+
+        return cls.from_quantized(cat("weight_packed"), cat("weight_scale"), format=first.format,
+                                  group_size=first.group_size, in_features=first.in_features, bias=bias,
+                                  weight_offset=cat("weight_offset"),
+                                  weight_scale_2=same_tensor(layers, "weight_scale_2", where))
 
     @classmethod
     def from_quantized(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor, *, format: str,

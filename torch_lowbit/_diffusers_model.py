@@ -1,0 +1,101 @@
+"""What torch_lowbit sets on a diffusers model (a transformer, a UNet) that holds its layers, per model, as
+``enable_save_pretrained`` does on a transformers model: ``num_parameters()`` counting the low-bit weights
+(``hf.attach_parameter_count``) and ``fuse_qkv_projections()``.
+
+diffusers fuses attention projections (``transformer.fuse_qkv_projections()``, a step of its torch.compile recipes)
+by concatenating the projections' dense ``weight`` tensors into a new ``nn.Linear``; on low-bit projections that
+failed deep inside diffusers ("check_uniform_bounds not implemented for 'Float8_e4m3fn'"). Here diffusers' own
+method runs with each low-bit projection stood in for by an empty (meta) ``nn.Linear`` of its shape, so that
+diffusers still decides what to fuse (per model class and diffusers version) and sets its flags; each fused layer it
+made from stand-ins then becomes the low-bit projections joined by ``cat_out_features`` (codes and scales as they
+are: each slice of the fused output is what its projection gives), and the projections are put back, as diffusers
+keeps them for ``unfuse_qkv_projections()``. Nothing of diffusers is imported here.
+"""
+from __future__ import annotations
+
+import types
+
+import torch.nn as nn
+
+# the layers diffusers' fuse_projections makes -> the projections it joins into each, in order
+FUSED_PROJECTIONS = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"),
+                     "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj"),
+                     "to_added_kv": ("add_k_proj", "add_v_proj")}
+
+
+def attach_diffusers_methods(model: nn.Module) -> nn.Module:
+    """Set ``num_parameters`` and ``fuse_qkv_projections`` (where the model's class has it) on a diffusers model
+    holding torch_lowbit layers (see the module docstring). Returns the model."""
+    from .hf import attach_parameter_count
+
+    if callable(getattr(type(model), "fuse_qkv_projections", None)):
+        model.fuse_qkv_projections = types.MethodType(_fuse_qkv_projections, model)
+    return attach_parameter_count(model)
+
+
+def _stand_in(layer) -> nn.Linear:
+    return nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+
+
+def _fuse_qkv_projections(self) -> None:
+    from .nn._quantized_linear import QuantizedLinear
+
+    sources = {name for names in FUSED_PROJECTIONS.values() for name in names}
+    low_bit = {}  # module name -> (module, {projection name: its low-bit layer})
+    for path, module in self.named_modules():
+        found = {n: c for n, c in module._modules.items() if n in sources and isinstance(c, QuantizedLinear)}
+        if found:
+            low_bit[path] = (module, found)
+    fuse = type(self).fuse_qkv_projections
+    if not low_bit:
+        return fuse(self)
+    for module, found in low_bit.values():
+        for name, layer in found.items():
+            module._modules[name] = _stand_in(layer)
+    try:
+        fuse(self)
+    except Exception as e:  # a projection group mixing low-bit and float layers: diffusers joins meta with real
+        _restore(low_bit)
+        type(self).unfuse_qkv_projections(self)
+        raise ValueError(f"fuse_qkv_projections: diffusers could not fuse this model's torch_lowbit projections "
+                         f"({type(e).__name__}: {e}); {_HINT}") from e
+    _restore(low_bit)
+    made = {}
+    try:
+        for path, (module, _) in low_bit.items():
+            for fused, names in FUSED_PROJECTIONS.items():
+                stand_in = module._modules.get(fused)
+                if stand_in is None or not _is_meta(stand_in):
+                    continue
+                parts = [module._modules.get(n) for n in names]
+                where = f"{path}.{fused}" if path else fused
+                if not all(isinstance(p, QuantizedLinear) for p in parts):
+                    raise ValueError(f"{where} would join {list(names)}, which are "
+                                     f"{[type(p).__name__ for p in parts]}: low-bit and float projections")
+                layer = type(parts[0]).cat_out_features(parts)
+                if layer.out_features != stand_in.out_features:
+                    raise ValueError(f"{where}: diffusers made {stand_in.out_features} output features from "
+                                     f"{list(names)}, which have {layer.out_features}")
+                made[(path, fused)] = (module, layer)
+        replaced = {id(module._modules[fused]) for (_, fused), (module, _) in made.items()}
+        left = [n for n, m in self.named_modules() if id(m) not in replaced and _is_meta(m)]
+        if left:
+            raise ValueError(f"diffusers fused layers torch_lowbit does not know how to join: {left[:4]}")
+    except ValueError as e:
+        type(self).unfuse_qkv_projections(self)
+        raise ValueError(f"fuse_qkv_projections: {e}; {_HINT}") from None
+    for (_, fused), (module, layer) in made.items():
+        module._modules[fused] = layer
+
+
+_HINT = ("the model is left unfused; to fuse low-bit projections that cannot be joined, fuse the dense model first "
+         "(model.fuse_qkv_projections(), then torch_lowbit.quantize_)")
+
+
+def _restore(low_bit) -> None:
+    for module, found in low_bit.values():
+        module._modules.update(found)
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters(recurse=False))
