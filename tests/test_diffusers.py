@@ -120,6 +120,64 @@ def test_save_pretrained_then_reload(saved_dense, model, scheme, tmp_path):
     assert _rel(_run(again, x), _run(q, x)) < 1e-6
 
 
+QUANTIZE_CONFIGS = {"fp8": torch_lowbit.Fp8WeightOnly(), "fp8-tensor": torch_lowbit.Fp8WeightOnly("tensor"),
+                    "fp8-block": torch_lowbit.Fp8WeightOnly("block", (16, 32)), "int8": torch_lowbit.Int8Dynamic()}
+
+
+def _same_layers(a, b):
+    for name, layer in a.named_modules():
+        if isinstance(layer, (Fp8Linear, torch_lowbit.nn.Int8Linear)):
+            other = b.get_submodule(name)
+            assert type(other) is type(layer) and torch.equal(other.weight_scale, layer.weight_scale), name
+            assert torch.equal(other.weight.view(torch.uint8), layer.weight.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("config", QUANTIZE_CONFIGS)
+@pytest.mark.parametrize("model", MODELS)
+def test_save_pretrained_after_quantize__reloads_with_diffusers_from_pretrained(saved_dense, model, config, tmp_path):
+    # the diffusers habit after torch_lowbit.quantize_(pipe.transformer, ...): save_pretrained, then from_pretrained;
+    # config.json had no quantization config, and the reload took the fp8 codes as weights without their scales
+    dense, _ = saved_dense[model]
+    q = torch_lowbit.quantize_(copy.deepcopy(dense), QUANTIZE_CONFIGS[config])
+    q.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        saved = json.load(f)["quantization_config"]
+    assert saved["quant_method"] == "torch_lowbit"
+    again = type(dense).from_pretrained(tmp_path, torch_dtype=torch.float32)
+    _same_layers(q, again)
+    x = MODELS[model][1](torch.Generator().manual_seed(1))
+    assert _rel(_run(again, x), _run(q, x)) < 1e-6
+
+
+def test_save_pretrained_refuses_layers_diffusers_cannot_rebuild_and_save_quantized_writes_them(saved_dense, tmp_path):
+    dense, _ = saved_dense["flux"]
+    q = torch_lowbit.quantize_(copy.deepcopy(dense), torch_lowbit.Int4WeightOnly(32))
+    with pytest.raises(ValueError, match=r"save_pretrained: transformer_blocks\.0\.norm1\.linear is a W4Linear, "
+                                         r"which diffusers' from_pretrained cannot rebuild.*save_quantized"):
+        q.save_pretrained(tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    # the way the message names: the top-level proj_out stays dense and each block's proj_out is 4-bit, so the
+    # checkpoint must name the one it ignores alone
+    torch_lowbit.save_quantized(q, tmp_path / "w4")
+    with open(tmp_path / "w4" / "config.json") as f:
+        assert "re:proj_out$" in json.load(f)["quantization_config"]["ignore"]
+    fresh = type(dense).from_config(dense.config)
+    torch_lowbit.load_quantized(fresh, tmp_path / "w4")
+    x = MODELS["flux"][1](torch.Generator().manual_seed(1))
+    assert isinstance(fresh.single_transformer_blocks[0].proj_out, torch_lowbit.nn.W4Linear)
+    assert type(fresh.proj_out) is nn.Linear and torch.equal(_run(fresh, x), _run(q, x))
+
+
+def test_per_block_fp8_from_torch_lowbit_config_saves_and_reloads(saved_dense, tmp_path):
+    dense, path = saved_dense["sd3"]
+    config = torch_lowbit.TorchLowbitConfig("fp8", granularity="block", block_size=(16, 32))
+    q = type(dense).from_pretrained(path, torch_dtype=torch.float32, quantization_config=config)
+    assert q.transformer_blocks[0].attn.to_q.block_size == (16, 32)
+    q.save_pretrained(tmp_path)
+    again = type(dense).from_pretrained(tmp_path, torch_dtype=torch.float32)
+    _same_layers(q, again)
+
+
 @pytest.mark.parametrize("imports", ["diffusers, torch_lowbit", "torch_lowbit, diffusers"])
 def test_reload_in_a_fresh_process(saved_dense, tmp_path, imports):
     """A user's reflex: save, then reload in a new Python that imports diffusers and torch_lowbit (no config made),

@@ -1,6 +1,13 @@
 """What torch_lowbit sets on a diffusers model (a transformer, a UNet) that holds its layers, per model, as
 ``enable_save_pretrained`` does on a transformers model: ``num_parameters()`` counting the low-bit weights
-(``hf.attach_parameter_count``) and ``fuse_qkv_projections()``.
+(``hf.attach_parameter_count``), ``save_pretrained()`` and ``fuse_qkv_projections()``.
+
+``save_pretrained`` of a model ``quantize_`` made (no quantizer of diffusers' behind it) wrote the low-bit tensors
+under a config.json without a quantization config: diffusers' ``from_pretrained`` then loaded the fp8 codes into
+plain nn.Linear weights as values, without their scales, and said only that the ``weight_scale`` tensors were
+unused. Here the config gets the ``TorchLowbitConfig`` that diffusers' loader of this method reads back (it rebuilds
+the Fp8Linear / Int8Linear layers from the tensors the directory holds); layers that loader cannot rebuild (4-bit,
+experts) are refused by name before anything is written.
 
 diffusers fuses attention projections (``transformer.fuse_qkv_projections()``, a step of its torch.compile recipes)
 by concatenating the projections' dense ``weight`` tensors into a new ``nn.Linear``; on low-bit projections that
@@ -30,7 +37,45 @@ def attach_diffusers_methods(model: nn.Module) -> nn.Module:
 
     if callable(getattr(type(model), "fuse_qkv_projections", None)):
         model.fuse_qkv_projections = types.MethodType(_fuse_qkv_projections, model)
+    if callable(getattr(type(model), "save_pretrained", None)):
+        model.save_pretrained = types.MethodType(_save_pretrained, model)
     return attach_parameter_count(model)
+
+
+def _save_pretrained(self, save_directory, *args, **kwargs):
+    if getattr(self, "hf_quantizer", None) is None:  # a diffusers quantizer's model: diffusers writes its config
+        self.register_to_config(quantization_config=_reloadable_config(self).to_dict())
+    return type(self).save_pretrained(self, save_directory, *args, **kwargs)
+
+
+def _reloadable_config(model):
+    """The TorchLowbitConfig under which diffusers' from_pretrained rebuilds `model`'s low-bit layers; refused,
+    naming the first layer it cannot rebuild."""
+    from .diffusers_quantizer import LAYER_WEIGHTS
+    from .hf_quantizer import TorchLowbitConfig
+    from .nn import Fp8Linear
+    from .nn._format_buffers import FormatBuffers
+
+    kinds, fp8_blocks = set(), set()  # fp8 scales per block: the loader takes the config's one block size
+    for name, module in model.named_modules():
+        if not isinstance(module, FormatBuffers):
+            continue
+        if type(module) not in LAYER_WEIGHTS:
+            raise ValueError(f"save_pretrained: {name} is a {type(module).__name__}, which diffusers' from_pretrained "
+                             f"cannot rebuild (it rebuilds {' / '.join(c.__name__ for c in LAYER_WEIGHTS)} layers); "
+                             f"write this model with torch_lowbit.save_quantized(model, path) and read it back with "
+                             f"torch_lowbit.load_quantized(model, path)")
+        kinds.add(LAYER_WEIGHTS[type(module)])
+        if isinstance(module, Fp8Linear):
+            fp8_blocks.add(module.block_size)
+            if len(fp8_blocks) > 1:
+                raise ValueError(f"save_pretrained: {name}'s fp8 scales are per "
+                                 f"{'block of ' + str(module.block_size) if module.block_size else 'row or tensor'}, "
+                                 f"other fp8 layers' are not: one config.json holds one block size; write this model "
+                                 f"with torch_lowbit.save_quantized(model, path)")
+    weights = sorted(kinds)[0] if kinds else "fp8"
+    block = next(iter(fp8_blocks), None)
+    return TorchLowbitConfig(weights) if block is None else TorchLowbitConfig(weights, "block", block)
 
 
 def _stand_in(layer) -> nn.Linear:

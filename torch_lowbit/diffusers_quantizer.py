@@ -43,7 +43,9 @@ from .nn import Fp8Linear, Int8Linear
 from .nn._quantized_linear import frozen_bias
 from .quantize import _handler_for, _swappable
 
-DIFFUSERS_WEIGHTS = ("fp8", "int8")  # the layers a diffusers checkpoint of this method holds
+# the layers a diffusers checkpoint of this method holds -> TorchLowbitConfig's weights that make them
+LAYER_WEIGHTS = {Fp8Linear: "fp8", Int8Linear: "int8"}
+DIFFUSERS_WEIGHTS = tuple(LAYER_WEIGHTS.values())
 _LAYERS = {torch.float8_e4m3fn: Fp8Linear, torch.int8: Int8Linear}  # stored weight dtype -> layer
 
 
@@ -107,7 +109,8 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
         if self._single is not None:
             self._single.consume_scales(state_dict)
         elif self.pre_quantized and self._files:
-            _build_saved_layers(model, self._files)
+            config = self.quantization_config  # per-block scales' shape needs the block size the config records
+            _build_saved_layers(model, self._files, config.block_size if config.granularity == "block" else None)
         return model
 
     def check_if_quantized_param(self, model, param_value, param_name, state_dict, **kwargs):
@@ -175,9 +178,10 @@ def _set_layer_tensor(layer, attr: str, value: torch.Tensor, device):
         raise CheckpointError(f"{type(layer).__name__} has no tensor {attr!r}")
 
 
-def _build_saved_layers(model, files):
+def _build_saved_layers(model, files, block_size=None):
     """The torch_lowbit layers a ``save_pretrained`` directory holds, swapped in (on meta) before diffusers loads
-    it: a module whose ``weight`` is stored as fp8 / int8 beside a ``weight_scale`` is one, as the file says."""
+    it: a module whose ``weight`` is stored as fp8 / int8 beside a ``weight_scale`` is one, as the file says (fp8
+    scales per block of `block_size`, where the config says so)."""
     from .granularity import infer_granularity
 
     src = SafetensorsSource(files, description=os.path.dirname(files[0]))
@@ -195,7 +199,7 @@ def _build_saved_layers(model, files):
             N, K = src.shape(wkey)
             bias = linear.bias is not None
             if layer_cls is Fp8Linear:
-                g = infer_granularity(src.shape(key), N, K, None, what=key)
+                g = infer_granularity(src.shape(key), N, K, block_size, what=key)
                 layer = Fp8Linear(K, N, bias, granularity=g, block_size=g.block_size, device="meta")
                 if tuple(src.shape(key)) != tuple(layer.weight_scale.shape):  # [N, 1] or 0-d, as stored
                     layer.weight_scale = torch.empty(src.shape(key), device="meta")
