@@ -193,6 +193,17 @@ def test_model_dequantize_gives_a_dense_model_that_saves_and_reloads_as_one(ct_l
     assert torch.equal(_logits(again), want)
 
 
+def test_the_quantizers_own_dequantize_leaves_a_model_that_saves_and_counts_as_a_dense_one(ct_llama, tmp_path):
+    # transformers' HfQuantizer.dequantize, called directly (model.dequantize() reaches the model's own first)
+    model = _quantized_by("TorchLowbitConfig", ct_llama, tmp_path)
+    count = model.num_parameters()
+    model.hf_quantizer.dequantize(model, dtype=torch.float32)
+    assert not {"save_pretrained", "dequantize", "num_parameters"} & set(vars(model))
+    assert model.num_parameters() == count  # the dense weights are parameters now, counted by transformers alone
+    model.save_pretrained(tmp_path / "dense")
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
+
+
 def test_tokenizer_saved_first_is_kept(ct_llama, tmp_path):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel

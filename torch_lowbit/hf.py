@@ -791,8 +791,7 @@ def _dequantize(self, dtype=None):
     from .dequantize import dequantize_
 
     dequantize_(self, dtype=_spelled_dtype(dtype))
-    for method in ("save_pretrained", "dequantize", "num_parameters"):  # the class's own again
-        self.__dict__.pop(method, None)
+    detach_model_methods(self)
     quantizer = getattr(self, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(self)
@@ -801,6 +800,13 @@ def _dequantize(self, dtype=None):
             del self.config.quantization_config
         self.is_quantized = False
     return self
+
+
+def detach_model_methods(model) -> None:
+    """The class's own ``save_pretrained``, ``dequantize`` and ``num_parameters`` again, once `model` holds no
+    torch_lowbit layer (after dequantizing it)."""
+    for method in ("save_pretrained", "dequantize", "num_parameters"):
+        model.__dict__.pop(method, None)
 
 
 def attach_save_pretrained(model) -> None:

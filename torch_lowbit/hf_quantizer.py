@@ -189,8 +189,11 @@ class TorchLowbitHfQuantizer(HfQuantizer):
     def _dequantize(self, model, dtype=None):
         # HfQuantizer.dequantize's step (model.dequantize() reaches the model's own method first: enable_save_pretrained)
         from .dequantize import dequantize_
+        from .hf import detach_model_methods
 
-        return dequantize_(model, dtype=dtype)
+        dequantize_(model, dtype=dtype)
+        detach_model_methods(model)  # the dense model saves and counts as transformers' own
+        return model
 
 
 
