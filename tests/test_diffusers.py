@@ -281,6 +281,17 @@ def test_fuse_qkv_projections_on_a_model_loaded_quantized(saved_dense):
     assert torch.equal(_run(q, x), y)
 
 
+def test_fuse_qkv_projections_refuses_projections_with_lora_adapters(saved_dense):
+    dense, _ = saved_dense["flux"]
+    q = torch_lowbit.quantize_(copy.deepcopy(dense), torch_lowbit.Fp8WeightOnly())
+    q.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"]))
+    with pytest.raises(ValueError, match=r"fuse_qkv_projections: transformer_blocks\.0\.attn\.to_q carries LoRA "
+                                         r"adapters.*unload"):
+        q.fuse_qkv_projections()
+    assert not any(n.endswith("to_qkv") for n, _ in q.named_modules())
+    assert not any(t.is_meta for t in q.parameters())
+
+
 def test_fuse_qkv_projections_refuses_what_cannot_be_joined_and_leaves_the_model_unfused(saved_dense):
     dense, _ = saved_dense["flux"]
     q = torch_lowbit.quantize_(copy.deepcopy(dense), torch_lowbit.Nvfp4WeightOnly())  # a global scale per layer

@@ -91,6 +91,11 @@ def _fuse_qkv_projections(self) -> None:
         found = {n: c for n, c in module._modules.items() if n in sources and isinstance(c, QuantizedLinear)}
         if found:
             low_bit[path] = (module, found)
+        for n, c in module._modules.items():
+            if n in sources and isinstance(getattr(c, "base_layer", None), QuantizedLinear):
+                raise ValueError(f"fuse_qkv_projections: {path + '.' if path else ''}{n} carries LoRA adapters on a "
+                                 f"low-bit layer; a fused projection would join the base layers and leave the adapters "
+                                 f"out. Fuse before loading adapters, or unload them first (unload_lora_weights)")
     fuse = type(self).fuse_qkv_projections
     if not low_bit:
         return fuse(self)
