@@ -281,6 +281,21 @@ def test_fuse_qkv_projections_on_a_model_loaded_quantized(saved_dense):
     assert torch.equal(_run(q, x), y)
 
 
+def test_a_fused_quantized_model_saves_and_reloads_unfused(saved_dense, tmp_path):
+    # diffusers writes the fused layers beside the projections; a reload builds the model unfused, and the fused
+    # layers' tensors are unused keys, as for a dense fused model (the loader had failed on their missing module)
+    dense, _ = saved_dense["flux"]
+    q = torch_lowbit.quantize_(copy.deepcopy(dense), torch_lowbit.Fp8WeightOnly())
+    x = MODELS["flux"][1](torch.Generator().manual_seed(1))
+    y = _run(q, x)
+    q.fuse_qkv_projections()
+    q.save_pretrained(tmp_path)
+    again = type(dense).from_pretrained(tmp_path, torch_dtype=torch.float32)
+    assert not any(n.endswith("to_qkv") for n, _ in again.named_modules())
+    _same_layers(again, q)
+    assert _rel(_run(again, x), y) < 1e-6
+
+
 def test_fuse_qkv_projections_refuses_projections_with_lora_adapters(saved_dense):
     dense, _ = saved_dense["flux"]
     q = torch_lowbit.quantize_(copy.deepcopy(dense), torch_lowbit.Fp8WeightOnly())
