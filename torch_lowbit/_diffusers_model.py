@@ -88,14 +88,18 @@ def _fuse_qkv_projections(self) -> None:
     sources = {name for names in FUSED_PROJECTIONS.values() for name in names}
     low_bit = {}  # module name -> (module, {projection name: its low-bit layer})
     for path, module in self.named_modules():
-        found = {n: c for n, c in module._modules.items() if n in sources and isinstance(c, QuantizedLinear)}
-        if found:
-            low_bit[path] = (module, found)
+        found = {}
         for n, c in module._modules.items():
-            if n in sources and isinstance(getattr(c, "base_layer", None), QuantizedLinear):
+            if n not in sources:
+                continue
+            if isinstance(getattr(c, "base_layer", None), QuantizedLinear):
                 raise ValueError(f"fuse_qkv_projections: {path + '.' if path else ''}{n} carries LoRA adapters on a "
                                  f"low-bit layer; a fused projection would join the base layers and leave the adapters "
                                  f"out. Fuse before loading adapters, or unload them first (unload_lora_weights)")
+            if isinstance(c, QuantizedLinear):
+                found[n] = c
+        if found:
+            low_bit[path] = (module, found)
     fuse = type(self).fuse_qkv_projections
     if not low_bit:
         return fuse(self)

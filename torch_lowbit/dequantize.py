@@ -12,8 +12,7 @@ from torch import nn
 
 from ._ops import _FLOAT_DTYPES as _DTYPES  # what the low-bit layers compute in
 from ._ops import fp8_dequantize
-from .nn import Fp8Linear, Int8Linear, W4Experts, W4Linear
-from .nn import Int8Experts
+from .nn import Fp8Linear, Int8Experts, Int8Linear, W4Experts, W4Linear
 from .nn.experts import Fp8Experts
 from .quantize import swap_children
 

@@ -192,11 +192,12 @@ def _build_saved_layers(model, files, block_size=None):
             name = key[: -len(".weight_scale")]
             wkey = f"{name}.weight"
             layer_cls = _LAYERS.get(src.dtype(wkey)) if wkey in src else None
-            if layer_cls is not None and _absent(model, name):
+            try:
+                linear = model.get_submodule(name) if layer_cls is not None else None
+            except AttributeError:
                 # a layer the model builds only later (a fused to_qkv saved with its projections): its tensors are
                 # unused keys, as diffusers reports them for a dense fused model
                 continue
-            linear = model.get_submodule(name) if layer_cls is not None else None
             if layer_cls is None or not isinstance(linear, nn.Linear):
                 raise CheckpointError(f"{src.description}: {key!r} is the scale of no fp8 / int8 weight of an "
                                       f"nn.Linear {name!r} of {type(model).__name__}")
@@ -212,14 +213,6 @@ def _build_saved_layers(model, files, block_size=None):
             model.set_submodule(name, layer)
     finally:
         src.close()
-
-
-def _absent(model, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-        return False
-    except AttributeError:
-        return True
 
 
 # ------------------------------------------------------------------------------------------------ single files

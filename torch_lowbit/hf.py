@@ -675,11 +675,11 @@ def _write_shards(tensors, path, max_shard_size, caller) -> List[str]:
     return names + [index]
 
 
-def _config_entries(names, among) -> List[str]:
-    """Module names as a checkpoint config names them (ignore lists, config groups' targets): plain where that names
-    one module of `among` under the loaders' rule (a dotted run of a name's components, formats.registry.matches),
-    else anchored regexes (compressed-tensors' ``re:`` form): a diffusion model's top-level ``proj_out``, left
-    dense, must not also name every block's quantized ``proj_out``."""
+def _config_entries(among):
+    """``entries(names)``: module names as a checkpoint config names them (ignore lists, config groups' targets):
+    plain where that names one module of `among` under the loaders' rule (a dotted run of a name's components,
+    formats.registry.matches), else anchored regexes (compressed-tensors' ``re:`` form): a diffusion model's
+    top-level ``proj_out``, left dense, must not also name every block's quantized ``proj_out``."""
     import re
     from collections import Counter
 
@@ -687,12 +687,12 @@ def _config_entries(names, among) -> List[str]:
         parts = name.split(".")
         return {".".join(parts[i:j]) for i in range(len(parts)) for j in range(i + 1, len(parts) + 1)}
 
-    named = Counter(run for n in among for run in runs(n))
-    return sorted(n if named[n] <= 1 else f"re:{re.escape(n)}$" for n in names)
+    named = Counter(run for n in among for run in runs(n))  # once: every config group's targets read it
+    return lambda names: sorted(n if named[n] <= 1 else f"re:{re.escape(n)}$" for n in names)
 
 
 def _quantization_config(schemes: Dict[str, tuple], dense_linears: List[str]) -> dict:
-    among = list(schemes) + list(dense_linears)
+    entries = _config_entries(list(schemes) + list(dense_linears))
     by_scheme: Dict[tuple, List[str]] = {}
     for module, key in schemes.items():
         by_scheme.setdefault(key, []).append(module)
@@ -704,11 +704,11 @@ def _quantization_config(schemes: Dict[str, tuple], dense_linears: List[str]) ->
         else:
             g = _scheme_int8() if key[0] == "int8" else _scheme_fp8(*key[1:])
         # one scheme: every Linear but the ignored ones, as compressed-tensors writes it; several: by name
-        g["targets"] = ["Linear"] if len(by_scheme) == 1 else _config_entries(modules, among)
+        g["targets"] = ["Linear"] if len(by_scheme) == 1 else entries(modules)
         groups[f"group_{i}"] = g
     formats = {g["format"] for g in groups.values()}
     return {"quant_method": "compressed-tensors", "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-            "config_groups": groups, "ignore": _config_entries(dense_linears, among), "quantization_status": "compressed",
+            "config_groups": groups, "ignore": entries(dense_linears), "quantization_status": "compressed",
             "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {},
             "transform_config": {}, "producer": "torch_lowbit"}
 

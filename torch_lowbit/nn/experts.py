@@ -81,6 +81,11 @@ def route(layer: nn.Module, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_w
     return x, Routing(order, sorted_ids, order // k, offsets, expert_ids, k)
 
 
+def swiglu_weight_count(layer: nn.Module) -> int:
+    """The weights of E SwiGLU experts: gate, up and down, each H x I (a fused experts layer's dense parameters)."""
+    return 3 * layer.num_experts * layer.hidden_size * layer.intermediate_size
+
+
 def swiglu(gate_up: torch.Tensor, I: int, dtype: torch.dtype) -> torch.Tensor:
     """silu(gate) * up of each row of ``gate_up [rows, 2I]`` (gate first), in fp32, rounded once to `dtype`."""
     gate, up = gate_up.float().split(I, dim=-1)
@@ -223,7 +228,7 @@ class Fp8Experts(FormatBuffers):
 
     # ------------------------------------------------------------------------------------------ forward
     def dense_parameter_count(self) -> int:
-        return 3 * self.num_experts * self.hidden_size * self.intermediate_size  # gate, up and down
+        return swiglu_weight_count(self)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         E, I = self.num_experts, self.intermediate_size

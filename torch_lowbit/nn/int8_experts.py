@@ -14,7 +14,7 @@ from torch import nn
 from .. import _ops
 from ..quantize import Int8Dynamic, quantize_int8, register_quantize_experts_handler
 from ._format_buffers import FormatBuffers
-from .experts import attach_dense_template, combine, route, swiglu
+from .experts import attach_dense_template, combine, route, swiglu, swiglu_weight_count
 
 
 def _check_stacked(name: str, w: torch.Tensor, scale: torch.Tensor):
@@ -108,7 +108,7 @@ class Int8Experts(FormatBuffers):
         return cls.from_quantized(q_gu, s_gu, q_d, s_d, dtype=dtype)
 
     def dense_parameter_count(self) -> int:
-        return 3 * self.num_experts * self.hidden_size * self.intermediate_size  # gate, up and down
+        return swiglu_weight_count(self)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.run(hidden, topk_ids, topk_weights)

@@ -14,7 +14,7 @@ from ..quantize import (AffineWeightOnly, Int4WeightOnly, Mxfp4WeightOnly, Nvfp4
                         register_quantize_experts_handler)
 from ..quantize_w4 import W4_DEFAULT_GROUP, quantize_w4
 from ._format_buffers import FormatBuffers
-from .experts import attach_dense_template, combine, route
+from .experts import attach_dense_template, combine, route, swiglu_weight_count
 from .w4_linear import W4_OFFSETS, W4_SCALE_DTYPES, check_w4_options, load_w4_entries
 
 _PROJECTIONS = ("gate_up", "down")
@@ -105,10 +105,9 @@ class W4Experts(FormatBuffers):
                                  torch.ones(E, dtype=torch.float32, device=device) if global_scale else None)
             self.register_buffer(f"{p}_bias", torch.zeros(E, rows, dtype=dtype, device=device) if bias else None)
 
-    def dense_parameter_count(self) -> int:  # gate, up and down, and the experts' biases (buffers here)
+    def dense_parameter_count(self) -> int:  # and the experts' biases (buffers here)
         biases = (getattr(self, f"{p}_bias") for p in _PROJECTIONS)
-        return 3 * self.num_experts * self.hidden_size * self.intermediate_size + sum(
-            b.numel() for b in biases if b is not None)
+        return swiglu_weight_count(self) + sum(b.numel() for b in biases if b is not None)
 
     def _project(self, p: str, x: torch.Tensor, r) -> torch.Tensor:
         return w4_grouped_mm(x, getattr(self, f"{p}_packed"), getattr(self, f"{p}_scale"), self.format,
