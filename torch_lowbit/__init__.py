@@ -69,6 +69,15 @@ def _register_quantization_method(_diffusers):
 _after_import("diffusers", _register_quantization_method)
 
 
+def _install_diffusers_lora_step(lora_pipeline):
+    from ._diffusers_lora import install  # FluxPipeline.load_lora_weights into 4-bit layers
+
+    install(lora_pipeline)
+
+
+_after_import("diffusers.loaders.lora_pipeline", _install_diffusers_lora_step)
+
+
 def __getattr__(name):
     # transformers is optional and slow to import: TorchLowbitConfig (which registers torch_lowbit as a
     # transformers quantization method) imports it when first asked for
