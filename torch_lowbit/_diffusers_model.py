@@ -6,8 +6,9 @@
 under a config.json without a quantization config: diffusers' ``from_pretrained`` then loaded the fp8 codes into
 plain nn.Linear weights as values, without their scales, and said only that the ``weight_scale`` tensors were
 unused. Here the config gets the ``TorchLowbitConfig`` that diffusers' loader of this method reads back (it rebuilds
-the Fp8Linear / Int8Linear layers from the tensors the directory holds); layers that loader cannot rebuild (4-bit,
-experts) are refused by name before anything is written.
+the Fp8Linear / Int8Linear / W4Linear layers from the tensors the directory holds, the 4-bit format and group size
+from the config); what that loader cannot rebuild (experts; two 4-bit formats or group sizes) is refused by name
+before anything is written.
 
 diffusers fuses attention projections (``transformer.fuse_qkv_projections()``, a step of its torch.compile recipes)
 by concatenating the projections' dense ``weight`` tensors into a new ``nn.Linear``; on low-bit projections that
@@ -50,32 +51,63 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
 
 def _reloadable_config(model):
     """The TorchLowbitConfig under which diffusers' from_pretrained rebuilds `model`'s low-bit layers; refused,
-    naming the first layer it cannot rebuild."""
+    naming the first layer it cannot rebuild: a class its loader does not build, or what one config cannot record
+    (fp8 scales per block of two sizes; 4-bit layers of two formats or group sizes)."""
     from .diffusers_quantizer import LAYER_WEIGHTS
-    from .hf_quantizer import TorchLowbitConfig
-    from .nn import Fp8Linear
+    from .hf_quantizer import W4_DEFAULT_GROUP, TorchLowbitConfig
+    from .nn import Fp8Linear, W4Linear
     from .nn._format_buffers import FormatBuffers
 
-    kinds, fp8_blocks = set(), set()  # fp8 scales per block: the loader takes the config's one block size
+    kinds, fp8_blocks, w4 = set(), set(), []  # fp8 scales per block: the loader takes the config's one block size
     for name, module in model.named_modules():
         if not isinstance(module, FormatBuffers):
             continue
         if type(module) not in LAYER_WEIGHTS:
             raise ValueError(f"save_pretrained: {name} is a {type(module).__name__}, which diffusers' from_pretrained "
                              f"cannot rebuild (it rebuilds {' / '.join(c.__name__ for c in LAYER_WEIGHTS)} layers); "
-                             f"write this model with torch_lowbit.save_quantized(model, path) and read it back with "
-                             f"torch_lowbit.load_quantized(model, path)")
-        kinds.add(LAYER_WEIGHTS[type(module)])
+                             f"{_SAVE_QUANTIZED}")
+        kinds.add(LAYER_WEIGHTS[type(module)](module))
         if isinstance(module, Fp8Linear):
             fp8_blocks.add(module.block_size)
             if len(fp8_blocks) > 1:
                 raise ValueError(f"save_pretrained: {name}'s fp8 scales are per "
                                  f"{'block of ' + str(module.block_size) if module.block_size else 'row or tensor'}, "
-                                 f"other fp8 layers' are not: one config.json holds one block size; write this model "
-                                 f"with torch_lowbit.save_quantized(model, path)")
-    weights = sorted(kinds)[0] if kinds else "fp8"
+                                 f"other fp8 layers' are not: one config.json holds one block size; {_SAVE_QUANTIZED}")
+        elif isinstance(module, W4Linear):
+            w4.append((name, module))
     block = next(iter(fp8_blocks), None)
-    return TorchLowbitConfig(weights) if block is None else TorchLowbitConfig(weights, "block", block)
+    fp8 = {} if block is None else {"granularity": "block", "block_size": block}
+    if not w4:
+        return TorchLowbitConfig(sorted(kinds)[0] if kinds else "fp8", **fp8)
+    fmt, group = _w4_format_and_group(w4)
+    options = {"group_size": group} if fmt in W4_DEFAULT_GROUP else {}
+    if fmt == "int4":  # zero points or none: how from_pretrained of a dense model would quantize under this config
+        options["symmetric"] = all(m.weight_offset is None for _, m in w4)
+    return TorchLowbitConfig(fmt, **fp8, **options)
+
+
+_SAVE_QUANTIZED = ("write this model with torch_lowbit.save_quantized(model, path) and read it back with "
+                   "torch_lowbit.load_quantized(model, path)")
+
+
+def _w4_format_and_group(w4):
+    """The one 4-bit format and group size (None: per channel) of the 4-bit layers ``[(name, W4Linear)]``, as the
+    diffusers loader makes a layer of them (a group never longer than its row); refused naming a layer that differs."""
+    first_name, first = w4[0]
+    grouped = [(n, m) for n, m in w4 if m.group_size < m.in_features]  # the rest are per channel, whatever the group
+    group = grouped[0][1].group_size if grouped else None
+    if first.format == "uint4" and group is None:  # no per-channel spelling: a group as long as the longest row
+        group = max(m.in_features for _, m in w4)
+    for name, module in w4:
+        if module.format != first.format:
+            raise ValueError(f"save_pretrained: {name} is {module.format}, {first_name} is {first.format}: one "
+                             f"config.json holds one 4-bit format; {_SAVE_QUANTIZED}")
+        expected = max(module.in_features, 1) if group is None else min(group, max(module.in_features, 1))
+        if module.group_size != expected:
+            raise ValueError(f"save_pretrained: {name} has groups of {module.group_size}, "
+                             f"{grouped[0][0] if grouped else first_name} of {group or first.group_size} codes: one "
+                             f"config.json holds one group size; {_SAVE_QUANTIZED}")
+    return first.format, group
 
 
 def _stand_in(layer) -> nn.Linear:

@@ -11,10 +11,14 @@ diffusers has no public registration hook: importing this module (``torch_lowbit
 is installed) adds ``torch_lowbit`` to its quantizer and config mappings (``diffusers.quantizers.auto``), once.
 
 - Dense weights (``from_pretrained`` of a bf16 / fp32 model): each nn.Linear weight is quantized as it is read
-  (``Fp8WeightOnly`` -> Fp8Linear, ``Int8Dynamic`` -> Int8Linear), one layer at a time; which layers stay in high
-  precision is the diffusion rule (:mod:`torch_lowbit.diffusion`) unless ``modules_to_not_convert`` names them.
-- ``save_pretrained`` writes the layers' own tensors (``weight`` fp8 / int8, ``weight_scale`` fp32, ``bias``) and
-  the config; ``from_pretrained`` of that directory builds the same layers and loads them as stored.
+  (``Fp8WeightOnly`` -> Fp8Linear, ``Int8Dynamic`` -> Int8Linear, the 4-bit configs -> W4Linear), one layer at a
+  time; which layers stay in high precision is the diffusion rule (:mod:`torch_lowbit.diffusion`) unless
+  ``modules_to_not_convert`` names them.
+- ``save_pretrained`` writes the layers' own tensors (``weight`` fp8 / int8 with ``weight_scale`` fp32; 4-bit:
+  ``weight_packed``, ``weight_scale``, ``weight_offset`` / ``weight_scale_2`` where the layer has them; ``bias``)
+  and the config; ``from_pretrained`` of that directory builds the same layers and loads them as stored. A layer's
+  kind is its stored tensors' (fp8, int8, packed codes); a 4-bit layer's format and group size are the config's,
+  as the tensors alone cannot tell them (int4 without zero points and uint4 without biases are the same bytes).
 - Single files (``from_single_file``): diffusers' own conversion function maps the file's names to the model's,
   run on :class:`~torch_lowbit.formats.lazy.LazyTensor` stand-ins, so nothing is read while it renames, splits and
   concatenates. Then each model tensor is read when diffusers asks for it: an fp8 linear weight of a diffusion FP8
@@ -38,14 +42,16 @@ from .diffusion import diffusion_filter
 from .formats.detect import matches
 from .formats.lazy import LazyTensor, evaluate, leaves, row_runs
 from .formats.source import CheckpointError, SafetensorsSource, Source, StateDictSource
-from .hf_quantizer import QUANT_METHOD, TorchLowbitConfig
-from .nn import Fp8Linear, Int8Linear
+from .hf_quantizer import QUANT_METHOD, W4_FIXED_GROUP, TorchLowbitConfig
+from .nn import Fp8Linear, Int8Linear, W4Linear
 from .nn._quantized_linear import frozen_bias
+from .nn.w4_linear import W4_SCALE_DTYPES
 from .quantize import _handler_for, _swappable
 
-# the layers a diffusers checkpoint of this method holds -> TorchLowbitConfig's weights that make them
-LAYER_WEIGHTS = {Fp8Linear: "fp8", Int8Linear: "int8"}
-DIFFUSERS_WEIGHTS = tuple(LAYER_WEIGHTS.values())
+# the layers a diffusers checkpoint of this method holds -> TorchLowbitConfig's weights that make one
+LAYER_WEIGHTS = {Fp8Linear: lambda layer: "fp8", Int8Linear: lambda layer: "int8", W4Linear: lambda layer: layer.format}
+SAVED_LAYERS = tuple(LAYER_WEIGHTS)
+W4_FORMATS = tuple(W4_SCALE_DTYPES)
 _LAYERS = {torch.float8_e4m3fn: Fp8Linear, torch.int8: Int8Linear}  # stored weight dtype -> layer
 
 
@@ -62,14 +68,6 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
         self._keep_fp32 = []
 
     # ---------------------------------------------------------------------------- configuration
-    def validate_environment(self, *args, **kwargs):
-        weights = self.quantization_config.weights
-        if weights not in DIFFUSERS_WEIGHTS:
-            w4 = type(self.quantization_config.quantize_config()).__name__
-            raise ValueError(f"TorchLowbitConfig(weights={weights!r}) in diffusers: its loader makes "
-                             f"{' / '.join(DIFFUSERS_WEIGHTS)} layers; quantize a loaded diffusers model to 4 bits "
-                             f"with torch_lowbit.quantize_(model, torch_lowbit.{w4}(...))")
-
     def update_torch_dtype(self, torch_dtype):
         return torch.bfloat16 if torch_dtype is None else torch_dtype
 
@@ -110,14 +108,14 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
             self._single.consume_scales(state_dict)
         elif self.pre_quantized and self._files:
             config = self.quantization_config  # per-block scales' shape needs the block size the config records
-            _build_saved_layers(model, self._files, config.block_size if config.granularity == "block" else None)
+            _build_saved_layers(model, self._files, config)
         return model
 
     def check_if_quantized_param(self, model, param_value, param_name, state_dict, **kwargs):
         if isinstance(state_dict.get(param_name), LazyTensor):
             return True  # a single file: every tensor is read here
         module, attr = _module_of(model, param_name)
-        if isinstance(module, tuple(_LAYERS.values())):
+        if isinstance(module, SAVED_LAYERS):
             return True
         return (not self.pre_quantized and attr == "weight" and _swappable(module)
                 and self._converted(param_name.rsplit(".", 1)[0]))
@@ -129,7 +127,7 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
         if isinstance(stored, LazyTensor):
             return self._single.load(self, model, param_name, stored, device, dtype)
         module, attr = _module_of(model, param_name)
-        if isinstance(module, tuple(_LAYERS.values())):
+        if isinstance(module, SAVED_LAYERS):
             value = param_value if attr == "bias" else stored
             return _set_layer_tensor(module, attr, value, device)
         self._quantize_linear(model, param_name, param_value.to(device))
@@ -166,9 +164,11 @@ def _module_of(model, param_name: str):
 
 
 def _set_layer_tensor(layer, attr: str, value: torch.Tensor, device):
-    """One stored tensor of an Fp8Linear / Int8Linear: codes and scales as stored (scales float32), the bias in the
-    dtype diffusers loads the model in."""
-    if attr == "weight":
+    """One stored tensor of a layer of SAVED_LAYERS: codes and scales as stored (fp8 / int8 scales float32; the
+    4-bit layer was built with its tensors' dtypes), the bias in the dtype diffusers loads the model in."""
+    if isinstance(layer, W4Linear) and getattr(layer, attr, None) is not None and attr in layer._format_buffers:
+        setattr(layer, attr, to_fp8_storage(value, device) if attr in layer._fp8_buffers else value.to(device))
+    elif attr == "weight":
         layer.weight = to_fp8_storage(value, device) if isinstance(layer, Fp8Linear) else value.to(device)
     elif attr == "bias":
         layer.bias = frozen_bias(value.to(device))
@@ -178,41 +178,73 @@ def _set_layer_tensor(layer, attr: str, value: torch.Tensor, device):
         raise CheckpointError(f"{type(layer).__name__} has no tensor {attr!r}")
 
 
-def _build_saved_layers(model, files, block_size=None):
+def _build_saved_layers(model, files, config: TorchLowbitConfig):
     """The torch_lowbit layers a ``save_pretrained`` directory holds, swapped in (on meta) before diffusers loads
     it: a module whose ``weight`` is stored as fp8 / int8 beside a ``weight_scale`` is one, as the file says (fp8
-    scales per block of `block_size`, where the config says so)."""
-    from .granularity import infer_granularity
-
+    scales per block of the config's block size, where it says so), and so is one with a ``weight_packed`` (4-bit, in
+    the config's format and group size)."""
     src = SafetensorsSource(files, description=os.path.dirname(files[0]))
     try:
         for key in src.keys():
             if not key.endswith(".weight_scale"):
                 continue
             name = key[: -len(".weight_scale")]
-            wkey = f"{name}.weight"
-            layer_cls = _LAYERS.get(src.dtype(wkey)) if wkey in src else None
+            packed = f"{name}.weight_packed" in src
+            wkey = f"{name}.weight_packed" if packed else f"{name}.weight"
+            known = packed or (wkey in src and src.dtype(wkey) in _LAYERS)
             try:
-                linear = model.get_submodule(name) if layer_cls is not None else None
+                linear = model.get_submodule(name) if known else None
             except AttributeError:
                 # a layer the model builds only later (a fused to_qkv saved with its projections): its tensors are
                 # unused keys, as diffusers reports them for a dense fused model
                 continue
-            if layer_cls is None or not isinstance(linear, nn.Linear):
-                raise CheckpointError(f"{src.description}: {key!r} is the scale of no fp8 / int8 weight of an "
+            if not known or not isinstance(linear, nn.Linear):
+                raise CheckpointError(f"{src.description}: {key!r} is the scale of no fp8 / int8 / 4-bit weight of an "
                                       f"nn.Linear {name!r} of {type(model).__name__}")
-            N, K = src.shape(wkey)
-            bias = linear.bias is not None
-            if layer_cls is Fp8Linear:
-                g = infer_granularity(src.shape(key), N, K, block_size, what=key)
-                layer = Fp8Linear(K, N, bias, granularity=g, block_size=g.block_size, device="meta")
-                if tuple(src.shape(key)) != tuple(layer.weight_scale.shape):  # [N, 1] or 0-d, as stored
-                    layer.weight_scale = torch.empty(src.shape(key), device="meta")
-            else:
-                layer = Int8Linear(K, N, bias, device="meta")
-            model.set_submodule(name, layer)
+            build = _saved_w4_layer if packed else _saved_fp8_int8_layer
+            model.set_submodule(name, build(src, name, linear, config))
     finally:
         src.close()
+
+
+def _saved_fp8_int8_layer(src, name: str, linear: nn.Linear, config: TorchLowbitConfig):
+    from .granularity import infer_granularity
+
+    wkey, key = f"{name}.weight", f"{name}.weight_scale"
+    N, K = src.shape(wkey)
+    bias = linear.bias is not None
+    if _LAYERS[src.dtype(wkey)] is Int8Linear:
+        return Int8Linear(K, N, bias, device="meta")
+    block_size = config.block_size if config.granularity == "block" else None
+    g = infer_granularity(src.shape(key), N, K, block_size, what=key)
+    layer = Fp8Linear(K, N, bias, granularity=g, block_size=g.block_size, device="meta")
+    if tuple(src.shape(key)) != tuple(layer.weight_scale.shape):  # [N, 1] or 0-d, as stored
+        layer.weight_scale = torch.empty(src.shape(key), device="meta")
+    return layer
+
+
+def _saved_w4_layer(src, name: str, linear: nn.Linear, config: TorchLowbitConfig) -> W4Linear:
+    """A 4-bit layer of the config's format and group size (a group never longer than the row, as quantize_ makes
+    them), with the scale dtype, zero points or biases and global scale its stored tensors have."""
+    fmt, K, N = config.weights, linear.in_features, linear.out_features
+    if fmt not in W4_FORMATS:
+        raise CheckpointError(f"{src.description}: {name}.weight_packed holds 4-bit codes, but config.json's "
+                              f"quantization_config says weights={fmt!r} (4-bit: {' / '.join(W4_FORMATS)})")
+    group = W4_FIXED_GROUP.get(fmt, config.group_size)
+    group = max(K, 1) if group is None else min(group, max(K, 1))
+    try:
+        layer = W4Linear(K, N, linear.bias is not None, format=fmt, group_size=group,
+                         scale_dtype=src.dtype(f"{name}.weight_scale"), offset=f"{name}.weight_offset" in src,
+                         global_scale=f"{name}.weight_scale_2" in src, device="meta")
+    except ValueError as e:
+        raise CheckpointError(f"{src.description}: {name}: {e}") from None
+    for attr in layer._format_buffers:
+        held = getattr(layer, attr)
+        if held is not None and tuple(src.shape(f"{name}.{attr}")) != tuple(held.shape):
+            raise CheckpointError(f"{src.description}: {name}.{attr} has shape {tuple(src.shape(f'{name}.{attr}'))}, "
+                                  f"expected {tuple(held.shape)} for {fmt} weights [{N}, {K}] in groups of {group} "
+                                  f"(config.json's quantization_config)")
+    return layer
 
 
 # ------------------------------------------------------------------------------------------------ single files
@@ -381,7 +413,7 @@ class _SingleFile:
             value = value.to(torch.float32 if keep else (dtype or value.dtype))
         if attr == "weight" and _swappable(module) and quantizer._converted(mod_name):
             return quantizer._quantize_linear(model, name, value.to(device))
-        if isinstance(module, tuple(_LAYERS.values())):
+        if isinstance(module, SAVED_LAYERS):
             return _set_layer_tensor(module, attr, value, device)
         from accelerate.utils import set_module_tensor_to_device
 
