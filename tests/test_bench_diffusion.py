@@ -55,6 +55,21 @@ def test_diffusion_suite_runs_and_writes_json(impl, tmp_path, capsys):
         assert 0.5 < r["mem_vs_bf16"] < 0.75
 
 
+def test_diffusion_suite_int4_mode(tmp_path, capsys):
+    """--modes takes int4 (W4A16, groups of 128 along K): the same layers quantized, within 4-bit error of bf16, in
+    less memory than fp8."""
+    data, out, err = _run(tmp_path, capsys, "--impl", "builtin", "--hidden", "256", "--heads", "4", "--modes",
+                          "fp8,int4")
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert list(rows) == ["bf16", "fp8", "int4"] and "int4 = W4Linear int4 in groups of 128 (W4A16)" in out
+    r = rows["int4"]
+    assert r["layers_quantized"] == rows["fp8"]["layers_quantized"] == 14 + 6
+    # random weights, 4-bit codes in groups of 128: about 2^-4 of each group's range per weight
+    assert rows["fp8"]["rms_rel_err"] < r["rms_rel_err"] < 0.2
+    assert abs(r["rms_err_vs_fp32"] - rows["bf16"]["rms_err_vs_fp32"]) <= r["rms_rel_err"] * 1.05
+    assert r["mem_vs_bf16"] < rows["fp8"]["mem_vs_bf16"] < 0.75
+
+
 def test_diffusion_suite_without_diffusers_runs_the_stand_in(monkeypatch, tmp_path, capsys):
     """What the lent machines (no diffusers) run by default; one mode, no float32 reference."""
     monkeypatch.setitem(sys.modules, "diffusers", None)  # `import diffusers` raises ImportError

@@ -1,4 +1,5 @@
-"""One denoising step of a FLUX.1-dev-shaped transformer, bf16 vs FP8 (W8A16) vs INT8 (W8A8), on the best device.
+"""One denoising step of a FLUX.1-dev-shaped transformer, bf16 vs FP8 (W8A16) vs INT8 (W8A8) (and, asked for, INT4
+W4A16), on the best device.
 
 The transformer has FLUX.1-dev's dimensions (hidden 3072 = 24 heads x 128, MLP 4x, joint_attention_dim 4096,
 pooled 768, 64 latent channels, guidance embedding) and 4096 image + 512 text tokens (a 1024 x 1024 image), but
@@ -8,7 +9,7 @@ shapes, so a step of the whole model costs about 19x a double block plus 38x a s
 (names, shapes, biases), the same attention (scaled_dot_product_attention over text + image tokens with RMS-normed
 q / k and rotary embeddings) and the same adaLN modulation; the output says which one ran.
 
-FP8 and INT8 models are the bf16 one quantized by ``quantize_`` with the diffusion default filter
+FP8, INT8 and INT4 models are the bf16 one quantized by ``quantize_`` with the diffusion default filter
 (``torch_lowbit.diffusion``: embedders and the final layer stay bf16). Every round times one step of every mode in
 turn (median over rounds), so the ratios come from the same minutes of the same machine. Columns: step time,
 step time / bf16's, speedup = bf16 / mode, max rel err = max|y - y_bf16| / max|y_bf16| and rms rel err =
@@ -35,7 +36,8 @@ import torch.nn.functional as F
 
 from .timing import print_table, sync, write_json
 
-MODES = ("bf16", "fp8", "int8")
+MODES = ("bf16", "fp8", "int8", "int4")
+DEFAULT_MODES = ("fp8", "int8")
 IMPLS = ("auto", "diffusers", "builtin")
 # FLUX.1-dev's transformer config (diffusers' FluxTransformer2DModel for black-forest-labs/FLUX.1-dev)
 FLUX_DEV = dict(hidden=3072, heads=24, joint_dim=4096, pooled_dim=768, in_channels=64, mlp_ratio=4.0,
@@ -324,8 +326,9 @@ def parse(argv):
     for name in ("hidden", "heads", "joint_dim", "pooled_dim", "in_channels", "image_tokens", "text_tokens"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=FLUX_DEV[name],
                        help=f"default {FLUX_DEV[name]} (FLUX.1-dev)")
-    p.add_argument("--modes", default=",".join(MODES[1:]), help="comma-separated low-bit modes timed against bf16 "
-                                                                "(default fp8,int8)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated low-bit modes timed against bf16, among {','.join(MODES[1:])} "
+                        f"(default {','.join(DEFAULT_MODES)})")
     p.add_argument("--rounds", type=int, default=3, help="timed steps per mode, one per mode in turn (default 3)")
     p.add_argument("--no-fp32-reference", dest="fp32_reference", action="store_false",
                    help="skip the float32 step (one untimed step of a float32 copy: twice the bf16 weight memory) "
@@ -351,10 +354,15 @@ def parse(argv):
     return a
 
 
-def _config(mode):
-    from ..quantize import Fp8WeightOnly, Int8Dynamic
+# what each mode is, for the table's header and the configs that make it
+MODE_DESCRIPTIONS = {"fp8": "Fp8Linear per channel (W8A16)", "int8": "Int8Linear (W8A8 dynamic)",
+                     "int4": "W4Linear int4 in groups of 128 (W4A16)"}
 
-    return {"fp8": Fp8WeightOnly("channel"), "int8": Int8Dynamic()}[mode]
+
+def _config(mode):
+    from ..quantize import Fp8WeightOnly, Int4WeightOnly, Int8Dynamic
+
+    return {"fp8": Fp8WeightOnly("channel"), "int8": Int8Dynamic(), "int4": Int4WeightOnly(128)}[mode]
 
 
 def run(argv) -> int:
@@ -432,7 +440,7 @@ def run(argv) -> int:
     print(f"diffusion: one denoising step, {what}; {args.double_blocks} double + {args.single_blocks} single blocks "
           f"(FLUX.1-dev: 19 + 38), hidden {args.hidden} ({args.heads} heads x {args.hidden // args.heads}), MLP 4x, "
           f"joint_attention_dim {args.joint_dim}, {args.image_tokens} image + {args.text_tokens} text tokens, batch 1, "
-          f"{where}; fp8 = Fp8Linear per channel (W8A16), int8 = Int8Linear (W8A8 dynamic), embedders and final layer "
+          f"{where}; {', '.join(f'{m} = {MODE_DESCRIPTIONS[m]}' for m in args.modes)}, embedders and final layer "
           f"bf16; median of {args.rounds} rounds; err vs the bf16 step's output")
     print_table(rows, [("mode", "mode", None), ("step_ms", "step ms", "{:.1f}"),
                        ("step_vs_bf16", "time vs bf16", "{:.2f}x"),
