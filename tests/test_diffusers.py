@@ -265,6 +265,32 @@ def test_save_pretrained_refuses_layers_diffusers_cannot_rebuild(saved_dense, tm
     assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.parametrize("option,value,why", [("safe_serialization", False, "writes the low-bit layers as a pickle"),
+                                               ("use_flashpack", True, "writes a FlashPack file")])
+def test_save_pretrained_refuses_files_the_reload_cannot_read(saved_dense, tmp_path, option, value, why):
+    dense, path = saved_dense["flux"]
+    made = {"quantize_": lambda: torch_lowbit.quantize_(copy.deepcopy(dense), torch_lowbit.Int4WeightOnly(16)),
+            "from_pretrained": lambda: _load(type(dense), path, "fp8")}
+    for how, make in made.items():
+        with pytest.raises(ValueError, match=rf"save_pretrained: {option}={value} {why}, which torch_lowbit does not "
+                                             rf"read back"):
+            make().save_pretrained(tmp_path / how, **{option: value})
+        assert not (tmp_path / how).exists()
+
+
+def test_a_pickled_saved_model_is_refused_naming_the_file(saved_dense, tmp_path):
+    # what safe_serialization=False wrote before it was refused: diffusers had loaded its fp8 codes as plain weights,
+    # the loader of this method failed on the file's header
+    dense, _ = saved_dense["flux"]
+    torch_lowbit.quantize_(copy.deepcopy(dense), torch_lowbit.Fp8WeightOnly()).save_pretrained(tmp_path)
+    torch.save(load_file(str(tmp_path / "diffusion_pytorch_model.safetensors")),
+               tmp_path / "diffusion_pytorch_model.bin")
+    os.remove(tmp_path / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model\.bin: torch_lowbit reads the layers of a saved "
+                                              r"model only from \.safetensors files"):
+        type(dense).from_pretrained(tmp_path, torch_dtype=torch.float32)
+
+
 def test_per_block_fp8_from_torch_lowbit_config_saves_and_reloads(saved_dense, tmp_path):
     dense, path = saved_dense["sd3"]
     config = torch_lowbit.TorchLowbitConfig("fp8", granularity="block", block_size=(16, 32))

@@ -21,6 +21,7 @@ keeps them for ``unfuse_qkv_projections()``. Nothing of diffusers is imported he
 """
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch.nn as nn
@@ -44,6 +45,14 @@ def attach_diffusers_methods(model: nn.Module) -> nn.Module:
 
 
 def _save_pretrained(self, save_directory, *args, **kwargs):
+    given = inspect.signature(type(self).save_pretrained).bind(self, save_directory, *args, **kwargs).arguments
+    if given.get("safe_serialization", True) is False:
+        raise ValueError("save_pretrained: safe_serialization=False writes the low-bit layers as a pickle, which "
+                         "torch_lowbit does not read back (it unpickles nothing); save with safe_serialization=True "
+                         "(the default)")
+    if given.get("use_flashpack", False):
+        raise ValueError("save_pretrained: use_flashpack=True writes a FlashPack file, which torch_lowbit does not read "
+                         "back; save with safetensors (the default)")
     if getattr(self, "hf_quantizer", None) is None:  # a diffusers quantizer's model: diffusers writes its config
         self.register_to_config(quantization_config=_reloadable_config(self).to_dict())
     return type(self).save_pretrained(self, save_directory, *args, **kwargs)

@@ -183,6 +183,10 @@ def _build_saved_layers(model, files, config: TorchLowbitConfig):
     it: a module whose ``weight`` is stored as fp8 / int8 beside a ``weight_scale`` is one, as the file says (fp8
     scales per block of the config's block size, where it says so), and so is one with a ``weight_packed`` (4-bit, in
     the config's format and group size)."""
+    other = [f for f in files if not str(f).endswith(".safetensors")]
+    if other:  # a pickle of safe_serialization=False, or a FlashPack file
+        raise CheckpointError(f"{other[0]}: torch_lowbit reads the layers of a saved model only from .safetensors "
+                              f"files (it unpickles nothing); save it with safe_serialization=True (the default)")
     src = SafetensorsSource(files, description=os.path.dirname(files[0]))
     try:
         for key in src.keys():
