@@ -291,6 +291,34 @@ def test_a_pickled_saved_model_is_refused_naming_the_file(saved_dense, tmp_path)
         type(dense).from_pretrained(tmp_path, torch_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("how", ["from_pretrained", "quantize_"])
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_dequantize_gives_the_dense_model_that_saves_and_reloads_dense(saved_dense, tmp_path, how, scheme):
+    # diffusers' model.dequantize(): it asked for an issue with our quantizer, and said "quantize your model first"
+    # after quantize_; a save_pretrained after it must write a dense model
+    dense, path = saved_dense["flux"]
+    if how == "from_pretrained":
+        q = _load(type(dense), path, scheme)
+    else:
+        q = torch_lowbit.quantize_(copy.deepcopy(dense), CONFIG[scheme]().quantize_config())
+        q.save_pretrained(tmp_path / "quantized")  # which records the config in the model's own
+    expected = {n: _weight_f64(m).float() for n, m in q.named_modules() if isinstance(m, (Fp8Linear, W4Linear))}
+    x = MODELS["flux"][1](torch.Generator().manual_seed(1))
+    y = _run(q, x)
+    assert q.dequantize() is q and not getattr(q, "is_quantized", False) and getattr(q, "hf_quantizer", None) is None
+    assert expected and all(type(q.get_submodule(n)) is nn.Linear and torch.equal(q.get_submodule(n).weight, w)
+                            for n, w in expected.items())
+    assert _rel(_run(q, x), y) < 1e-6 and "quantization_config" not in q.config
+    assert "save_pretrained" not in vars(q) and q.num_parameters() == dense.num_parameters()
+    q.save_pretrained(tmp_path / "dense")
+    with open(tmp_path / "dense" / "config.json") as f:
+        assert "quantization_config" not in json.load(f)
+    again = type(dense).from_pretrained(tmp_path / "dense", torch_dtype=torch.float32)
+    assert not any(isinstance(m, (Fp8Linear, W4Linear)) for m in again.modules())
+    _same_state(again, q)
+    assert _rel(_run(again, x), _run(q, x)) < 1e-6  # float32 glue: 1 ulp apart with the loaded tensors' alignment
+
+
 def test_per_block_fp8_from_torch_lowbit_config_saves_and_reloads(saved_dense, tmp_path):
     dense, path = saved_dense["sd3"]
     config = torch_lowbit.TorchLowbitConfig("fp8", granularity="block", block_size=(16, 32))

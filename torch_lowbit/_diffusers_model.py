@@ -1,6 +1,6 @@
 """What torch_lowbit sets on a diffusers model (a transformer, a UNet) that holds its layers, per model, as
 ``enable_save_pretrained`` does on a transformers model: ``num_parameters()`` counting the low-bit weights
-(``hf.attach_parameter_count``), ``save_pretrained()`` and ``fuse_qkv_projections()``.
+(``hf.attach_parameter_count``), ``save_pretrained()``, ``fuse_qkv_projections()`` and ``dequantize()``.
 
 ``save_pretrained`` of a model ``quantize_`` made (no quantizer of diffusers' behind it) wrote the low-bit tensors
 under a config.json without a quantization config: diffusers' ``from_pretrained`` then loaded the fp8 codes into
@@ -41,7 +41,38 @@ def attach_diffusers_methods(model: nn.Module) -> nn.Module:
         model.fuse_qkv_projections = types.MethodType(_fuse_qkv_projections, model)
     if callable(getattr(type(model), "save_pretrained", None)):
         model.save_pretrained = types.MethodType(_save_pretrained, model)
+    if callable(getattr(type(model), "dequantize", None)):
+        model.dequantize = types.MethodType(_dequantize, model)
     return attach_parameter_count(model)
+
+
+_ATTACHED = ("fuse_qkv_projections", "save_pretrained", "dequantize", "num_parameters")
+
+
+def _dequantize(self, dtype=None):
+    """diffusers' ``ModelMixin.dequantize`` for a model holding torch_lowbit layers, however they got there (its
+    own says "quantize your model first" without a diffusers quantizer, and asks for an issue with ours): see
+    :func:`dense_again`; the diffusers quantizer is dropped too."""
+    dense_again(self, dtype)
+    if getattr(self, "hf_quantizer", None) is not None:
+        del self.hf_quantizer
+    self.is_quantized = False
+    return self
+
+
+def dense_again(model, dtype=None) -> None:
+    """`model`'s low-bit layers dense (``dequantize_``; dtype: a torch dtype or diffusers' spelling of one, default
+    the model's), then the class's own methods and a config without a quantization config: a save_pretrained after
+    it writes a dense model that loads as one."""
+    from .dequantize import dequantize_
+    from .hf import _spelled_dtype
+
+    dequantize_(model, dtype=_spelled_dtype(dtype))
+    for method in _ATTACHED:
+        model.__dict__.pop(method, None)
+    config = model._internal_dict  # diffusers' FrozenDict: a new one without the key
+    if "quantization_config" in config:
+        model._internal_dict = type(config)({k: v for k, v in config.items() if k != "quantization_config"})
 
 
 def _save_pretrained(self, save_directory, *args, **kwargs):

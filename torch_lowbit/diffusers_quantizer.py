@@ -145,6 +145,12 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
             layer.bias = linear.bias if linear.bias.is_meta else frozen_bias(linear.bias.detach().to(weight.device))
         model.set_submodule(name, layer)
 
+    def _dequantize(self, model):
+        from ._diffusers_model import dense_again
+
+        dense_again(model)  # diffusers' dequantize then drops this quantizer
+        return model
+
     def _process_model_after_weight_loading(self, model, **kwargs):
         meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if meta and self._single is not None:  # a conversion that only renames (Wan's) leaves a missing tensor here
