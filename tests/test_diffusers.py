@@ -1081,6 +1081,21 @@ def test_flux_lora_into_a_4bit_transformer_from_quantize_(tiny_flux_pipeline, tm
         fresh.load_lora_weights(tmp_path / "wide")
 
 
+@pytest.mark.parametrize("imports", ["torch_lowbit, diffusers", "diffusers, torch_lowbit",
+                                     "diffusers; import diffusers.loaders.lora_pipeline; import torch_lowbit"])
+def test_the_flux_lora_step_is_wrapped_once_in_any_import_order(imports):
+    out = _python("""
+        import IMPORTS
+        from diffusers.loaders import lora_pipeline
+        from torch_lowbit import _diffusers_lora
+        _diffusers_lora.install(lora_pipeline)  # a second install changes nothing
+        step = lora_pipeline.FluxLoraLoaderMixin._maybe_expand_lora_state_dict.__func__
+        original = step._lowbit_original
+        print(getattr(original, "_lowbit_original", None) is None, original.__module__)
+        """.replace("IMPORTS", imports))
+    assert out.split()[-2:] == ["True", "diffusers.loaders.lora_pipeline"]
+
+
 # ------------------------------------------------------------------------------------------------ pipelines
 @pytest.mark.parametrize("spelling", ["quant_backend", "quant_mapping"])
 def test_pipeline_quantization_config_quantizes_the_named_components(tiny_flux_pipeline, spelling, tmp_path):
