@@ -1097,22 +1097,26 @@ def test_the_flux_lora_step_is_wrapped_once_in_any_import_order(imports):
 
 
 # ------------------------------------------------------------------------------------------------ pipelines
-@pytest.mark.parametrize("spelling", ["quant_backend", "quant_mapping"])
-def test_pipeline_quantization_config_quantizes_the_named_components(tiny_flux_pipeline, spelling, tmp_path):
+@pytest.mark.parametrize("spelling,scheme", [("quant_backend", "fp8"), ("quant_mapping", "fp8"),
+                                             ("quant_backend", "int4")])
+def test_pipeline_quantization_config_quantizes_the_named_components(tiny_flux_pipeline, spelling, scheme, tmp_path):
     # diffusers' pipeline-level habit: DiffusionPipeline.from_pretrained(..., quantization_config=
-    # PipelineQuantizationConfig(...)), with the backend by name or a config per component
+    # PipelineQuantizationConfig(...)), with the backend by name or a config per component; the same keywords make
+    # the transformers component's config (T5) and the diffusers one's
     tiny_flux_pipeline.save_pretrained(tmp_path)
     components = ["transformer", "text_encoder_2"]
+    kwargs = {"weights": scheme, **W4_SCHEMES.get(scheme, {})}
     if spelling == "quant_backend":
-        config = diffusers.PipelineQuantizationConfig(quant_backend="torch_lowbit", quant_kwargs={"weights": "fp8"},
+        config = diffusers.PipelineQuantizationConfig(quant_backend="torch_lowbit", quant_kwargs=kwargs,
                                                       components_to_quantize=components)
     else:
         config = diffusers.PipelineQuantizationConfig(
-            quant_mapping={c: torch_lowbit.TorchLowbitConfig("fp8") for c in components})
+            quant_mapping={c: torch_lowbit.TorchLowbitConfig(**kwargs) for c in components})
     pipe = diffusers.FluxPipeline.from_pretrained(tmp_path, quantization_config=config, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, Fp8Linear)
-    assert isinstance(pipe.text_encoder_2.encoder.block[0].layer[0].SelfAttention.q, Fp8Linear)
-    assert not any(isinstance(m, Fp8Linear) for m in pipe.text_encoder.modules())  # not named: stays dense
+    layer = SCHEME_LAYER[scheme]
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, layer)
+    assert isinstance(pipe.text_encoder_2.encoder.block[0].layer[0].SelfAttention.q, layer)
+    assert not any(isinstance(m, layer) for m in pipe.text_encoder.modules())  # not named: stays dense
     img, ref = _image(pipe), _image(tiny_flux_pipeline)
-    assert 0 < _rel(img, ref) < MODEL_ERR["fp8"]
+    assert 0 < _rel(img, ref) < SCHEME_ERR[scheme]
