@@ -46,9 +46,6 @@ def attach_diffusers_methods(model: nn.Module) -> nn.Module:
     return attach_parameter_count(model)
 
 
-_ATTACHED = ("fuse_qkv_projections", "save_pretrained", "dequantize", "num_parameters")
-
-
 def _dequantize(self, dtype=None):
     """diffusers' ``ModelMixin.dequantize`` for a model holding torch_lowbit layers, however they got there (its
     own says "quantize your model first" without a diffusers quantizer, and asks for an issue with ours): see
@@ -65,11 +62,11 @@ def dense_again(model, dtype=None) -> None:
     the model's), then the class's own methods and a config without a quantization config: a save_pretrained after
     it writes a dense model that loads as one."""
     from .dequantize import dequantize_
-    from .hf import _spelled_dtype
+    from .hf import _spelled_dtype, detach_model_methods
 
     dequantize_(model, dtype=_spelled_dtype(dtype))
-    for method in _ATTACHED:
-        model.__dict__.pop(method, None)
+    detach_model_methods(model)
+    model.__dict__.pop("fuse_qkv_projections", None)  # the one method a transformers model is not given
     config = model._internal_dict  # diffusers' FrozenDict: a new one without the key
     if "quantization_config" in config:
         model._internal_dict = type(config)({k: v for k, v in config.items() if k != "quantization_config"})
