@@ -42,16 +42,14 @@ from .diffusion import diffusion_filter
 from .formats.detect import matches
 from .formats.lazy import LazyTensor, evaluate, leaves, row_runs
 from .formats.source import CheckpointError, SafetensorsSource, Source, StateDictSource
-from .hf_quantizer import QUANT_METHOD, W4_FIXED_GROUP, TorchLowbitConfig
+from .hf_quantizer import QUANT_METHOD, W4_CONFIGS, W4_FIXED_GROUP, TorchLowbitConfig
 from .nn import Fp8Linear, Int8Linear, W4Linear
 from .nn._quantized_linear import frozen_bias
-from .nn.w4_linear import W4_SCALE_DTYPES
 from .quantize import _handler_for, _swappable
 
 # the layers a diffusers checkpoint of this method holds -> TorchLowbitConfig's weights that make one
 LAYER_WEIGHTS = {Fp8Linear: lambda layer: "fp8", Int8Linear: lambda layer: "int8", W4Linear: lambda layer: layer.format}
 SAVED_LAYERS = tuple(LAYER_WEIGHTS)
-W4_FORMATS = tuple(W4_SCALE_DTYPES)
 _LAYERS = {torch.float8_e4m3fn: Fp8Linear, torch.int8: Int8Linear}  # stored weight dtype -> layer
 
 
@@ -237,9 +235,9 @@ def _saved_w4_layer(src, name: str, linear: nn.Linear, config: TorchLowbitConfig
     """A 4-bit layer of the config's format and group size (a group never longer than the row, as quantize_ makes
     them), with the scale dtype, zero points or biases and global scale its stored tensors have."""
     fmt, K, N = config.weights, linear.in_features, linear.out_features
-    if fmt not in W4_FORMATS:
+    if fmt not in W4_CONFIGS:
         raise CheckpointError(f"{src.description}: {name}.weight_packed holds 4-bit codes, but config.json's "
-                              f"quantization_config says weights={fmt!r} (4-bit: {' / '.join(W4_FORMATS)})")
+                              f"quantization_config says weights={fmt!r} (4-bit: {' / '.join(W4_CONFIGS)})")
     group = W4_FIXED_GROUP.get(fmt, config.group_size)
     group = max(K, 1) if group is None else min(group, max(K, 1))
     try:
