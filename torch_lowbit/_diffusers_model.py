@@ -129,7 +129,9 @@ _SAVE_QUANTIZED = ("write this model with torch_lowbit.save_quantized(model, pat
 
 def _w4_format_and_group(w4):
     """The one 4-bit format and group size (None: per channel) of the 4-bit layers ``[(name, W4Linear)]``, as the
-    diffusers loader makes a layer of them (a group never longer than its row); refused naming a layer that differs."""
+    diffusers loader makes a layer of them (``row_group``); refused naming a layer that differs."""
+    from .diffusers_quantizer import row_group
+
     first_name, first = w4[0]
     grouped = [(n, m) for n, m in w4 if m.group_size < m.in_features]  # the rest are per channel, whatever the group
     group = grouped[0][1].group_size if grouped else None
@@ -139,8 +141,7 @@ def _w4_format_and_group(w4):
         if module.format != first.format:
             raise ValueError(f"save_pretrained: {name} is {module.format}, {first_name} is {first.format}: one "
                              f"config.json holds one 4-bit format; {_SAVE_QUANTIZED}")
-        expected = max(module.in_features, 1) if group is None else min(group, max(module.in_features, 1))
-        if module.group_size != expected:
+        if module.group_size != row_group(group, module.in_features):
             raise ValueError(f"save_pretrained: {name} has groups of {module.group_size}, "
                              f"{grouped[0][0] if grouped else first_name} of {group or first.group_size} codes: one "
                              f"config.json holds one group size; {_SAVE_QUANTIZED}")

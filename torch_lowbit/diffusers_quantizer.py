@@ -105,8 +105,7 @@ class TorchLowbitDiffusersQuantizer(DiffusersQuantizer):
         if self._single is not None:
             self._single.consume_scales(state_dict)
         elif self.pre_quantized and self._files:
-            config = self.quantization_config  # per-block scales' shape needs the block size the config records
-            _build_saved_layers(model, self._files, config)
+            _build_saved_layers(model, self._files, self.quantization_config)
         return model
 
     def check_if_quantized_param(self, model, param_value, param_name, state_dict, **kwargs):
@@ -231,6 +230,12 @@ def _saved_fp8_int8_layer(src, name: str, linear: nn.Linear, config: TorchLowbit
     return layer
 
 
+def row_group(group, K: int) -> int:
+    """The group size a 4-bit layer of K codes a row has under a config's `group` (None: per channel): never longer
+    than the row, as quantize_ makes it. What the loader builds and what save_pretrained checks it can record."""
+    return max(K, 1) if group is None else min(group, max(K, 1))
+
+
 def _saved_w4_layer(src, name: str, linear: nn.Linear, config: TorchLowbitConfig) -> W4Linear:
     """A 4-bit layer of the config's format and group size (a group never longer than the row, as quantize_ makes
     them), with the scale dtype, zero points or biases and global scale its stored tensors have."""
@@ -238,8 +243,7 @@ def _saved_w4_layer(src, name: str, linear: nn.Linear, config: TorchLowbitConfig
     if fmt not in W4_CONFIGS:
         raise CheckpointError(f"{src.description}: {name}.weight_packed holds 4-bit codes, but config.json's "
                               f"quantization_config says weights={fmt!r} (4-bit: {' / '.join(W4_CONFIGS)})")
-    group = W4_FIXED_GROUP.get(fmt, config.group_size)
-    group = max(K, 1) if group is None else min(group, max(K, 1))
+    group = row_group(W4_FIXED_GROUP.get(fmt, config.group_size), K)
     try:
         layer = W4Linear(K, N, linear.bias is not None, format=fmt, group_size=group,
                          scale_dtype=src.dtype(f"{name}.weight_scale"), offset=f"{name}.weight_offset" in src,
