@@ -275,3 +275,14 @@ def ref_w4_mm(x, format, codes, scale, group_size, offset=None, global_scale=Non
     if bias is not None:
         ref, absref = ref + bias.double(), absref + bias.double().abs()
     return ref, absref
+
+
+def layer_weight_f64(layer) -> torch.Tensor:
+    """The [N, K] float64 weight a torch_lowbit linear layer holds, from its stored tensors by the formats' own
+    arithmetic (told apart by those tensors: packed 4-bit codes, int8 codes, else fp8 bits)."""
+    if hasattr(layer, "weight_packed"):
+        return w4_weight_f64(layer.format, layer.weight_packed, layer.weight_scale, layer.group_size,
+                             layer.in_features, layer.weight_offset, layer.weight_scale_2)
+    if layer.weight.dtype == torch.int8:
+        return layer.weight.double() * layer.weight_scale.double().reshape(-1, 1)
+    return fp8_weight_f64(layer.weight.view(torch.uint8), layer.weight_scale, layer.block_size)

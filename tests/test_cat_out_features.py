@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from reference import fp8_weight_f64, w4_weight_f64
+from reference import layer_weight_f64
 from torch_lowbit.nn import Fp8Linear, Int8Linear, W4Linear
 
 K = 72  # not a multiple of the 4-bit groups' 32: a partial last group
@@ -15,15 +15,6 @@ OUT = (32, 16, 48)
 def _dense(seed=0, out=OUT, bias=True):
     torch.manual_seed(seed)
     return [nn.Linear(K, n, bias=bias) for n in out]
-
-
-def weight_f64(layer):
-    if isinstance(layer, Fp8Linear):
-        return fp8_weight_f64(layer.weight.view(torch.uint8), layer.weight_scale, layer.block_size)
-    if isinstance(layer, Int8Linear):
-        return layer.weight.double() * layer.weight_scale.double().reshape(-1, 1)
-    return w4_weight_f64(layer.format, layer.weight_packed, layer.weight_scale, layer.group_size, layer.in_features,
-                         layer.weight_offset, layer.weight_scale_2)
 
 
 MAKERS = {
@@ -43,7 +34,7 @@ def test_joined_layer_holds_the_stacked_weights_and_gives_the_outputs_side_by_si
     parts = [MAKERS[kind](l) for l in _dense(bias=bias)]
     joined = type(parts[0]).cat_out_features(parts)
     assert type(joined) is type(parts[0]) and joined.out_features == sum(OUT) and joined.in_features == K
-    assert torch.equal(weight_f64(joined), torch.cat([weight_f64(p) for p in parts]))
+    assert torch.equal(layer_weight_f64(joined), torch.cat([layer_weight_f64(p) for p in parts]))
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1))
     x[0, 3] = float("inf")  # the non-finite row stays in its own rows of the output
     with torch.no_grad():

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 import torch_lowbit
 from peak_memory import linux_only, peak_growth
-from reference import fp8_weight_f64, w4_weight_f64
+from reference import layer_weight_f64
 from torch_lowbit.formats import CheckpointError
 from torch_lowbit.nn import Fp8Linear, W4Linear
 
@@ -98,16 +98,9 @@ def test_from_pretrained_quantizes_as_it_loads(saved_dense, model, scheme):
         ref = copy.deepcopy(dense).double()
         for name, layer in q.named_modules():
             if isinstance(layer, (Fp8Linear, W4Linear)):
-                ref.get_submodule(name).weight.data = _weight_f64(layer)
+                ref.get_submodule(name).weight.data = layer_weight_f64(layer)
         y_ref = _run(ref, {k: v.double() if v.is_floating_point() else v for k, v in x.items()})
         assert _rel(y, y_ref) < 1e-6
-
-
-def _weight_f64(layer):
-    if isinstance(layer, Fp8Linear):
-        return fp8_weight_f64(layer.weight.view(torch.uint8), layer.weight_scale)
-    return w4_weight_f64(layer.format, layer.weight_packed, layer.weight_scale, layer.group_size, layer.in_features,
-                         layer.weight_offset, layer.weight_scale_2)
 
 
 def _bits(t):
@@ -212,8 +205,9 @@ def test_4bit_layers_with_the_same_tensors_reload_as_their_own_format(saved_dens
 
 
 @pytest.mark.parametrize("edit,why", [
-    (dict(weights="fp8", group_size=None), r"transformer_blocks\.0\.\S+\.weight_packed holds 4-bit codes, but config\.json's "
-                          r"quantization_config says weights='fp8'"),
+    (dict(weights="fp8", group_size=None),
+     r"transformer_blocks\.0\.\S+\.weight_packed holds 4-bit codes, but config\.json's quantization_config says "
+     r"weights='fp8'"),
     (dict(group_size=8), r"transformer_blocks\.0\.\S+\.weight_scale has shape \(\d+, 2\), expected \(\d+, 4\) for "
                          r"int4 weights \[\d+, 32\] in groups of 8")])
 def test_a_saved_4bit_model_whose_config_disagrees_with_its_tensors_is_refused_naming_the_tensor(saved_dense, tmp_path,
@@ -302,7 +296,8 @@ def test_dequantize_gives_the_dense_model_that_saves_and_reloads_dense(saved_den
     else:
         q = torch_lowbit.quantize_(copy.deepcopy(dense), CONFIG[scheme]().quantize_config())
         q.save_pretrained(tmp_path / "quantized")  # which records the config in the model's own
-    expected = {n: _weight_f64(m).float() for n, m in q.named_modules() if isinstance(m, (Fp8Linear, W4Linear))}
+    expected = {n: layer_weight_f64(m).float() for n, m in q.named_modules()
+                if isinstance(m, (Fp8Linear, W4Linear))}
     x = MODELS["flux"][1](torch.Generator().manual_seed(1))
     y = _run(q, x)
     assert q.dequantize() is q and not getattr(q, "is_quantized", False) and getattr(q, "hf_quantizer", None) is None
@@ -391,7 +386,6 @@ def _projection_calls_fail(model):
 @pytest.mark.parametrize("config", FUSE_CONFIGS)
 @pytest.mark.parametrize("model", MODELS)
 def test_fuse_qkv_projections_joins_the_low_bit_projections(saved_dense, model, config):
-    from test_cat_out_features import weight_f64
     from torch_lowbit._diffusers_model import FUSED_PROJECTIONS
     dense, _ = saved_dense[model]
     q = torch_lowbit.quantize_(copy.deepcopy(dense), FUSE_CONFIGS[config])
@@ -403,7 +397,7 @@ def test_fuse_qkv_projections_joins_the_low_bit_projections(saved_dense, model, 
     for name, layer in fused.items():  # each is its projections' float64 weights stacked
         parent, _, kind = name.rpartition(".")
         parts = [q.get_submodule(f"{parent}.{p}") for p in FUSED_PROJECTIONS[kind]]
-        assert torch.equal(weight_f64(layer), torch.cat([weight_f64(p) for p in parts]))
+        assert torch.equal(layer_weight_f64(layer), torch.cat([layer_weight_f64(p) for p in parts]))
     unfused = copy.deepcopy(q)
     _projection_calls_fail(q)
     assert torch.equal(_run(q, x), y)  # the fused layers ran, and gave each projection's output as it was

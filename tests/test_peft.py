@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch_lowbit  # noqa: E402
 import torch_lowbit.peft as lowbit_peft  # noqa: E402
-from reference import fp8_weight_f64, w4_weight_f64  # noqa: E402
+from reference import layer_weight_f64  # noqa: E402
 from torch_lowbit.nn import Fp8Linear, Int8Linear, W4Linear  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -50,7 +50,7 @@ def dequantized_copy(quantized):
                 lin = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
                                 dtype=torch.float64)
                 with torch.no_grad():
-                    lin.weight.copy_(dense_weight_f64(child))
+                    lin.weight.copy_(layer_weight_f64(child))
                     if child.bias is not None:
                         lin.bias.copy_(child.bias.double())
                 setattr(m, cname, lin)
@@ -283,15 +283,6 @@ def test_plain_peft_reload_in_a_fresh_process_that_imported_peft_first(tmp_path)
         assert torch.equal(torch.load(tmp_path / "logits.pt"), pm(input_ids=batch(1)).logits)
 
 
-def dense_weight_f64(layer):
-    if isinstance(layer, Fp8Linear):
-        return fp8_weight_f64(layer.weight.view(torch.uint8), layer.weight_scale, layer.block_size)
-    if isinstance(layer, W4Linear):
-        return w4_weight_f64(layer.format, layer.weight_packed, layer.weight_scale, layer.group_size,
-                             layer.in_features, layer.weight_offset, layer.weight_scale_2)
-    return layer.weight.double() * layer.weight_scale.double().reshape(-1, 1)
-
-
 @LOW_BIT_CONFIGS
 def test_merge_into_a_dequantized_copy_matches_float64(config, tmp_path):
     base = quantized_llama(config)
@@ -312,8 +303,8 @@ def test_merge_into_a_dequantized_copy_matches_float64(config, tmp_path):
         scaling = lora_layer.scaling["default"]
         dense = merged.get_submodule(name.removeprefix("base_model.model."))
         assert type(dense) is nn.Linear and dense.weight.dtype == torch.float32, name
-        want = dense_weight_f64(low_bit) + b @ a * scaling
-        bound = dense_weight_f64(low_bit).abs() + b.abs() @ a.abs() * scaling
+        want = layer_weight_f64(low_bit) + b @ a * scaling
+        bound = layer_weight_f64(low_bit).abs() + b.abs() @ a.abs() * scaling
         assert ((dense.weight.double() - want).abs() <= 4 * eps * bound).all(), name
         assert torch.equal(dense.bias, low_bit.bias)
     # the merged model computes what the unmerged adapters compute on the low-bit base (W8A16: same weights; W8A8:
@@ -346,7 +337,7 @@ def test_dequantize_model_names_what_it_cannot_do():
 @LOW_BIT_CONFIGS
 def test_dequantize_in_place_holds_the_float64_weights_and_merges(config):
     pm = peft.get_peft_model(quantized_llama(config), plain_lora(init_lora_weights=False))
-    want = {n: (dense_weight_f64(m.base_layer), m.base_layer.bias) for n, m in pm.named_modules()
+    want = {n: (layer_weight_f64(m.base_layer), m.base_layer.bias) for n, m in pm.named_modules()
             if isinstance(m, lowbit_peft.LowbitLoraLinear)}
     copied = torch_lowbit.dequantize_model(pm, dtype=torch.float32)
     assert torch_lowbit.dequantize_(pm, dtype=torch.float32) is pm
@@ -370,7 +361,7 @@ def test_dequantize_in_place_replaces_a_shared_layer_once_and_checks_everything_
     from torch_lowbit.nn import W4Experts
     shared = Fp8Linear.from_float(nn.Linear(32, 32))
     model = nn.Sequential(shared, nn.ReLU(), shared)
-    w = dense_weight_f64(shared)
+    w = layer_weight_f64(shared)
     torch_lowbit.dequantize_(model, dtype=torch.float32)
     assert type(model[0]) is nn.Linear and model[2] is model[0]
     assert torch.equal(model[0].weight, w.float())
