@@ -33,8 +33,8 @@ FUSED_PROJECTIONS = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v
 
 
 def attach_diffusers_methods(model: nn.Module) -> nn.Module:
-    """Set ``num_parameters`` and ``fuse_qkv_projections`` (where the model's class has it) on a diffusers model
-    holding torch_lowbit layers (see the module docstring). Returns the model."""
+    """Set ``num_parameters``, and ``fuse_qkv_projections``, ``save_pretrained`` and ``dequantize`` where the model's
+    class has them, on a diffusers model holding torch_lowbit layers (see the module docstring). Returns the model."""
     from .hf import attach_parameter_count
 
     if callable(getattr(type(model), "fuse_qkv_projections", None)):
