@@ -79,8 +79,8 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
                          "torch_lowbit does not read back (it unpickles nothing); save with safe_serialization=True "
                          "(the default)")
     if given.get("use_flashpack", False):
-        raise ValueError("save_pretrained: use_flashpack=True writes a FlashPack file, which torch_lowbit does not read "
-                         "back; save with safetensors (the default)")
+        raise ValueError("save_pretrained: use_flashpack=True writes a FlashPack file, which torch_lowbit does not "
+                         "read back; save with safetensors (the default)")
     if getattr(self, "hf_quantizer", None) is None:  # a diffusers quantizer's model: diffusers writes its config
         self.register_to_config(quantization_config=_reloadable_config(self).to_dict())
     return type(self).save_pretrained(self, save_directory, *args, **kwargs)

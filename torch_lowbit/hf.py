@@ -811,9 +811,9 @@ def detach_model_methods(model) -> None:
 
 def attach_save_pretrained(model) -> None:
     """:func:`enable_save_pretrained` for a transformers model holding torch_lowbit layers
-    (``_diffusers_model.attach_diffusers_methods`` for a diffusers one), nothing for any other module: what ``quantize_``,
-    ``load_quantized`` and ``from_pretrained`` call, so that a transformers user's ``save_pretrained`` after them
-    writes a checkpoint that loads right."""
+    (``_diffusers_model.attach_diffusers_methods`` for a diffusers one), nothing for any other module: what
+    ``quantize_``, ``load_quantized`` and ``from_pretrained`` call, so that a transformers user's ``save_pretrained``
+    after them writes a checkpoint that loads right."""
     from .diffusion import is_diffusers_model
     from .formats.hf_names import _transformers_model
 
