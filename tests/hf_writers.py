@@ -1,6 +1,6 @@
-"""Tiny transformers 5 models (Llama, Qwen3-MoE, Mixtral; dims not multiples of 128) and checkpoints written for
-them by the real writers installed here: compressed-tensors (apply a QuantizationConfig, calibrate the weights'
-scales by compressed-tensors' own qparam rule, compress, ``save_pretrained``) and transformers'
+"""Tiny transformers 5 models (Llama, Qwen3-MoE, Mixtral, DeepSeek-V3; dims not multiples of 128) and checkpoints
+written for them by the real writers installed here: compressed-tensors (apply a QuantizationConfig, calibrate the
+weights' scales by compressed-tensors' own qparam rule, compress, ``save_pretrained``) and transformers'
 ``FineGrainedFP8Config`` quantize step. Each writer's own dequantized reload is the reference.
 
 compressed-tensors quantizes ``nn.Linear`` modules only, and transformers 5 holds MoE experts fused in 3-D
@@ -38,6 +38,14 @@ def tiny_config(arch, V=V, H=H, I=I, MOE_I=MOE_I, HEADS=HEADS, KV_HEADS=KV_HEADS
     if arch == "mixtral":
         return transformers.MixtralConfig(intermediate_size=MOE_I, num_local_experts=EXPERTS,
                                           num_experts_per_tok=TOP_K, **common)
+    if arch == "deepseek_v3":  # MLA attention (a key and a value head per head), a dense first layer, routed experts
+        common.pop("head_dim")
+        common["num_key_value_heads"] = HEADS
+        return transformers.DeepseekV3Config(intermediate_size=I, moe_intermediate_size=MOE_I, n_routed_experts=EXPERTS,
+                                             num_experts_per_tok=TOP_K, n_group=2, topk_group=1,
+                                             first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                                             **common)
     raise ValueError(arch)
 
 

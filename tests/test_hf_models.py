@@ -120,6 +120,70 @@ def test_model_dtype_conversion_after_loading_equals_loading_in_that_dtype(check
                        direct.generate(PROMPT, max_new_tokens=4, do_sample=False))
 
 
+def _dtypes_outside(model, converted):
+    """name -> dtype of every parameter and buffer of `model` outside the modules named in `converted`."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {k: v.dtype for k, v in tensors.items() if not any(k.startswith(c + ".") for c in converted)}
+
+
+def test_deepseek_v3_in_its_fp8_layout_gives_the_writers_logits_and_greedy_tokens(tmp_path):
+    # MLA attention, a dense first layer, grouped routing with a score-correction bias, experts stacked from
+    # DeepSeek's per-expert names: the float32 load against transformers' own dequantized reload
+    W.write_hf_fp8(W.tiny_model("deepseek_v3"), "deepseek_v3", str(tmp_path))
+    ref = W.hf_fp8_dequantized(str(tmp_path))
+    model = torch_lowbit.from_pretrained(str(tmp_path), dtype=torch.float32, device="cpu")
+    assert isinstance(model.model.layers[1].mlp.experts, Fp8Experts)
+    assert isinstance(model.model.layers[0].self_attn.kv_a_proj_with_mqa, Fp8Linear)
+    assert _rel_err(_logits(model), _logits(ref)) <= 1e-5
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=8, do_sample=False),
+                       ref.generate(PROMPT, max_new_tokens=8, do_sample=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_from_pretrained_keeps_deepseek_v3s_router_in_fp32_as_transformers_does(tmp_path, dtype):
+    # DeepSeek-V3 in its own FP8 layout (what transformers' FineGrainedFP8 step writes): transformers loads the
+    # router's gate weight and score-correction bias in fp32 whatever the dtype (_keep_in_fp32_modules_strict);
+    # rounded to bf16 the bias moves which experts a token takes. Every tensor outside the low-bit layers takes the
+    # dtype transformers gives it, and the kept ones their stored values.
+    model = W.tiny_model("deepseek_v3")
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(0.1, 0.2, b.numel()) + 1e-4 / 3)  # exact in neither bf16 nor fp16
+    stored = {k: v.clone() for k, v in model.state_dict().items() if ".mlp.gate." in k}
+    W.write_hf_fp8(model, "deepseek_v3", str(tmp_path))
+    ours, report = torch_lowbit.from_pretrained(str(tmp_path), dtype=dtype, device="cpu", return_report=True)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=dtype)
+    assert "model.layers.1.mlp.experts" in report.converted and "model.layers.0.self_attn.kv_b_proj" in report.converted
+    got, want = _dtypes_outside(ours, report.converted), _dtypes_outside(theirs, report.converted)
+    assert got == {k: want[k] for k in got} and len(got) == 15  # embeddings, norms, the router, lm_head
+    kept = {k for k, d in got.items() if d == torch.float32 and "rotary" not in k}
+    assert kept == set(stored) == {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    state = ours.state_dict()
+    for k in kept:
+        assert torch.equal(state[k], stored[k])
+
+
+@pytest.mark.parametrize("dtype,wo_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)],
+                         ids=["float16", "bfloat16"])
+def test_from_pretrained_keeps_t5s_wo_in_fp32_in_a_float16_load_as_transformers_does(tmp_path, dtype, wo_dtype):
+    # T5 (_keep_in_fp32_modules = ["wo"]): float16 overflows the feed-forward output, so transformers keeps wo in
+    # fp32 in a float16 load (and the model casts wo's input to it); quantize_ leaves wo dense for the same reason
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=40, d_model=32, d_ff=48, d_kv=8, num_layers=2, num_heads=4, decoder_start_token_id=0)).eval()
+    torch_lowbit.save_quantized(torch_lowbit.quantize_(model, torch_lowbit.Fp8WeightOnly()), tmp_path)
+    ours, report = torch_lowbit.from_pretrained(str(tmp_path), dtype=dtype, device="cpu", return_report=True)
+    theirs = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path), dtype=dtype)
+    got, want = _dtypes_outside(ours, report.converted), _dtypes_outside(theirs, report.converted)
+    assert got == {k: want[k] for k in got} and len(report.converted) == 28  # all but wo and lm_head
+    assert ours.decoder.block[1].layer[2].DenseReluDense.wo.weight.dtype == wo_dtype
+    ids, start = torch.tensor([[3, 7, 9, 1, 22]]), torch.tensor([[0, 5, 6]])
+    with torch.no_grad():
+        a, b = (m(input_ids=ids, decoder_input_ids=start).logits.float() for m in (ours, theirs))
+    assert torch.isfinite(a).all() and (a - b).norm() / b.norm() < 2e-2
+
+
 def test_mixtral_checkpoint_names_are_renamed_and_unfilled_quantized_modules_are_errors(checkpoints):
     path, _ = checkpoints("mixtral", "ct", "fp8-channel")
     from safetensors import safe_open

@@ -286,7 +286,9 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
     then read here, before transformers sees them; a Hub cache snapshot may link into its blobs).
     dtype (or transformers' older name ``torch_dtype``): of the high-precision weights (embeddings, norms,
     lm_head) and of the activations: torch.bfloat16 (default), torch.float16 or torch.float32, a string naming
-    one, or ``"auto"`` (config.json's dtype, as in transformers). device: "cpu" or "mps"; ``device_map`` as in
+    one, or ``"auto"`` (config.json's dtype, as in transformers); what the model keeps in float32 in such a load
+    stays float32, as transformers loads it (DeepSeek-V3's router gate and score-correction bias, T5's ``wo`` in
+    float16). device: "cpu" or "mps"; ``device_map`` as in
     transformers, for one device: "auto" (the best one), a device, or ``{"": device}``. trust_remote_code=True is
     refused: torch_lowbit builds transformers' own classes and runs no code from a checkpoint. Arguments are
     checked before anything is read; safe to call from several threads at once.

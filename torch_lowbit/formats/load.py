@@ -2,6 +2,7 @@
 torch_lowbit layers, without ever materializing a high-precision copy of a quantized weight."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -161,9 +162,28 @@ def _hooked(module_hook, name: str, layer: nn.Module) -> nn.Module:
     return layer if module_hook is None else module_hook(name, layer)
 
 
+def _kept_in_fp32(model: nn.Module, dtype: Optional[torch.dtype]) -> Callable[[str], bool]:
+    """Which tensors a load in `dtype` keeps in float32, as transformers' loader does (its dtype plan): a model's
+    ``_keep_in_fp32_modules`` in a float16 load, its ``_keep_in_fp32_modules_strict`` in a float16 or bfloat16 one
+    (T5's ``wo``, which float16 overflows; DeepSeek-V3's and GLM-4.5's router ``gate.weight`` and
+    ``e_score_correction_bias``, whose bfloat16 rounding changes which experts a token takes). Names are matched as
+    transformers matches them: each entry a regex searched in the tensor's name, ``*`` any run."""
+    entries = set()
+    if dtype == torch.float16:
+        entries |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if dtype in (torch.float16, torch.bfloat16):
+        entries |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not entries:
+        return lambda key: False
+    pattern = re.compile("|".join(f"(?:{e.replace('*', '.*')})" for e in sorted(entries)))
+    return lambda key: pattern.search(key) is not None
+
+
 def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, report):
     """Every parameter / persistent buffer outside the converted modules, like load_state_dict(strict=False);
-    meta tensors are replaced, others copied in place (so tied weights stay tied)."""
+    meta tensors are replaced, others copied in place (so tied weights stay tied). Floating-point tensors take
+    `dtype`, except those the model keeps in float32 (_kept_in_fp32)."""
+    kept_fp32 = _kept_in_fp32(model, dtype)
     groups: Dict[int, List[str]] = {}
     tensors = {}
     for key, t in model.state_dict(keep_vars=True).items():
@@ -189,7 +209,9 @@ def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, 
         used.update(found)
         if value.dtype in (torch.float8_e4m3fn, torch.int8) and old.is_floating_point():
             value = _upcast_unscaled(key, value, src, fmt, used)
-        tdtype = dtype if (dtype is not None and old.is_floating_point()) else old.dtype
+        tdtype = old.dtype
+        if dtype is not None and old.is_floating_point():
+            tdtype = torch.float32 if kept_fp32(key) else dtype
         tdev = _target_device(device, old)
         if old.device.type == "meta" or old.device != tdev or old.dtype != tdtype:
             new = value.to(device=tdev, dtype=tdtype)
@@ -250,7 +272,9 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     Everything else (embeddings, norms, lm_head, router gates, ...) loads like ``load_state_dict``; MLX's
     quantized embeddings are dequantized once, into the dense embedding. device: where the loaded
     tensors go (default: where each model tensor is, cpu for meta). dtype: dtype of the high-precision
-    parameters and biases (default: each model tensor's own). strict: raise if any key is unused or missing.
+    parameters and biases (default: each model tensor's own), except what a transformers model keeps in float32 in
+    a load of that dtype, as transformers keeps it (``_keep_in_fp32_modules`` in float16, ``_strict`` also in
+    bfloat16: T5's ``wo``, DeepSeek-V3's router gate). strict: raise if any key is unused or missing.
     Where stderr is a terminal, a line a second says how many tensors have been read.
     mmap: by default each tensor is copied out of the file as it is read, so the model owns its memory and does
     not depend on the file afterwards; ``mmap=True`` keeps CPU tensors memory-mapped (no copy, pages shared with
