@@ -139,6 +139,37 @@ def test_deepseek_v3_in_its_fp8_layout_gives_the_writers_logits_and_greedy_token
                        ref.generate(PROMPT, max_new_tokens=8, do_sample=False))
 
 
+def test_deepseek_v3s_multi_token_prediction_layer_is_skipped_as_transformers_skips_it(tmp_path):
+    # DeepSeek-V3's published checkpoints hold a multi-token-prediction layer (61) beside the model, in FP8 like the
+    # rest, which transformers' class does not build (_keys_to_ignore_on_load_unexpected); GLM-4.5 (layer 46 / 92)
+    # and Qwen3-Next (mtp.*) do the same. Those keys are skipped unread, as transformers skips them; an FP8 weight
+    # the class does not declare is still refused.
+    from safetensors.torch import load_file, save_file
+
+    W.write_hf_fp8(W.tiny_model("deepseek_v3"), "deepseek_v3", str(tmp_path / "plain"))
+    plain = torch_lowbit.from_pretrained(str(tmp_path / "plain"), dtype=torch.float32, device="cpu")
+    sd = load_file(tmp_path / "plain" / "model.safetensors")
+    mtp = {k.replace("model.layers.1.", "model.layers.61.", 1): v.clone() for k, v in sd.items()
+           if k.startswith("model.layers.1.")}  # a decoder layer, with eh_proj and its norms beside it
+    mtp["model.layers.61.eh_proj.weight"] = torch.randn(W.H, 2 * W.H).to(torch.float8_e4m3fn)
+    mtp["model.layers.61.eh_proj.weight_scale_inv"] = torch.ones(W.H // 8, 2 * W.H // 16)
+    mtp["model.layers.61.enorm.weight"], mtp["model.layers.61.hnorm.weight"] = torch.ones(W.H), torch.ones(W.H)
+    stray = {k.replace(".61.", ".60."): v.clone() for k, v in mtp.items() if ".eh_proj." in k}  # not declared
+    for name, extra in (("mtp", mtp), ("stray", stray)):
+        os.makedirs(tmp_path / name)
+        for f in ("config.json", "generation_config.json"):
+            if os.path.exists(tmp_path / "plain" / f):
+                os.link(tmp_path / "plain" / f, tmp_path / name / f)
+        save_file({**sd, **extra}, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+    model, report = torch_lowbit.from_pretrained(str(tmp_path / "mtp"), dtype=torch.float32, device="cpu",
+                                                 return_report=True, strict=True)
+    assert report.ignored_keys == sorted(mtp) and report.unused_keys == [] and len(mtp) > 40
+    assert torch.equal(_logits(model), _logits(plain))
+    with pytest.raises(CheckpointError, match=r"quantized weights for modules the model does not have.*"
+                                              r"model\.layers\.60\.eh_proj"):
+        torch_lowbit.from_pretrained(str(tmp_path / "stray"), dtype=torch.float32, device="cpu")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_from_pretrained_keeps_deepseek_v3s_router_in_fp32_as_transformers_does(tmp_path, dtype):
     # DeepSeek-V3 in its own FP8 layout (what transformers' FineGrainedFP8 step writes): transformers loads the

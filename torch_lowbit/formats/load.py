@@ -29,7 +29,10 @@ class LoadReport:
     high_precision: name of each nn.Linear / experts module loaded unquantized -> why (in the ignore list, or
     stored unquantized in the checkpoint).
     unused_keys: checkpoint tensors that went nowhere. missing_keys: model tensors the checkpoint did not provide
-    (left as they were). details: what the checkpoint's config said (block size, quant_algo, ...).
+    (left as they were). ignored_keys: checkpoint tensors the model's class says it does not load (transformers'
+    ``_keys_to_ignore_on_load_unexpected``: DeepSeek-V3's and GLM-4.5's multi-token-prediction layer, Qwen3-Next's
+    ``mtp.*``), never read, as transformers skips them. details: what the checkpoint's config said (block size,
+    quant_algo, ...).
     renamed_keys: checkpoint key -> model key, for the keys transformers' conversion mapping renames.
     recomputed_buffers: non-persistent buffers (in no checkpoint) that were on meta and were recomputed.
     activations: module name -> the activation quantization the checkpoint wrote it for (``"fp8-dynamic-token"``,
@@ -46,6 +49,7 @@ class LoadReport:
     recomputed_buffers: List[str] = field(default_factory=list)
     activations: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    ignored_keys: List[str] = field(default_factory=list)
 
     def __str__(self):
         lines = [f"format: {self.format} {self.details}",
@@ -53,6 +57,8 @@ class LoadReport:
         for title, keys in (("unused keys", self.unused_keys), ("missing keys", self.missing_keys)):
             shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
             lines.append(f"{title}: {shown or 'none'}")
+        if self.ignored_keys:
+            lines.append(f"ignored keys: {len(self.ignored_keys)} (the model class does not load them)")
         if self.renamed_keys:
             lines.append(f"renamed keys: {len(self.renamed_keys)} (transformers' conversion mapping)")
         if self.recomputed_buffers:
@@ -363,7 +369,9 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
 
         _load_rest(model, src, fmt, done, device, dtype, used, report)
         original = src.original if isinstance(src, RenamedSource) else (lambda k: k)
-        unused = sorted(k for k in src.keys() if k not in used)
+        declared = _declared_unused(model)
+        unused = sorted(k for k in src.keys() if k not in used and not declared(k))
+        report.ignored_keys = sorted(original(k) for k in src.keys() if k not in used and declared(k))
         _refuse_unused_quantized(src, fmt, unused, original)
         report.unused_keys = [original(k) for k in unused]
         report.renamed_keys = dict(src.renamed) if isinstance(src, RenamedSource) else {}
@@ -380,6 +388,18 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
     finally:
         progress.close()
         src.close()
+
+
+def _declared_unused(model: nn.Module) -> Callable[[str], bool]:
+    """The checkpoint keys the model's class says it does not load (transformers'
+    ``_keys_to_ignore_on_load_unexpected``, each a regex searched in the key, as transformers searches it): layers
+    the published checkpoints hold beside the model, such as DeepSeek-V3's multi-token-prediction layer 61, in FP8
+    like the rest."""
+    patterns = sorted(set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
+    if not patterns:
+        return lambda key: False
+    pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+    return lambda key: pattern.search(key) is not None
 
 
 def _refuse_unused_quantized(src: Source, fmt: QuantFormat, unused: List[str], original):
