@@ -281,6 +281,33 @@ def test_int8_experts_checkpoint_warns_and_never_loads_wrong_in_transformers(tmp
         assert torch.equal(t.down_proj, e.down.float() * e.down_scale[:, :, None])
 
 
+def test_fp8_block_experts_checkpoint_warns_and_never_loads_wrong_in_transformers(tmp_path):
+    """FP8 experts with scales per block (Qwen3-30B-A3B-FP8, DeepSeek-V3) go out in compressed-tensors' layout, as
+    llmcompressor writes them, which transformers fails to dequantize on load: the save says so; torch_lowbit reads
+    it back, and transformers' load fails loudly or, once it expands the block scales, gives our weights."""
+    from reference import expand_scale
+
+    dense = W.tiny_model("qwen3_moe")
+    model = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Fp8WeightOnly("block", (16, 32)))
+    for name, m in list(dense.named_modules()):
+        if hasattr(m, "gate_up_proj"):
+            model.set_submodule(name, Fp8Experts.from_float(m.gate_up_proj.detach(), m.down_proj.detach(), "block",
+                                                            (16, 32)))
+    with pytest.warns(UserWarning, match=r"FP8 MoE experts with scales per block .* transformers .* fails to load"):
+        model.save_pretrained(tmp_path)
+    assert torch.equal(_logits(torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32)), _logits(model))
+    try:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    except RuntimeError as e:
+        assert "conversion" in str(e)
+        return
+    for layer in range(W.LAYERS):
+        e, t = model.model.layers[layer].mlp.experts, theirs.model.layers[layer].mlp.experts
+        for got, w, scale in ((t.gate_up_proj, e.gate_up, e.gate_up_scale), (t.down_proj, e.down, e.down_scale)):
+            want = torch.stack([w[i].double() * expand_scale(scale[i], *w.shape[1:], (16, 32)) for i in range(len(w))])
+            assert torch.equal(got.double(), want.float().double())
+
+
 _OLD_STACK_CHECK = textwrap.dedent("""
     import sys, torch, transformers, compressed_tensors
     from safetensors.torch import load_file

@@ -568,6 +568,14 @@ def _checkpoint(model: nn.Module, caller: str):
                       f"torch_lowbit.from_pretrained reads but transformers (5.17 to 5.24 at least) refuses to load; "
                       f"quantize the experts to FP8 (Fp8WeightOnly) for a checkpoint transformers loads too",
                       stacklevel=3)
+    if any(isinstance(m, Fp8Experts) and m.block_size is not None for m in model.modules()):
+        # the layout llmcompressor writes too: transformers 5.24 - 5.25 fail on load (their dequantize multiplies
+        # the stacked experts by block scales it does not expand), loudly
+        warnings.warn(f"{caller}: FP8 MoE experts with scales per block are written in compressed-tensors' layout, "
+                      f"which torch_lowbit.from_pretrained reads but transformers (5.24 and 5.25 at least) fails to "
+                      f"load (\"We encountered some issues during automatic conversion of the weights\"); experts "
+                      f"quantized from dense with scales per channel (Fp8WeightOnly('channel')) load in both",
+                      stacklevel=3)
     if gptoss and schemes:  # config.json holds one quantization method
         other = sorted(schemes)[0]
         raise ValueError(f"{caller}: {sorted(gptoss)[0]} holds gpt-oss's MXFP4 experts, written in gpt-oss's own "
