@@ -217,9 +217,16 @@ def _transformers_refusal(config_file: str, what: str):
                               f"{type(e).__name__}: {first[:300]}") from e
 
 
+# the encoders diffusion pipelines hold beside their transformer (FLUX's, SD3's T5 and CLIP, Wan's UMT5): a
+# pipeline saved with one low-bit comes back low-bit through from_pretrained of its subfolder
+_TEXT_ENCODERS = ("EncoderModel", "TextModel", "TextModelWithProjection")
+
+
 def _model_class(tf, config, config_file: str = _CONFIG_FILE):
-    """The transformers class config.json names (the first of ``architectures`` transformers has), else the
-    causal-LM auto class; an error naming the field when that is no text-generating model."""
+    """The transformers class config.json names (the first of ``architectures`` transformers has): a
+    text-generating model, or a text encoder of a diffusion pipeline (``T5EncoderModel``, ``CLIPTextModel``: no
+    head, nothing generated; heads such as ``...ForSequenceClassification`` are refused), else the causal-LM auto
+    class; an error naming the field otherwise."""
     archs = getattr(config, "architectures", None)
     if not archs:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -236,10 +243,10 @@ def _model_class(tf, config, config_file: str = _CONFIG_FILE):
         raise CheckpointError(f"{config_file}: architectures {archs} names no model class of transformers "
                               f"{tf.__version__} (a newer transformers, or a model with remote code, which "
                               f"torch_lowbit does not run)")
-    if not classes[0].can_generate():
+    if not (classes[0].can_generate() or classes[0].__name__.endswith(_TEXT_ENCODERS)):
         raise CheckpointError(f"{config_file}: architectures names {classes[0].__name__}, which is not a causal "
-                              f"language model (it cannot generate): torch_lowbit.from_pretrained builds "
-                              f"...ForCausalLM classes")
+                              f"language model (it cannot generate) nor a text encoder ({', '.join(_TEXT_ENCODERS)}): "
+                              f"torch_lowbit.from_pretrained builds ...ForCausalLM classes and those")
     return classes[0]
 
 
@@ -272,13 +279,14 @@ def from_pretrained(path, device=None, dtype=None, *, strict: bool = False, retu
                     trust_remote_code: bool = False, activations: str = "weights-only", tp_plan=None):
     """A quantized Hugging Face checkpoint as a ready transformers model.
 
-    Reads ``config.json``, builds the transformers class it names with parameters on the meta device and buffers
+    Reads ``config.json``, builds the transformers class it names (a text-generating model, or a diffusion
+    pipeline's text encoder such as ``T5EncoderModel``) with parameters on the meta device and buffers
     real (``parameters_on_meta``: no dense weight is ever allocated), loads the checkpoint with
     :func:`torch_lowbit.load_quantized` (transformers' own key renaming for the architecture; quantized layers
     become Fp8Linear / Int8Linear / W4Linear / Fp8Experts / W4Experts), and moves it to `device` (default: mps if
     available, else cpu).
-    Returns the model in eval mode, on which ``model.generate(...)`` runs; with ``return_report=True``,
-    ``(model, LoadReport)``.
+    Returns the model in eval mode, on which ``model.generate(...)`` runs (a text-generating one); with
+    ``return_report=True``, ``(model, LoadReport)``.
 
     path: a checkpoint directory, or a Hugging Face Hub repo id (only its .json and .safetensors files are
     fetched; ``revision`` picks a branch, tag or commit). A path that does not exist is a FileNotFoundError.
