@@ -168,28 +168,34 @@ def _hooked(module_hook, name: str, layer: nn.Module) -> nn.Module:
     return layer if module_hook is None else module_hook(name, layer)
 
 
-def _kept_in_fp32(model: nn.Module, dtype: Optional[torch.dtype]) -> Callable[[str], bool]:
+def _searched(patterns) -> Callable[[str], bool]:
+    """Whether a name holds a match of any of the regexes (re.search), as transformers matches a model's name
+    patterns against tensor names; never, for none."""
+    if not patterns:
+        return lambda key: False
+    pattern = re.compile("|".join(f"(?:{p})" for p in sorted(patterns)))
+    return lambda key: pattern.search(key) is not None
+
+
+def _fp32_tensors(model: nn.Module, dtype: Optional[torch.dtype]) -> Callable[[str], bool]:
     """Which tensors a load in `dtype` keeps in float32, as transformers' loader does (its dtype plan): a model's
     ``_keep_in_fp32_modules`` in a float16 load, its ``_keep_in_fp32_modules_strict`` in a float16 or bfloat16 one
     (T5's ``wo``, which float16 overflows; DeepSeek-V3's and GLM-4.5's router ``gate.weight`` and
-    ``e_score_correction_bias``, whose bfloat16 rounding changes which experts a token takes). Names are matched as
-    transformers matches them: each entry a regex searched in the tensor's name, ``*`` any run."""
+    ``e_score_correction_bias``, whose bfloat16 rounding changes which experts a token takes); ``*`` in an entry is
+    any run, as there."""
     entries = set()
     if dtype == torch.float16:
         entries |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
     if dtype in (torch.float16, torch.bfloat16):
         entries |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    if not entries:
-        return lambda key: False
-    pattern = re.compile("|".join(f"(?:{e.replace('*', '.*')})" for e in sorted(entries)))
-    return lambda key: pattern.search(key) is not None
+    return _searched({e.replace("*", ".*") for e in entries})
 
 
 def _load_rest(model, src: Source, fmt: QuantFormat, done, device, dtype, used, report):
     """Every parameter / persistent buffer outside the converted modules, like load_state_dict(strict=False);
     meta tensors are replaced, others copied in place (so tied weights stay tied). Floating-point tensors take
-    `dtype`, except those the model keeps in float32 (_kept_in_fp32)."""
-    kept_fp32 = _kept_in_fp32(model, dtype)
+    `dtype`, except those the model keeps in float32 (_fp32_tensors)."""
+    kept_fp32 = _fp32_tensors(model, dtype)
     groups: Dict[int, List[str]] = {}
     tensors = {}
     for key, t in model.state_dict(keep_vars=True).items():
@@ -392,14 +398,9 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
 
 def _declared_unused(model: nn.Module) -> Callable[[str], bool]:
     """The checkpoint keys the model's class says it does not load (transformers'
-    ``_keys_to_ignore_on_load_unexpected``, each a regex searched in the key, as transformers searches it): layers
-    the published checkpoints hold beside the model, such as DeepSeek-V3's multi-token-prediction layer 61, in FP8
-    like the rest."""
-    patterns = sorted(set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
-    if not patterns:
-        return lambda key: False
-    pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
-    return lambda key: pattern.search(key) is not None
+    ``_keys_to_ignore_on_load_unexpected``, regexes): layers the published checkpoints hold beside the model, such
+    as DeepSeek-V3's multi-token-prediction layer 61, in FP8 like the rest."""
+    return _searched(set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
 
 
 def _refuse_unused_quantized(src: Source, fmt: QuantFormat, unused: List[str], original):
