@@ -260,21 +260,27 @@ def test_moe_checkpoint_of_save_quantized_loads_in_transformers(tmp_path, arch, 
     assert torch.equal(_logits(torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32)), _logits(model))
 
 
+def _warned_save_then_transformers(model, path, warning):
+    """model.save_pretrained(path) warns `warning`; torch_lowbit reads it back with the same logits; transformers'
+    load of it, or None where transformers fails loudly (its conversion report)."""
+    with pytest.warns(UserWarning, match=warning):
+        model.save_pretrained(path)
+    assert torch.equal(_logits(torch_lowbit.from_pretrained(path, dtype=torch.float32)), _logits(model))
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except RuntimeError as e:
+        assert "conversion" in str(e)
+        return None
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_int8_experts_checkpoint_warns_and_never_loads_wrong_in_transformers(tmp_path, arch):
     """transformers cannot read INT8 experts in compressed-tensors' int-quantized layout (nor llmcompressor's own):
     the save says so, and transformers' load fails loudly or, once it learns the layout, gives our weights."""
     model = torch_lowbit.quantize_(W.tiny_model(arch), torch_lowbit.Int8Dynamic())
     assert isinstance(model.model.layers[0].mlp.experts, torch_lowbit.nn.Int8Experts)
-    with pytest.warns(UserWarning, match="INT8 MoE experts .* transformers .* refuses to load"):
-        model.save_pretrained(tmp_path)
-    assert torch.equal(_logits(torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32)), _logits(model))
-    try:
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    except RuntimeError as e:
-        assert "conversion" in str(e)
-        return
-    for layer in range(W.LAYERS):
+    theirs = _warned_save_then_transformers(model, tmp_path, "INT8 MoE experts .* transformers .* refuses to load")
+    for layer in range(W.LAYERS if theirs is not None else 0):
         e = model.model.layers[layer].mlp.experts
         t = theirs.model.layers[layer].mlp.experts
         assert torch.equal(t.gate_up_proj, e.gate_up.float() * e.gate_up_scale[:, :, None])
@@ -287,21 +293,11 @@ def test_fp8_block_experts_checkpoint_warns_and_never_loads_wrong_in_transformer
     it back, and transformers' load fails loudly or, once it expands the block scales, gives our weights."""
     from reference import expand_scale
 
-    dense = W.tiny_model("qwen3_moe")
     model = torch_lowbit.quantize_(W.tiny_model("qwen3_moe"), torch_lowbit.Fp8WeightOnly("block", (16, 32)))
-    for name, m in list(dense.named_modules()):
-        if hasattr(m, "gate_up_proj"):
-            model.set_submodule(name, Fp8Experts.from_float(m.gate_up_proj.detach(), m.down_proj.detach(), "block",
-                                                            (16, 32)))
-    with pytest.warns(UserWarning, match=r"FP8 MoE experts with scales per block .* transformers .* fails to load"):
-        model.save_pretrained(tmp_path)
-    assert torch.equal(_logits(torch_lowbit.from_pretrained(tmp_path, dtype=torch.float32)), _logits(model))
-    try:
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    except RuntimeError as e:
-        assert "conversion" in str(e)
-        return
-    for layer in range(W.LAYERS):
+    assert model.model.layers[0].mlp.experts.block_size == (16, 32)
+    theirs = _warned_save_then_transformers(model, tmp_path,
+                                            r"FP8 MoE experts with scales per block .* transformers .* fails to load")
+    for layer in range(W.LAYERS if theirs is not None else 0):
         e, t = model.model.layers[layer].mlp.experts, theirs.model.layers[layer].mlp.experts
         for got, w, scale in ((t.gate_up_proj, e.gate_up, e.gate_up_scale), (t.down_proj, e.down, e.down_scale)):
             want = torch.stack([w[i].double() * expand_scale(scale[i], *w.shape[1:], (16, 32)) for i in range(len(w))])
