@@ -531,6 +531,7 @@ def _checkpoint(model: nn.Module, caller: str):
     gptoss: Dict[str, nn.Module] = {}  # written in gpt-oss's own MXFP4 layout (formats/gpt_oss.py)
     dense_linears: List[str] = []
     dense_experts: List[str] = []
+    experts: List[nn.Module] = []  # Fp8Experts / Int8Experts, in compressed-tensors' per-expert layout
     done: List[str] = []
     on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if on_meta:
@@ -559,6 +560,7 @@ def _checkpoint(model: nn.Module, caller: str):
             t, s = _experts_tensors(name, mod)
             quantized.update(t)
             schemes.update(s)
+            experts.append(mod)
             done.append(name)
         elif type(mod) is nn.Linear:
             dense_linears.append(name)
@@ -569,14 +571,14 @@ def _checkpoint(model: nn.Module, caller: str):
         t, s = ct_w4.model_tensors(w4_layers)
         quantized.update(t)
         schemes.update({name: ("w4",) + key for name, key in s.items()})
-    if any(isinstance(m, Int8Experts) for m in model.modules()):
+    if any(isinstance(m, Int8Experts) for m in experts):
         # compressed-tensors' own layout for INT8 experts (what llmcompressor writes): transformers 5.17 - 5.24
         # refuse it on load ("Concatenate ... Ckpt contains: 0"), loudly; torch_lowbit and vLLM read it
         warnings.warn(f"{caller}: INT8 MoE experts are written in compressed-tensors' int-quantized layout, which "
                       f"torch_lowbit.from_pretrained reads but transformers (5.17 to 5.24 at least) refuses to load; "
                       f"quantize the experts to FP8 (Fp8WeightOnly) for a checkpoint transformers loads too",
                       stacklevel=3)
-    if any(isinstance(m, Fp8Experts) and m.block_size is not None for m in model.modules()):
+    if any(isinstance(m, Fp8Experts) and m.block_size is not None for m in experts):
         # the layout llmcompressor writes too: transformers 5.24 - 5.25 fail on load (their dequantize multiplies
         # the stacked experts by block scales it does not expand), loudly
         warnings.warn(f"{caller}: FP8 MoE experts with scales per block are written in compressed-tensors' layout, "

@@ -376,8 +376,9 @@ def load_quantized(model: nn.Module, path_or_state_dict, *, config: Optional[dic
         _load_rest(model, src, fmt, done, device, dtype, used, report)
         original = src.original if isinstance(src, RenamedSource) else (lambda k: k)
         declared = _declared_unused(model)
-        unused = sorted(k for k in src.keys() if k not in used and not declared(k))
-        report.ignored_keys = sorted(original(k) for k in src.keys() if k not in used and declared(k))
+        left = [k for k in src.keys() if k not in used]
+        unused = sorted(k for k in left if not declared(k))
+        report.ignored_keys = sorted(original(k) for k in left if declared(k))
         _refuse_unused_quantized(src, fmt, unused, original)
         report.unused_keys = [original(k) for k in unused]
         report.renamed_keys = dict(src.renamed) if isinstance(src, RenamedSource) else {}
