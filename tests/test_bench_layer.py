@@ -84,6 +84,10 @@ def test_cpu_suite_runs_at_a_capped_isa(tmp_path, capsys):
     # the fp8 / int8 rows, then the 4-bit ones (M = 1 streams and baselines on both shapes, M = 64)
     assert sum(not r["case"].startswith("w4_") for r in data["rows"]) == 11
     assert sum(r["case"].startswith("w4_mm int4 g128 M=1") for r in data["rows"]) >= 4
+    # each 4-bit batch-1 case (three formats on two shapes, two grouped) once more with its weight in cache
+    cached = [r for r in data["rows"] if r["case"].endswith(" in cache")]
+    assert len(cached) == 8 and all(r["ratio"] > 0 and r["gbs"] > 0 and r["met"] == "" for r in cached)
+    assert sum(r["case"].startswith("w4_grouped_mm") for r in cached) == 2
     assert data["meta"]["threads"] == [1] and all(r["threads"] == 1 for r in data["rows"])
     names = [r["case"] for r in data["rows"]]
     assert sum(n.startswith("int8_quantize+int8_mm M=1") for n in names) == 2

@@ -12,6 +12,10 @@ torch's own int4 GEMV (``_weight_int4pack_mm_for_cpu``, same group size), each c
 working set; M=64 against F.linear bf16. The 4-bit grouped rows decode one token through 8 of 128 experts at
 Qwen3-30B-A3B's expert shapes (w4_grouped_mm int4 g128) against a read of the chosen experts' bytes and
 fp8_grouped_mm; ``--only w4-decode`` runs just the 4-bit batch-1 rows (dense M=1 and grouped decode).
+Each 4-bit batch-1 case is also run on one weight (or one set of experts) that stays in the last-level cache, its
+rows cut to half that cache: a diagnostic row ("in cache") whose ratio is the kernel's rate there over the read
+bandwidth. Where it is not well above 1, the row from memory is bound by the kernel's work on this machine (its
+cores, its thread count), not by memory, and prefetching or scheduling cannot lift its share.
 ``--threads 1,2,all`` runs the suite at each thread count (the table's first column).
 
 Batch-1 decode reads weights that are not in any cache (a model's layers are far larger than the last-level
@@ -172,6 +176,23 @@ def _stream_case(rows, name, op, copies, rounds, repeat, goal):
     return read_gbs
 
 
+def _in_cache_case(rows, name, op, nbytes, read_gbs, rounds, repeat):
+    """op() reads the same nbytes on every call (they stay in cache): the row's rate over read_gbs, the read
+    bandwidth of the case from memory (see the module's docstring)."""
+    t = statistics.median(median_time(op, warmup=2, repeat=repeat) for _ in range(rounds))
+    gbs = nbytes / t / 1e9
+    rows.append(dict(case=f"{name} in cache", ms=t * 1e3, baseline="read of as many bytes",
+                     base_ms=nbytes / read_gbs / 1e6, ratio=gbs / read_gbs, goal="diagnostic: near 1, kernel-bound",
+                     met="", gbs=gbs))
+    print(f"  {name} in cache: {gbs:.1f} GB/s = {gbs / read_gbs:.2f}x the read bandwidth", flush=True)
+
+
+def _cached_rows(row_bytes, n, llc):
+    """How many of n rows (or experts) of row_bytes each fit half the last-level cache (8 MB where its size is
+    unknown); at least one."""
+    return max(1, min(n, ((llc or (16 << 20)) // 2) // row_bytes))
+
+
 def _run(args, meta):
     quick = args.quick
     rounds = args.rounds or (2 if quick else 5)
@@ -287,7 +308,8 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False
         def int4_m1(x1=x1, w4=w4):
             c, s = w4.view()
             return ops.w4_mm(x1, c, s, "int4", 128)
-        _stream_case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1, w4, rounds, rep, 0.85)
+        read_gbs = _stream_case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1, w4, rounds, rep, 0.85)
+        _w4_in_cache(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", x1, w4, ("int4", 128), read_gbs, rounds, rep)
         fp8_set = _Rotating(_fp8_weight(n, k, gen)[0], ws)
         fscale = torch.rand(n, generator=gen) * 0.01
         _case(rows, f"w4_mm int4 g128 M=1 K={k} N={n}", int4_m1,
@@ -316,7 +338,8 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False
         def nvfp4_m1(x1=x1, nv=nv, gsc=gsc):
             c, s = nv.view()
             return ops.w4_mm(x1, c, s, "nvfp4", 16, None, gsc)
-        _stream_case(rows, f"w4_mm nvfp4 g16 M=1 K={k} N={n}", nvfp4_m1, nv, rounds, rep, 0.85)
+        read_gbs = _stream_case(rows, f"w4_mm nvfp4 g16 M=1 K={k} N={n}", nvfp4_m1, nv, rounds, rep, 0.85)
+        _w4_in_cache(rows, f"w4_mm nvfp4 g16 M=1 K={k} N={n}", x1, nv, ("nvfp4", 16), read_gbs, rounds, rep, gsc)
         del nv
         # MLX's affine 4-bit (mlx_lm.convert's default: uint4, group 64, bf16 scales and biases) from memory
         mlx = _RotatingW4(codes, (torch.rand(n, k // 64, generator=gen) * 0.01 + 0.001).to(torch.bfloat16), ws,
@@ -325,7 +348,9 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False
         def mlx_m1(x1=x1, mlx=mlx):
             c, s, b = mlx.view()
             return ops.w4_mm(x1, c, s, "uint4", 64, b)
-        _stream_case(rows, f"w4_mm uint4 g64+bias (MLX) M=1 K={k} N={n}", mlx_m1, mlx, rounds, rep, 0.85)
+        read_gbs = _stream_case(rows, f"w4_mm uint4 g64+bias (MLX) M=1 K={k} N={n}", mlx_m1, mlx, rounds, rep, 0.85)
+        _w4_in_cache(rows, f"w4_mm uint4 g64+bias (MLX) M=1 K={k} N={n}", x1, mlx, ("uint4", 64), read_gbs, rounds,
+                     rep)
         del mlx
         if decode_only:
             continue
@@ -336,6 +361,18 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False
               lambda x64=x64, c=codes, s=scale: ops.w4_mm(x64, c, s, "int4", 128),
               lambda x64=x64, wb=wb: F.linear(x64, wb), "F.linear bf16", 1.0, rounds, rep_big, codes.numel())
         del wb
+
+
+def _w4_in_cache(rows, name, x1, weights, fmt, read_gbs, rounds, rep, global_scale=None):
+    """The in-cache row of a dense 4-bit M=1 case: the leading rows of the first copy of its weight (a _RotatingW4:
+    codes, scale[, offset]) that fit half the last-level cache."""
+    parts = weights.views[0]
+    row_bytes = sum(t[0].numel() * t.element_size() for t in parts)
+    r = _cached_rows(row_bytes, parts[0].shape[0], _last_level_cache_bytes())
+    codes, scale, *offset = (t[:r] for t in parts)
+    _in_cache_case(rows, name,
+                   lambda: torch.ops.lowbit.w4_mm(x1, codes, scale, *fmt, offset[0] if offset else None, global_scale),
+                   r * row_bytes, read_gbs, rounds, rep)
 
 
 class _ExpertDecode:
@@ -379,8 +416,13 @@ def _w4_grouped_cases(rows, quick, ws, rounds, rep, gen):
         chosen = top * (codes[0].numel() + scale[0].numel() * scale.element_size())
         read_set = _Rotating(torch.ones(chosen, dtype=torch.uint8), ws)
         label = f"w4_grouped_mm int4 g128 {name} T=1 top{top}/{E} K={k} N={n}"
-        _stream_case(rows, label, w4_call, read_set, rounds, rep, 0.85)
+        read_gbs = _stream_case(rows, label, w4_call, read_set, rounds, rep, 0.85)
         del read_set
+        # in cache: the first copy's first set, as many of its experts as fit half the last-level cache
+        (c0, s0), t = w4.copies[0], _cached_rows(chosen // top, top, _last_level_cache_bytes())
+        ids0, offs0, x0 = w4.sets[0][:t], w4.offsets[:t + 1], x[:t]
+        _in_cache_case(rows, label, lambda: ops.w4_grouped_mm(x0, c0, s0, "int4", 128, offs0, ids0, None, None),
+                       chosen // top * t, read_gbs, rounds, rep)
         fp8 = _ExpertDecode([_fp8_weight(E * n, k, gen)[0].view(E, n, k)], top, ws, gen)
         fscale = torch.rand(E, n, generator=gen) * 0.01
 
