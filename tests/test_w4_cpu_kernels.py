@@ -324,23 +324,26 @@ TWO_TERM_RTOL = 2.0 ** -14
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fmt,scale_dtype,offset", [("int4", torch.float32, True), ("int4", torch.float16, False),
-                                                    ("uint4", torch.bfloat16, True), ("nvfp4", None, False),
-                                                    ("mxfp4", None, False)])
-def test_w4_mm_gemm_bf16_terms(isa, fmt, scale_dtype, offset, dtype):
+@pytest.mark.parametrize("fmt,scale_dtype,offset,group", [("int4", torch.float32, True, 32),
+                                                          ("int4", torch.float16, False, 32),
+                                                          ("int4", torch.bfloat16, True, 4096),  # per channel
+                                                          ("uint4", torch.bfloat16, True, 32),
+                                                          ("uint4", torch.float32, False, 4096),
+                                                          ("nvfp4", None, False, 32), ("mxfp4", None, False, 32)])
+def test_w4_mm_gemm_bf16_terms(isa, fmt, scale_dtype, offset, group, dtype):
     # every set; at the avx512 cap the bf16 panels: one exact term (nvfp4, mxfp4) or hi + lo (int4, uint4),
     # float x with a two-term weight on the fp32 path
-    g = torch.Generator().manual_seed(len(fmt) + (offset << 3))
+    g = torch.Generator().manual_seed(len(fmt) + (offset << 3) + group)
     N, K, M = 40, 2000 + 17, 64
-    codes, scale, off, gs = random_w4(fmt, N, K, 32, g, offset=offset, global_scale=True, scale_dtype=scale_dtype)
+    codes, scale, off, gs = random_w4(fmt, N, K, group, g, offset=offset, global_scale=True, scale_dtype=scale_dtype)
     x = torch.randn(M, K, generator=g).to(dtype)
     bias = torch.randn(N, generator=g)
-    out = ops.w4_mm(x, codes, scale, fmt, 32, off, gs, bias)
-    ref, absref = ref_w4_mm(x, fmt, codes, scale, 32, off, gs, bias)
+    out = ops.w4_mm(x, codes, scale, fmt, group, off, gs, bias)
+    ref, absref = ref_w4_mm(x, fmt, codes, scale, group, off, gs, bias)
     assert_matmul_close(out, ref, absref, acc_rtol=TWO_TERM_RTOL if dtype != torch.float32 else 1e-5)
     if fmt in ("int4", "uint4") and dtype == torch.float16:
         # the bound would catch a weight rounded once to bf16 (the float64 product on such a weight, rounded)
-        w1 = w4_weight_f32(fmt, codes, scale, 32, K, off).bfloat16().double()
+        w1 = w4_weight_f32(fmt, codes, scale, group, K, off).bfloat16().double()
         one_term = (x.double() @ w1.T + bias.double()).to(dtype)
         assert not close(one_term, ref, absref, TWO_TERM_RTOL)
 

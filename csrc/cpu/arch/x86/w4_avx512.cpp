@@ -729,6 +729,42 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16(const W4Operand& op, int64_t row, int6
   }
 }
 
+// Groups of whole chunks (one group per row, or a multiple of 32 codes; windows start at whole chunks): every
+// chunk lies in one group, so a group's table is made once, kept in registers for its run of chunks, and one
+// single-table permute per chunk and term (vpermw reads the index's low 5 bits: bit 5, the second table's, is
+// ignored) decodes the chunk, with no bookkeeping of the groups per chunk.
+template <int kTerms>
+LOWBIT_TARGET_AVX512 void decode_row_bf16_aligned(const W4Operand& op, int64_t row, int64_t k0, int64_t n,
+                                                  uint16_t* d, int64_t term_stride) {
+  const float* byte_table = w4_byte_scale_table(op.scale_enc);
+  const __m512 values = _mm512_loadu_ps(op.values), global = _mm512_set1_ps(op.global);
+  const __m512i low_nibble = _mm512_set1_epi32(0x1E), high_nibble = _mm512_set1_epi32(0x1E0000);
+  const __m512i odd_words = _mm512_set1_epi32(0x00010001);
+  const uint8_t* codes = op.codes + row * op.row_bytes();
+  const int64_t k1 = std::min(op.K, k0 + n);
+  for (int64_t k = k0; k < k1;) {
+    const int64_t g = op.G <= 1 ? 0 : k / op.group, end = op.G <= 1 ? k1 : std::min(k1, (g + 1) * op.group);
+    const Bf16GroupTable<kTerms> ta = bf16_group_table<kTerms>(values, w4_group(op, byte_table, row, g), global);
+    for (; k < end; k += kW4Chunk) {
+      const int64_t valid = end - k;
+      const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
+      const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 1), low_nibble, odd_words, 0xEA);
+      const __m512i idx = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 13), high_nibble, lo, 0xEA);
+      if (valid >= kW4Chunk) {
+#pragma GCC unroll 2
+        for (int t = 0; t < kTerms; t++)
+          _mm512_storeu_si512(d + t * term_stride + (k - k0), _mm512_permutexvar_epi16(idx, ta.term[t]));
+      } else {
+        const __mmask32 keep = __mmask32((uint64_t(1) << valid) - 1);
+#pragma GCC unroll 2
+        for (int t = 0; t < kTerms; t++)
+          _mm512_storeu_si512(d + t * term_stride + (k - k0),
+                              _mm512_maskz_permutexvar_epi16(keep, idx, ta.term[t]));
+      }
+    }
+  }
+}
+
 // The panel decode goes row by row through a window of codes; the next row's window is a row of codes away (a
 // page and more at K >= 8192), where the hardware prefetchers stop: its codes' and its groups' scale (and offset)
 // lines are fetched kPanelPrefetchRows rows ahead, or every row would start with misses on both streams.
@@ -760,12 +796,19 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
   const int64_t written = w4_padded(std::max<int64_t>(0, std::min(op.K - k0, n)));
   const int64_t padded = (n + kW4Bf16Chunk - 1) / kW4Bf16Chunk * kW4Bf16Chunk;
   const int64_t k1 = std::min(op.K, k0 + n);
+  const bool aligned = (op.G <= 1 || op.group % kW4Chunk == 0) && k0 % kW4Chunk == 0;
   for (int64_t a = 1; a < kPanelPrefetchRows && a < nrows; a++) prefetch_row_window(op, n0 + a, k0, k1);
   for (int64_t r = 0; r < nrows; r++) {
     uint16_t* d = dst + r * ldd;
     if (r + kPanelPrefetchRows < nrows) prefetch_row_window(op, n0 + r + kPanelPrefetchRows, k0, k1);
-    if (terms == 1) decode_row_bf16<1>(op, n0 + r, k0, n, d, term_stride);
-    else decode_row_bf16<2>(op, n0 + r, k0, n, d, term_stride);
+    if (aligned) {
+      if (terms == 1) decode_row_bf16_aligned<1>(op, n0 + r, k0, n, d, term_stride);
+      else decode_row_bf16_aligned<2>(op, n0 + r, k0, n, d, term_stride);
+    } else if (terms == 1) {
+      decode_row_bf16<1>(op, n0 + r, k0, n, d, term_stride);
+    } else {
+      decode_row_bf16<2>(op, n0 + r, k0, n, d, term_stride);
+    }
     for (int t = 0; t < terms; t++) std::memset(d + t * term_stride + written, 0, size_t(padded - written) * 2);
   }
 }
