@@ -696,15 +696,24 @@ LOWBIT_TARGET_AVX512 inline Bf16GroupTable<kTerms> bf16_group_table(__m512 value
   return out;
 }
 
+// The permute indices of a chunk's codes (`valid` of them at code, the rest read as 0): byte i -> dword i, code 2i
+// (low nibble) indexing its low word and code 2i + 1 its high word, as word 2 c + 1 (a table lane's high half) of
+// a Bf16GroupTable term: base holds, in each word, the 1 that picks a lane's high half and any table-select bits.
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) __m512i bf16_chunk_index(const uint8_t* code, int64_t valid,
+                                                                                    __m512i base) {
+  const __m512i b = _mm512_cvtepu8_epi32(load_codes(code, valid));
+  // (b << 1) & 0x1E | (b << 13) & 0x1E0000 | base: 0xEA is (A & B) | C
+  const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 1), _mm512_set1_epi32(0x1E), base, 0xEA);
+  return _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 13), _mm512_set1_epi32(0x1E0000), lo, 0xEA);
+}
+
 template <int kTerms>
 LOWBIT_TARGET_AVX512 void decode_row_bf16(const W4Operand& op, int64_t row, int64_t k0, int64_t n, uint16_t* d,
                                           int64_t term_stride) {
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
   const __m512 values = _mm512_loadu_ps(op.values), global = _mm512_set1_ps(op.global);
-  // byte i of a chunk -> dword i: code 2i (low nibble) indexes its low word, code 2i + 1 its high word, as word
-  // 2 c + 1 (a table lane's high half) of the first table, or for bytes 8..15 (codes 16..31) of the second
+  // high halves; bytes 8..15 (codes 16..31) from the second table (bit 5 of vpermt2w's index)
   const __m512i base = _mm512_mask_set1_epi32(_mm512_set1_epi32(0x00010001), 0xFF00, 0x00210021);
-  const __m512i low_nibble = _mm512_set1_epi32(0x1E), high_nibble = _mm512_set1_epi32(0x1E0000);
   W4BlockGroups blocks(op, k0 / 16);
   const uint8_t* codes = op.codes + row * op.row_bytes();
   const int64_t k1 = std::min(op.K, k0 + n);
@@ -715,10 +724,7 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16(const W4Operand& op, int64_t row, int6
     if (g0 != ga) ta = bf16_group_table<kTerms>(values, w4_group(op, byte_table, row, g0), global);
     const Bf16GroupTable<kTerms> tb =
         g1 != g0 ? bf16_group_table<kTerms>(values, w4_group(op, byte_table, row, g1), global) : ta;
-    const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
-    // (b << 1) & 0x1E | (b << 13) & 0x1E0000 | base: 0xEA is (A & B) | C
-    const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 1), low_nibble, base, 0xEA);
-    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 13), high_nibble, lo, 0xEA);
+    const __m512i idx = bf16_chunk_index(codes + k / 2, valid, base);
     const __mmask32 keep = valid < kW4Chunk ? __mmask32((uint64_t(1) << valid) - 1) : ~__mmask32(0);
 #pragma GCC unroll 2
     for (int t = 0; t < kTerms; t++)
@@ -738,8 +744,7 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16_aligned(const W4Operand& op, int64_t r
                                                   uint16_t* d, int64_t term_stride) {
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
   const __m512 values = _mm512_loadu_ps(op.values), global = _mm512_set1_ps(op.global);
-  const __m512i low_nibble = _mm512_set1_epi32(0x1E), high_nibble = _mm512_set1_epi32(0x1E0000);
-  const __m512i odd_words = _mm512_set1_epi32(0x00010001);
+  const __m512i high_halves = _mm512_set1_epi32(0x00010001);
   const uint8_t* codes = op.codes + row * op.row_bytes();
   const int64_t k1 = std::min(op.K, k0 + n);
   for (int64_t k = k0; k < k1;) {
@@ -747,9 +752,7 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16_aligned(const W4Operand& op, int64_t r
     const Bf16GroupTable<kTerms> ta = bf16_group_table<kTerms>(values, w4_group(op, byte_table, row, g), global);
     for (; k < end; k += kW4Chunk) {
       const int64_t valid = end - k;
-      const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
-      const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 1), low_nibble, odd_words, 0xEA);
-      const __m512i idx = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 13), high_nibble, lo, 0xEA);
+      const __m512i idx = bf16_chunk_index(codes + k / 2, valid, high_halves);
       if (valid >= kW4Chunk) {
 #pragma GCC unroll 2
         for (int t = 0; t < kTerms; t++)
