@@ -4,6 +4,7 @@
 // weight row, enough to keep up with the memory at batch 1. A group's table holds its 16 decoded weights
 // (w4_kernels.h), so the decode is exact per element; where a chunk's two halves lie in two groups (group size 16)
 // vpermt2ps picks from both tables. Group sizes that are not multiples of 16 take the portable loops.
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -768,6 +769,47 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16_aligned(const W4Operand& op, int64_t r
   }
 }
 
+// One exact bf16 term of groups of 16 with one-byte scales and no offset (nvfp4's e2m1 values times e4m3 scales,
+// global scale 1: the panels' one-term route): w4_exact_g16 says when every value times every scale is a normal
+// fp32 of at most 8 significant bits, whose high half is then the bf16 word itself. Each chunk's two groups scale
+// its two halves in one vector -- no table per group, which took most of the general path's time.
+bool w4_exact_g16(const W4Operand& op, int terms) {
+  if (terms != 1 || op.G <= 1 || op.group != 16 || op.offset != nullptr || op.global != 1.f ||
+      op.scale_enc != W4Scale::E4M3)
+    return false;
+  for (int c = 0; c < 16; c++) {
+    const float v = op.values[c], a = std::fabs(v);
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    // at most 4 significant bits (e4m3 scales have 4), and far from fp32's subnormals and overflow
+    if (v != 0.f && ((bits & 0xFFFFF) != 0 || !(a > 0x1p-100f && a < 0x1p100f))) return false;
+  }
+  return true;
+}
+
+LOWBIT_TARGET_AVX512 void decode_row_bf16_g16(const W4Operand& op, int64_t row, int64_t k0, int64_t n, uint16_t* d) {
+  const float* byte_table = w4_byte_scale_table(op.scale_enc);
+  const __m512 values = _mm512_loadu_ps(op.values);
+  const __m512i high_words = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  const uint8_t* codes = op.codes + row * op.row_bytes();
+  const uint8_t* scales = static_cast<const uint8_t*>(op.scale) + row * op.G;
+  const int64_t k1 = std::min(op.K, k0 + n);
+  for (int64_t k = k0; k < k1; k += kW4Chunk) {
+    const int64_t valid = k1 - k, g = k / 16;
+    // lane i holds codes 2i and 2i + 1: lanes 0-7 the chunk's first group, 8-15 its second
+    const __m512 s = _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(byte_table[scales[g]]),
+                                          _mm512_set1_ps(byte_table[scales[valid > 16 ? g + 1 : g]]));
+    const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
+    const __m512 e = _mm512_mul_ps(_mm512_permutexvar_ps(b, values), s);  // vpermps reads the low 4 bits
+    const __m512 o = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values), s);
+    // o's high half over e's: 0xCA is (A & B) | (~A & C)
+    const __m512i words = _mm512_ternarylogic_epi32(high_words, _mm512_castps_si512(o),
+                                                    _mm512_srli_epi32(_mm512_castps_si512(e), 16), 0xCA);
+    if (valid >= kW4Chunk) _mm512_storeu_si512(d + (k - k0), words);
+    else _mm512_storeu_si512(d + (k - k0), _mm512_maskz_mov_epi16(__mmask32((uint64_t(1) << valid) - 1), words));
+  }
+}
+
 // The panel decode goes row by row through a window of codes; the next row's window is a row of codes away (a
 // page and more at K >= 8192), where the hardware prefetchers stop: its codes' and its groups' scale (and offset)
 // lines are fetched kPanelPrefetchRows rows ahead, or every row would start with misses on both streams.
@@ -800,11 +842,14 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
   const int64_t padded = (n + kW4Bf16Chunk - 1) / kW4Bf16Chunk * kW4Bf16Chunk;
   const int64_t k1 = std::min(op.K, k0 + n);
   const bool aligned = (op.G <= 1 || op.group % kW4Chunk == 0) && k0 % kW4Chunk == 0;
+  const bool exact_g16 = k0 % kW4Chunk == 0 && w4_exact_g16(op, terms);
   for (int64_t a = 1; a < kPanelPrefetchRows && a < nrows; a++) prefetch_row_window(op, n0 + a, k0, k1);
   for (int64_t r = 0; r < nrows; r++) {
     uint16_t* d = dst + r * ldd;
     if (r + kPanelPrefetchRows < nrows) prefetch_row_window(op, n0 + r + kPanelPrefetchRows, k0, k1);
-    if (aligned) {
+    if (exact_g16) {
+      decode_row_bf16_g16(op, n0 + r, k0, n, d);
+    } else if (aligned) {
       if (terms == 1) decode_row_bf16_aligned<1>(op, n0 + r, k0, n, d, term_stride);
       else decode_row_bf16_aligned<2>(op, n0 + r, k0, n, d, term_stride);
     } else if (terms == 1) {
