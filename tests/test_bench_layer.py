@@ -92,4 +92,9 @@ def test_cpu_suite_runs_at_a_capped_isa(tmp_path, capsys):
     names = [r["case"] for r in data["rows"]]
     assert sum(n.startswith("int8_quantize+int8_mm M=1") for n in names) == 2
     assert sum(n.startswith("fp8_mm M=64 bf16 K=") for n in names) == 2
+    # M = 64 of each 4-bit format on both shapes against F.linear bf16
+    m64 = [r for r in data["rows"] if r["case"].startswith("w4_mm ") and " M=64 K=" in r["case"]]
+    assert len(m64) == 6 and {r["baseline"] for r in m64} == {"F.linear bf16"}
+    assert {r["case"].split(" M=64")[0] for r in m64} == {"w4_mm int4 g128", "w4_mm nvfp4 g16",
+                                                          "w4_mm uint4 g64+bias (MLX)"}
     assert "kernels: avx2" in capsys.readouterr().out

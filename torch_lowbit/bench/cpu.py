@@ -9,7 +9,7 @@ their own weight bytes; the M=64 bf16-x rows of fp8_mm against F.linear bf16 (AM
 The 4-bit rows (w4_mm int4 group 128 with bf16 scales, nvfp4, and MLX's uint4 group 64 with bf16 biases, on both
 Llama-3-8B shapes) stream codes, scales and biases together against the read of those bytes, and compare M=1 with fp8_mm on the same shape, F.linear bf16 and
 torch's own int4 GEMV (``_weight_int4pack_mm_for_cpu``, same group size), each cycling its own weight through the
-working set; M=64 against F.linear bf16. The 4-bit grouped rows decode one token through 8 of 128 experts at
+working set; M=64 (each of the three) against F.linear bf16. The 4-bit grouped rows decode one token through 8 of 128 experts at
 Qwen3-30B-A3B's expert shapes (w4_grouped_mm int4 g128) against a read of the chosen experts' bytes and
 fp8_grouped_mm; ``--only w4-decode`` runs just the 4-bit batch-1 rows (dense M=1 and grouped decode).
 Each 4-bit batch-1 case is also run on one weight (or one set of experts) that stays in the last-level cache, its
@@ -332,7 +332,8 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False
               "_weight_int4pack_mm_for_cpu", 1.2, rounds, rep, codes.numel())
         del pk_set, w4
         # nvfp4 (e4m3 scale per 16, the format with the most scale bytes) from memory
-        nv = _RotatingW4(codes, torch.randint(0x20, 0x50, (n, k // 16), dtype=torch.uint8, generator=gen), ws)
+        nv_scale = torch.randint(0x20, 0x50, (n, k // 16), dtype=torch.uint8, generator=gen)
+        nv = _RotatingW4(codes, nv_scale, ws)
         gsc = torch.tensor([0.5])
 
         def nvfp4_m1(x1=x1, nv=nv, gsc=gsc):
@@ -342,8 +343,9 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False
         _w4_in_cache(rows, f"w4_mm nvfp4 g16 M=1 K={k} N={n}", x1, nv, ("nvfp4", 16), read_gbs, rounds, rep, gsc)
         del nv
         # MLX's affine 4-bit (mlx_lm.convert's default: uint4, group 64, bf16 scales and biases) from memory
-        mlx = _RotatingW4(codes, (torch.rand(n, k // 64, generator=gen) * 0.01 + 0.001).to(torch.bfloat16), ws,
-                          offset=(torch.rand(n, k // 64, generator=gen) * -0.08).to(torch.bfloat16))
+        mlx_scale = (torch.rand(n, k // 64, generator=gen) * 0.01 + 0.001).to(torch.bfloat16)
+        mlx_bias = (torch.rand(n, k // 64, generator=gen) * -0.08).to(torch.bfloat16)
+        mlx = _RotatingW4(codes, mlx_scale, ws, offset=mlx_bias)
 
         def mlx_m1(x1=x1, mlx=mlx):
             c, s, b = mlx.view()
@@ -354,12 +356,15 @@ def _w4_cases(rows, args, K, N, ws, rounds, rep, rep_big, gen, decode_only=False
         del mlx
         if decode_only:
             continue
-        # prefill
+        # prefill: each format's weight (one copy) against F.linear bf16
         x64 = torch.randn(64, k, generator=gen).to(torch.bfloat16)
         wb = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
-        _case(rows, f"w4_mm int4 g128 M=64 K={k} N={n}",
-              lambda x64=x64, c=codes, s=scale: ops.w4_mm(x64, c, s, "int4", 128),
-              lambda x64=x64, wb=wb: F.linear(x64, wb), "F.linear bf16", 1.0, rounds, rep_big, codes.numel())
+        for label, fmt, group, sc, off, glob in (("int4 g128", "int4", 128, scale, None, None),
+                                                 ("nvfp4 g16", "nvfp4", 16, nv_scale, None, gsc),
+                                                 ("uint4 g64+bias (MLX)", "uint4", 64, mlx_scale, mlx_bias, None)):
+            _case(rows, f"w4_mm {label} M=64 K={k} N={n}",
+                  lambda x64=x64, c=codes, f=fmt, g=group, sc=sc, o=off, gl=glob: ops.w4_mm(x64, c, sc, f, g, o, gl),
+                  lambda x64=x64, wb=wb: F.linear(x64, wb), "F.linear bf16", 1.0, rounds, rep_big, codes.numel())
         del wb
 
 
