@@ -174,26 +174,25 @@ bool w4_grouped_exact(const W4Operand& op) {
   return true;
 }
 
-// count group scales (or biases) stored in enc, as fp32: a copy the grouped panels make per call, in parallel (one
-// thread's scalar loop took milliseconds of a 14336 x 4096 product at group size 64)
-std::vector<float> group_values_to_float(W4Scale enc, const void* stored, int64_t count) {
-  std::vector<float> out(static_cast<size_t>(count));
+// count group scales (or biases) stored in enc, as fp32, into out: a copy the grouped panels make per call, in
+// parallel (one thread's scalar loop took milliseconds of a 14336 x 4096 product at group size 64)
+void group_values_to_float(W4Scale enc, const void* stored, int64_t count, float* out) {
   at::parallel_for(0, count, 1 << 15, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; i++) out[size_t(i)] = w4_scale_to_float(enc, stored, i);
+    for (int64_t i = a; i < b; i++) out[i] = w4_scale_to_float(enc, stored, i);
   });
-  return out;
 }
 
 // A 4-bit weight as the bf16 panel GEMM reads it (fp8_matmul.h): the set's bf16 decode, natural order; the
 // global scale and the bias after the K reduction. Grouped (w4_grouped_exact): the decode sees unit scales --
-// values less zero points -- and the group scales, in fp32, multiply each group's sums.
+// values less zero points -- and the group scales, in fp32, multiply each group's sums. Those per-call copies
+// (9 bytes a group with biases: 8 MB at 14336 x 4096, group 64) live in the calling thread's Operand scratch,
+// reused from call to call: as fresh allocations their page faults were a seventh of uint4's M = 64 product.
 struct W4PanelWeight final : PanelWeight {
   W4Operand op;  // global = 1 for the decode: the global scale multiplies the sums
   const W4Kernels& kern;
   float global;
-  std::vector<uint8_t> unit_scales;   // grouped: an E8M0 1 for each group, the scales the decode sees
-  std::vector<float> group_scales;    // grouped: [N][G] fp32
-  std::vector<float> group_biases;    // grouped, with biases: [N][G] fp32 (the decode sees none)
+  const float* group_scales = nullptr;  // grouped: [N][G] fp32
+  const float* group_biases = nullptr;  // grouped, with biases: [N][G] fp32 (the decode sees none)
   W4PanelWeight(const W4Operand& o, const W4Kernels& k, int term_count, bool grouped = false) : op(o), kern(k) {
     op.global = 1.f;
     global = o.global;
@@ -206,19 +205,27 @@ struct W4PanelWeight final : PanelWeight {
       block = true;
       block_k = op.group;
       const int64_t count = op.N * op.G;
-      group_scales = group_values_to_float(o.scale_enc, o.scale, count);
-      unit_scales.assign(size_t(count), uint8_t(127));
-      op.scale = unit_scales.data();
-      op.scale_enc = W4Scale::E8M0;
-      if (o.offset_kind == W4Offset::Bias && o.offset != nullptr) {
-        group_biases = group_values_to_float(o.scale_enc, o.offset, count);
+      const bool biases = o.offset_kind == W4Offset::Bias && o.offset != nullptr;
+      const int64_t floats = ceil_div(count, 16) * 16;  // each array on its own cache lines
+      auto* buf = scratch<uint8_t>(Slot::Operand, size_t(floats * 4 * (biases ? 2 : 1) + count));
+      float* scales = reinterpret_cast<float*>(buf);
+      group_values_to_float(o.scale_enc, o.scale, count, scales);
+      group_scales = scales;
+      if (biases) {
+        float* b = scales + floats;
+        group_values_to_float(o.scale_enc, o.offset, count, b);
+        group_biases = b;
         op.offset = nullptr;
         op.offset_kind = W4Offset::None;
       }
+      uint8_t* units = buf + floats * 4 * (biases ? 2 : 1);  // an E8M0 1 for each group
+      std::memset(units, 127, size_t(count));
+      op.scale = units;
+      op.scale_enc = W4Scale::E8M0;
     }
   }
-  const float* block_scale_row(int64_t n) const override { return group_scales.data() + n * op.G; }
-  const float* block_offsets() const override { return group_biases.empty() ? nullptr : group_biases.data(); }
+  const float* block_scale_row(int64_t n) const override { return group_scales + n * op.G; }
+  const float* block_offsets() const override { return group_biases; }
   void decode(int64_t r0, int64_t nr, int64_t k0, int64_t n, uint16_t* dst, int64_t ld,
               int64_t term_stride) const override {
     kern.decode_rows_bf16(op, r0, nr, k0, n, terms, dst, ld, term_stride);
@@ -254,6 +261,7 @@ bool bf16_gemm(W4GemmRoute route, const W4Kernels& kern, const T* x, int64_t M, 
   bf16_panel_gemm(x, M, W4PanelWeight(op, kern, route == W4GemmRoute::Bf16TwoTerms ? 2 : 1,
                                       route == W4GemmRoute::Bf16Grouped),
                   out, ldo);
+  release_scratch_above_cap(Slot::Operand);
   return true;
 }
 

@@ -17,8 +17,10 @@
 namespace lowbit::cpu {
 
 // Separate slots so that one thread can hold several buffers at once (the calling thread packs the
-// activations into one slot and, as a worker of the same parallel_for, uses others).
-enum class Slot : int { Activations = 0, Panel = 1, Tile = 2, Accum = 3, Count = 4 };
+// activations into one slot and, as a worker of the same parallel_for, uses others). Operand: a call's copies of a
+// weight's small operands in the form the kernels read (the grouped w4 panels' fp32 group scales), made by the
+// calling thread and read by all.
+enum class Slot : int { Activations = 0, Panel = 1, Tile = 2, Accum = 3, Operand = 4, Count = 5 };
 
 // Buffers up to this size stay with their thread across calls; larger ones are released after use.
 constexpr size_t kScratchKeepBytes = size_t(16) << 20;
