@@ -769,36 +769,46 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16_aligned(const W4Operand& op, int64_t r
   }
 }
 
-// One exact bf16 term of groups of 16 with one-byte scales and no offset (nvfp4's e2m1 values times e4m3 scales,
-// global scale 1: the panels' one-term route): w4_exact_g16 says when every value times every scale is a normal
-// fp32 of at most 8 significant bits, whose high half is then the bf16 word itself. Each chunk's two groups scale
-// its two halves in one vector -- no table per group, which took most of the general path's time.
-bool w4_exact_g16(const W4Operand& op, int terms) {
-  if (terms != 1 || op.G <= 1 || op.group != 16 || op.offset != nullptr || op.global != 1.f ||
-      op.scale_enc != W4Scale::E4M3)
+// One exact bf16 term of groups of 16 or 32 with one-byte scales and no offset (nvfp4's e2m1 values times e4m3
+// scales, mxfp4's times e8m0 ones; global scale 1: the panels' one-term route): w4_exact_small_groups says when
+// every value times every scale is an fp32 of at most 8 significant bits with a zero low half (or inf / NaN, as the
+// table path gives them), whose high half is then the bf16 word itself. A chunk's codes are looked up once in the
+// value table and its one or two groups' scales multiply its halves in one vector -- no table per group, which
+// took most of the general path's time at 16 codes a group and half the aligned path's at 32.
+bool w4_exact_small_groups(const W4Operand& op, int terms) {
+  if (terms != 1 || op.G <= 1 || (op.group != 16 && op.group != 32) || op.offset != nullptr || op.global != 1.f)
     return false;
+  if (op.scale_enc != W4Scale::E4M3 && op.scale_enc != W4Scale::E8M0) return false;
   for (int c = 0; c < 16; c++) {
-    const float v = op.values[c], a = std::fabs(v);
+    const float v = op.values[c];
+    if (v == 0.f) continue;
     uint32_t bits;
     std::memcpy(&bits, &v, 4);
-    // at most 4 significant bits (e4m3 scales have 4), and far from fp32's subnormals and overflow
-    if (v != 0.f && ((bits & 0xFFFFF) != 0 || !(a > 0x1p-100f && a < 0x1p100f))) return false;
+    const int field = int(bits >> 23 & 0xFF);
+    // normal, at most 4 significant bits (e4m3 scales have 4), and far from fp32's overflow
+    if (field == 0 || (bits & 0xFFFFF) != 0 || !(std::fabs(v) < 0x1p100f)) return false;
+    // e4m3's smallest scale, 2^-9, keeps products above 2^-100 normal; e8m0's, 2^-127, makes them fp32 subnormals,
+    // whose low half stays zero where the value's lowest bit is at least 2^-6
+    const int lowest_bit = field - 127 - 23 + __builtin_ctz((bits & 0x7FFFFF) | 0x800000);
+    if (op.scale_enc == W4Scale::E4M3 ? !(std::fabs(v) > 0x1p-100f) : lowest_bit < -6) return false;
   }
   return true;
 }
 
-LOWBIT_TARGET_AVX512 void decode_row_bf16_g16(const W4Operand& op, int64_t row, int64_t k0, int64_t n, uint16_t* d) {
+LOWBIT_TARGET_AVX512 void decode_row_bf16_small_groups(const W4Operand& op, int64_t row, int64_t k0, int64_t n,
+                                                       uint16_t* d) {
   const float* byte_table = w4_byte_scale_table(op.scale_enc);
   const __m512 values = _mm512_loadu_ps(op.values);
   const __m512i high_words = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   const uint8_t* codes = op.codes + row * op.row_bytes();
   const uint8_t* scales = static_cast<const uint8_t*>(op.scale) + row * op.G;
+  const int shift = op.group == 16 ? 4 : 5;
   const int64_t k1 = std::min(op.K, k0 + n);
   for (int64_t k = k0; k < k1; k += kW4Chunk) {
-    const int64_t valid = k1 - k, g = k / 16;
-    // lane i holds codes 2i and 2i + 1: lanes 0-7 the chunk's first group, 8-15 its second
+    const int64_t valid = k1 - k, g = k >> shift, g1 = (k + std::min<int64_t>(valid, kW4Chunk) - 1) >> shift;
+    // lane i holds codes 2i and 2i + 1: lanes 0-7 the chunk's first 16 codes, 8-15 its second
     const __m512 s = _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(byte_table[scales[g]]),
-                                          _mm512_set1_ps(byte_table[scales[valid > 16 ? g + 1 : g]]));
+                                          _mm512_set1_ps(byte_table[scales[g1]]));
     const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
     const __m512 e = _mm512_mul_ps(_mm512_permutexvar_ps(b, values), s);  // vpermps reads the low 4 bits
     const __m512 o = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values), s);
@@ -842,13 +852,13 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
   const int64_t padded = (n + kW4Bf16Chunk - 1) / kW4Bf16Chunk * kW4Bf16Chunk;
   const int64_t k1 = std::min(op.K, k0 + n);
   const bool aligned = (op.G <= 1 || op.group % kW4Chunk == 0) && k0 % kW4Chunk == 0;
-  const bool exact_g16 = k0 % kW4Chunk == 0 && w4_exact_g16(op, terms);
+  const bool small_groups = k0 % kW4Chunk == 0 && w4_exact_small_groups(op, terms);
   for (int64_t a = 1; a < kPanelPrefetchRows && a < nrows; a++) prefetch_row_window(op, n0 + a, k0, k1);
   for (int64_t r = 0; r < nrows; r++) {
     uint16_t* d = dst + r * ldd;
     if (r + kPanelPrefetchRows < nrows) prefetch_row_window(op, n0 + r + kPanelPrefetchRows, k0, k1);
-    if (exact_g16) {
-      decode_row_bf16_g16(op, n0 + r, k0, n, d);
+    if (small_groups) {
+      decode_row_bf16_small_groups(op, n0 + r, k0, n, d);
     } else if (aligned) {
       if (terms == 1) decode_row_bf16_aligned<1>(op, n0 + r, k0, n, d, term_stride);
       else decode_row_bf16_aligned<2>(op, n0 + r, k0, n, d, term_stride);
