@@ -184,15 +184,18 @@ void group_values_to_float(W4Scale enc, const void* stored, int64_t count, float
 
 // A 4-bit weight as the bf16 panel GEMM reads it (fp8_matmul.h): the set's bf16 decode, natural order; the
 // global scale and the bias after the K reduction. Grouped (w4_grouped_exact): the decode sees unit scales --
-// values less zero points -- and the group scales, in fp32, multiply each group's sums. Those per-call copies
-// (9 bytes a group with biases: 8 MB at 14336 x 4096, group 64) live in the calling thread's Operand scratch,
-// reused from call to call: as fresh allocations their page faults were a seventh of uint4's M = 64 product.
+// values less zero points -- and the group scales, in fp32, multiply each group's sums. Without zero points every
+// group's decode table is the values themselves, so the decode sees one unit-scale group a row (a table per row
+// and window instead of one per group: a third of uint4 g64's decode). Those per-call copies (8 bytes a group
+// with biases: 7 MB at 14336 x 4096, group 64) live in the calling thread's Operand scratch, reused from call to
+// call: as fresh allocations their page faults were a seventh of uint4's M = 64 product.
 struct W4PanelWeight final : PanelWeight {
   W4Operand op;  // global = 1 for the decode: the global scale multiplies the sums
   const W4Kernels& kern;
   float global;
-  const float* group_scales = nullptr;  // grouped: [N][G] fp32
-  const float* group_biases = nullptr;  // grouped, with biases: [N][G] fp32 (the decode sees none)
+  int64_t groups = 0;                   // grouped: the weight's groups a row
+  const float* group_scales = nullptr;  // grouped: [N][groups] fp32
+  const float* group_biases = nullptr;  // grouped, with biases: [N][groups] fp32 (the decode sees none)
   W4PanelWeight(const W4Operand& o, const W4Kernels& k, int term_count, bool grouped = false) : op(o), kern(k) {
     op.global = 1.f;
     global = o.global;
@@ -204,10 +207,13 @@ struct W4PanelWeight final : PanelWeight {
     if (grouped) {
       block = true;
       block_k = op.group;
+      groups = op.G;
       const int64_t count = op.N * op.G;
       const bool biases = o.offset_kind == W4Offset::Bias && o.offset != nullptr;
+      const bool zero_points = o.offset_kind == W4Offset::ZeroPoint && o.offset != nullptr;
       const int64_t floats = ceil_div(count, 16) * 16;  // each array on its own cache lines
-      auto* buf = scratch<uint8_t>(Slot::Operand, size_t(floats * 4 * (biases ? 2 : 1) + count));
+      const int64_t units = zero_points ? count : op.N;  // the decode's unit scales: per group or per row
+      auto* buf = scratch<uint8_t>(Slot::Operand, size_t(floats * 4 * (biases ? 2 : 1) + units));
       float* scales = reinterpret_cast<float*>(buf);
       group_values_to_float(o.scale_enc, o.scale, count, scales);
       group_scales = scales;
@@ -218,13 +224,14 @@ struct W4PanelWeight final : PanelWeight {
         op.offset = nullptr;
         op.offset_kind = W4Offset::None;
       }
-      uint8_t* units = buf + floats * 4 * (biases ? 2 : 1);  // an E8M0 1 for each group
-      std::memset(units, 127, size_t(count));
-      op.scale = units;
+      uint8_t* unit = buf + floats * 4 * (biases ? 2 : 1);  // E8M0 1s
+      std::memset(unit, 127, size_t(units));
+      op.scale = unit;
       op.scale_enc = W4Scale::E8M0;
+      if (!zero_points) op.G = 1;  // the row as one group
     }
   }
-  const float* block_scale_row(int64_t n) const override { return group_scales + n * op.G; }
+  const float* block_scale_row(int64_t n) const override { return group_scales + n * groups; }
   const float* block_offsets() const override { return group_biases; }
   void decode(int64_t r0, int64_t nr, int64_t k0, int64_t n, uint16_t* dst, int64_t ld,
               int64_t term_stride) const override {
