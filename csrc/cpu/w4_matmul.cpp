@@ -228,7 +228,10 @@ struct W4PanelWeight final : PanelWeight {
       std::memset(unit, 127, size_t(units));
       op.scale = unit;
       op.scale_enc = W4Scale::E8M0;
-      if (!zero_points) op.G = 1;  // the row as one group
+      if (!zero_points) {  // the row as one group, as a per-channel operand holds it
+        op.G = 1;
+        op.group = std::max<int64_t>(op.K, 1);
+      }
     }
   }
   const float* block_scale_row(int64_t n) const override { return group_scales + n * groups; }
