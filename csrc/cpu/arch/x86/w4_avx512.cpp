@@ -809,12 +809,12 @@ LOWBIT_TARGET_AVX512 void decode_row_bf16_small_groups(const W4Operand& op, int6
     // lane i holds codes 2i and 2i + 1: lanes 0-7 the chunk's first 16 codes, 8-15 its second
     const __m512 s = _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(byte_table[scales[g]]),
                                           _mm512_set1_ps(byte_table[scales[g1]]));
-    const __m512i b = _mm512_cvtepu8_epi32(load_codes(codes + k / 2, valid));
-    const __m512 e = _mm512_mul_ps(_mm512_permutexvar_ps(b, values), s);  // vpermps reads the low 4 bits
-    const __m512 o = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values), s);
-    // o's high half over e's: 0xCA is (A & B) | (~A & C)
-    const __m512i words = _mm512_ternarylogic_epi32(high_words, _mm512_castps_si512(o),
-                                                    _mm512_srli_epi32(_mm512_castps_si512(e), 16), 0xCA);
+    __m512 e, o;
+    lookup<false>(load_codes(codes + k / 2, valid), values, values, e, o);
+    // o * s's high half over e * s's: 0xCA is (A & B) | (~A & C)
+    const __m512i words =
+        _mm512_ternarylogic_epi32(high_words, _mm512_castps_si512(_mm512_mul_ps(o, s)),
+                                  _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(e, s)), 16), 0xCA);
     if (valid >= kW4Chunk) _mm512_storeu_si512(d + (k - k0), words);
     else _mm512_storeu_si512(d + (k - k0), _mm512_maskz_mov_epi16(__mmask32((uint64_t(1) << valid) - 1), words));
   }
