@@ -213,7 +213,8 @@ struct W4PanelWeight final : PanelWeight {
       const bool zero_points = o.offset_kind == W4Offset::ZeroPoint && o.offset != nullptr;
       const int64_t floats = ceil_div(count, 16) * 16;  // each array on its own cache lines
       const int64_t units = zero_points ? count : op.N;  // the decode's unit scales: per group or per row
-      auto* buf = scratch<uint8_t>(Slot::Operand, size_t(floats * 4 * (biases ? 2 : 1) + units));
+      const int64_t float_bytes = floats * 4 * (biases ? 2 : 1);
+      auto* buf = scratch<uint8_t>(Slot::Operand, size_t(float_bytes + units));
       float* scales = reinterpret_cast<float*>(buf);
       group_values_to_float(o.scale_enc, o.scale, count, scales);
       group_scales = scales;
@@ -224,7 +225,7 @@ struct W4PanelWeight final : PanelWeight {
         op.offset = nullptr;
         op.offset_kind = W4Offset::None;
       }
-      uint8_t* unit = buf + floats * 4 * (biases ? 2 : 1);  // E8M0 1s
+      uint8_t* unit = buf + float_bytes;  // E8M0 1s
       std::memset(unit, 127, size_t(units));
       op.scale = unit;
       op.scale_enc = W4Scale::E8M0;
