@@ -55,6 +55,32 @@ float quantize_row_portable(const float* x, int64_t K, int8_t* q);
 // q = 0 unless scale > 0 (so a NaN scale gives 0)
 void quantize_with_scale(const float* x, int64_t K, float scale, int8_t* q);
 
+// The row pointers of a GEMV tile that steps its MR activation rows and NR weight rows (K values apart) S values
+// at a time: xp / wp at column k of every row ...
+template <int MR, int NR>
+inline void int8_tile_rows_at(const int8_t* x, const int8_t* w, int64_t K, int64_t k, const int8_t* (&xp)[MR],
+                              const int8_t* (&wp)[NR]) {
+  for (int m = 0; m < MR; m++) xp[m] = x + m * K + k;
+  for (int r = 0; r < NR; r++) wp[r] = w + r * K + k;
+}
+// ... and, for the last, partial step, at copies of columns [full, K) zero-padded to S values in xt / wt: the
+// step never reads past a row.
+template <int MR, int NR, int S>
+inline void int8_tile_rows_padded(const int8_t* x, const int8_t* w, int64_t K, int64_t full, int8_t (&xt)[MR][S],
+                                  int8_t (&wt)[NR][S], const int8_t* (&xp)[MR], const int8_t* (&wp)[NR]) {
+  const size_t n = size_t(K - full);
+  for (int m = 0; m < MR; m++) {
+    std::memcpy(xt[m], x + m * K + full, n);
+    std::memset(xt[m] + n, 0, S - n);
+    xp[m] = xt[m];
+  }
+  for (int r = 0; r < NR; r++) {
+    std::memcpy(wt[r], w + r * K + full, n);
+    std::memset(wt[r] + n, 0, S - n);
+    wp[r] = wt[r];
+  }
+}
+
 // The GEMV tiles are templates over <activation rows MR, weight rows NR>; a call runs the instantiation
 // Tiles::get<MR, NR>() for its run-time (mr, nr), picked from one table built once per tile family.
 using Int8GemvTileFn = void (*)(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc);

@@ -40,20 +40,12 @@ LOWBIT_TARGET_DOTPROD void gemv_tile_t(const int8_t* x, const int8_t* w, int64_t
   for (int64_t k = 0; k < full; k += kStep) {
     if ((k & 63) == 0)  // each weight row its own stream (gemv_prefetch.h)
       for (int r = 0; r < NR; r++) __builtin_prefetch(prefetch(r, k));
-    for (int m = 0; m < MR; m++) xp[m] = x + m * K + k;
-    for (int r = 0; r < NR; r++) wp[r] = w + r * K + k;
+    int8_tile_rows_at(x, w, K, k, xp, wp);
     dot_step<MR, NR>(acc, xp, wp);
   }
-  if (full < K) {  // the tail through zero-padded copies: never read past a row
-    int8_t xt[MR][kStep] = {}, wt[NR][kStep] = {};
-    for (int m = 0; m < MR; m++) {
-      std::memcpy(xt[m], x + m * K + full, size_t(K - full));
-      xp[m] = xt[m];
-    }
-    for (int r = 0; r < NR; r++) {
-      std::memcpy(wt[r], w + r * K + full, size_t(K - full));
-      wp[r] = wt[r];
-    }
+  if (full < K) {
+    int8_t xt[MR][kStep], wt[NR][kStep];
+    int8_tile_rows_padded(x, w, K, full, xt, wt, xp, wp);
     dot_step<MR, NR>(acc, xp, wp);
   }
   for (int m = 0; m < MR; m++)

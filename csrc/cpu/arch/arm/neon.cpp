@@ -209,20 +209,12 @@ void gemv_tile_t(const int8_t* x, const int8_t* w, int64_t K, int32_t* out) {
   const int8_t* wp[NR];
   const int64_t full = K / kStep * kStep;
   for (int64_t k = 0; k < full; k += kStep) {
-    for (int m = 0; m < MR; m++) xp[m] = x + m * K + k;
-    for (int r = 0; r < NR; r++) wp[r] = w + r * K + k;
+    int8_tile_rows_at(x, w, K, k, xp, wp);
     gemv_step<MR, NR>(acc, xp, wp);
   }
-  if (full < K) {  // the tail through zero-padded copies: never read past a row
-    int8_t xt[MR][kStep] = {}, wt[NR][kStep] = {};
-    for (int m = 0; m < MR; m++) {
-      std::memcpy(xt[m], x + m * K + full, size_t(K - full));
-      xp[m] = xt[m];
-    }
-    for (int r = 0; r < NR; r++) {
-      std::memcpy(wt[r], w + r * K + full, size_t(K - full));
-      wp[r] = wt[r];
-    }
+  if (full < K) {
+    int8_t xt[MR][kStep], wt[NR][kStep];
+    int8_tile_rows_padded(x, w, K, full, xt, wt, xp, wp);
     gemv_step<MR, NR>(acc, xp, wp);
   }
   for (int m = 0; m < MR; m++)
