@@ -54,15 +54,8 @@ def test_llmcompressor_checkpoint_computes_the_writers_dequantized_model(llmc_wr
     assert (scheme == "W4A16_ASYM") == all(m.weight_offset is not None for m in w4)
     W4.assert_same_model(ours, W4.dense_model(W4.ct_float64_reference(path, tmp_path / "ref")))
     if scheme != "NVFP4A16":  # compressed-tensors' own nvfp4 decompression rounds scale / global_scale to bf16
-        theirs = transformers_reload(path)
+        theirs = W4.transformers_reload(path)
         W4.assert_same_model(ours, theirs)
-
-
-def transformers_reload(path):
-    """transformers 5.24 + compressed-tensors 0.20 decompressing the checkpoint to fp32 (the writer's stack)."""
-    cfg = W4.transformers.CompressedTensorsConfig(dequantize=True)
-    return W4.transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                                quantization_config=cfg).eval()
 
 
 @pytest.mark.parametrize("arch,scheme", LLMC_CASES)
@@ -83,7 +76,7 @@ def test_save_quantized_of_a_llmcompressor_checkpoint_reads_back_in_transformers
     if scheme == "NVFP4A16":
         W4.assert_same_model(ours, W4.dense_model(W4.ct_float64_reference(tmp_path / "saved", tmp_path / "ref")))
     else:
-        W4.assert_same_model(ours, transformers_reload(tmp_path / "saved"))
+        W4.assert_same_model(ours, W4.transformers_reload(tmp_path / "saved"))
 
 
 # --------------------------------------------------------------------------------------------------------- mlx

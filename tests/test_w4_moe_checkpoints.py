@@ -49,13 +49,6 @@ def _experts(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, W4Experts)}
 
 
-def transformers_reload(path):
-    """transformers 5.24 + compressed-tensors 0.20 decompressing the checkpoint to fp32 (the writer's stack)."""
-    cfg = W4.transformers.CompressedTensorsConfig(dequantize=True)
-    return W4.transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                                quantization_config=cfg).eval()
-
-
 # ------------------------------------------------------------------------------------------------ llmcompressor
 @pytest.mark.parametrize("arch,scheme", LLMC_CASES)
 def test_llmcompressor_moe_checkpoint_computes_the_writers_dequantized_model(moe_llmc_written, tmp_path, arch,
@@ -73,7 +66,7 @@ def test_llmcompressor_moe_checkpoint_computes_the_writers_dequantized_model(moe
     if (arch, scheme) == ("qwen3_moe", "W4A16"):
         # where the writer's stack reads its own MoE checkpoint: transformers cannot read llmcompressor's Mixtral
         # experts names, and compressed-tensors 0.20 decompresses stacked nvfp4 experts wrong
-        W4.assert_same_model(ours, transformers_reload(path))
+        W4.assert_same_model(ours, W4.transformers_reload(path))
 
 
 @pytest.mark.parametrize("arch,scheme", [("qwen3_moe", "NVFP4A16"), ("mixtral", "W4A16")])  # each format, each arch
@@ -103,13 +96,13 @@ def test_save_quantized_of_a_llmcompressor_moe_checkpoint_reads_back(moe_llmc_wr
     if scheme == "NVFP4A16":
         W4.assert_same_model(ours, W4.dense_model(W4.ct_float64_reference(tmp_path / "saved", tmp_path / "ref")))
     else:
-        W4.assert_same_model(ours, transformers_reload(tmp_path / "saved"))
+        W4.assert_same_model(ours, W4.transformers_reload(tmp_path / "saved"))
 
 
 def test_save_pretrained_of_a_loaded_moe_model_writes_what_transformers_reads(moe_llmc_written, tmp_path):
     ours, _ = _ours(moe_llmc_written["qwen3_moe", "W4A16"])
     ours.save_pretrained(tmp_path / "saved")
-    W4.assert_same_model(ours, transformers_reload(tmp_path / "saved"))
+    W4.assert_same_model(ours, W4.transformers_reload(tmp_path / "saved"))
 
 
 def test_gate_and_up_with_different_global_scales_are_refused(moe_llmc_written, tmp_path):

@@ -282,6 +282,13 @@ def write_mlx_cases(root, dense_dirs, cases, without_reference=()):
 
 
 # ------------------------------------------------------------------------------------------------- comparisons
+def transformers_reload(path):
+    """transformers 5.24 + compressed-tensors 0.20 decompressing the checkpoint to fp32 (the writer's stack)."""
+    cfg = transformers.CompressedTensorsConfig(dequantize=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             quantization_config=cfg).eval()
+
+
 def dense_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
