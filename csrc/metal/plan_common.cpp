@@ -57,6 +57,11 @@ uint32_t checked_u32(const char* what, int64_t v) {
   return uint32_t(v);
 }
 
+void grid_over_tiles(Dispatch& d, const TileGeometry& tile, int64_t rows, int64_t cols) {
+  d.grid({checked_u32("grid x", ceil_div(cols, tile.bn)), checked_u32("grid y", ceil_div(rows, tile.bm)), 1},
+         {tile.threads, 1, 1});
+}
+
 bool vector_access_ok(int64_t bytes, int64_t row_elems, std::initializer_list<at::Tensor> buffers) {
   for (const at::Tensor& t : buffers) {
     const int64_t es = int64_t(t.element_size());

@@ -72,8 +72,7 @@ at::Tensor plan_int8_mm(Target t, const at::Tensor& xq, const at::Tensor& x_scal
             checked_u32("grid y", ceil_div(a.N, kInt8GemvSimdgroups * kInt8GemvRows)), 1},
            {kInt8GemvSimdgroups * 32, 1, 1});
   } else {
-    d.grid({checked_u32("grid x", ceil_div(a.N, v.tile.bn)), checked_u32("grid y", ceil_div(a.M, v.tile.bm)), 1},
-           {v.tile.threads, 1, 1});
+    grid_over_tiles(d, v.tile, a.M, a.N);
   }
   t.run(d);
   return out.view(a.out_shape);

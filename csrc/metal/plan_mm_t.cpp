@@ -33,8 +33,7 @@ void run_mm_t(Target t, const KernelVariant<MmTKernel>& v, const at::Tensor& g, 
   Dispatch d(kernel_name(v.base, g.scalar_type()));
   d.buffer("grad_out", g).buffer("weight", w_bits).buffer("scale", scale);
   d.buffer("out", out, Access::Write).value("params", p);
-  d.grid({checked_u32("grid x", ceil_div(K, v.tile.bn)), checked_u32("grid y", ceil_div(M, v.tile.bm)), 1},
-         {v.tile.threads, 1, 1});
+  grid_over_tiles(d, v.tile, M, K);
   t.run(d);
 }
 

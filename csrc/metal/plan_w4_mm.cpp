@@ -48,8 +48,7 @@ at::Tensor plan_w4_mm(Target t, const at::Tensor& x, const at::Tensor& codes, co
       break;
     case MmWidthClass::Gemm16:
     case MmWidthClass::Gemm32:
-      d.grid({checked_u32("grid x", ceil_div(N, v.tile.bn)), checked_u32("grid y", ceil_div(M, v.tile.bm)), 1},
-             {v.tile.threads, 1, 1});
+      grid_over_tiles(d, v.tile, M, N);
       break;
   }
   t.run(d);

@@ -139,6 +139,10 @@ ScaleParams scale_params(const ScaleLayout& l);
 
 uint32_t checked_u32(const char* what, int64_t v);  // sizes travel as 32-bit in params structs
 
+// A tiled kernel's grid: one threadgroup of tile.threads threads per tile.bm x tile.bn block of a rows x cols
+// output (grid x over the columns, y over the rows).
+void grid_over_tiles(Dispatch& d, const TileGeometry& tile, int64_t rows, int64_t cols);
+
 // May a kernel use `bytes`-byte vector loads / stores on every one of `buffers`, whose rows hold row_elems
 // elements each? MSL needs a vector access aligned to its size, and mps binds a tensor at
 // storage_offset * element_size bytes into its MTLBuffer: so each buffer's byte offset and its row pitch
