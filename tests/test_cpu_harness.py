@@ -75,11 +75,12 @@ def test_every_supported_set_matches_the_references(host_objects):
     exe = link(HOST_CXX, list(objs.values()), os.path.join(out, "harness"))
     r = run([exe])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    from torch_lowbit.testing import cpu_kernel_sets  # the harness and _C agree on the sets and their support
+    # the harness and _C agree on the sets, their support and the set this CPU runs
+    from torch_lowbit.testing import cpu_kernel_sets, default_cpu_isa
     expected = [f"ok {name}:" if ok else f"skipped {name}:" for name, ok in cpu_kernel_sets()]
     lines = r.stdout.splitlines()
     assert [line.split(" ")[0] + " " + line.split(" ")[1] for line in lines[:-1]] == expected, r.stdout
-    assert lines[-1] == "selected " + [name for name, ok in cpu_kernel_sets() if ok][-1], r.stdout
+    assert lines[-1] == "selected " + default_cpu_isa(), r.stdout
 
 
 def vex_vnni_instructions(obj):
@@ -174,6 +175,35 @@ def test_planted_x86_bug_fails_the_harness(host_objects, src, text, planted, wha
     if "lacks its features" in r.stdout:
         pytest.skip(f"this CPU cannot run the {set_name} set")
     assert r.returncode == 1 and f"FAILED {set_name}" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
+
+
+# Planted bugs in the digit-plane GEMV (w4_kernels.h), which the avx512amx set runs (on any AVX-512 CPU, by name)
+PLANE_PLANTS = [
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "        if (exact) {\n", "        if (true) {\n",
+     "a step whose values span 16 binades multiplied through its (empty) planes"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "      a = _mm512_slli_epi32(a, 8);\n      a = _mm512_dpbusd_epi32(a, even, _mm512_loadu_si512(d[2][0]));",
+     "      a = _mm512_slli_epi32(a, 7);\n      a = _mm512_dpbusd_epi32(a, even, _mm512_loadu_si512(d[2][0]));",
+     "the last digit plane joins the sum one bit off"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "plane_neg_off = _mm512_set1_epi32(-pc.off);",
+     "plane_neg_off = _mm512_set1_epi32(pc.off);", "the codes' offset added instead of taken off"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "constexpr bool kLookup = kPlanes == Planes::Lookup;",
+     "constexpr bool kLookup = false;", "E2M1 codes multiplied as their nibbles"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "    over |= _mm512_cmpgt_epi32_mask(i, imax);\n", "",
+     "the pack keeps 255 with 2^-8, whose top digit (128) wraps to -128"),
+    ("csrc/cpu/arch/x86/w4_avx512.cpp", "normal[q] = _mm512_mask_cmpneq_epi32_mask(~top, e[q], _mm512_setzero_si512());",
+     "normal[q] = ~top;", "the pack takes zeros and denormals for values of exponent 0"),
+]
+
+
+@needs_host_cxx
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 kernel sets")
+@pytest.mark.parametrize("src,text,planted,what", PLANE_PLANTS, ids=[p[3] for p in PLANE_PLANTS])
+def test_planted_plane_bug_fails_the_harness(host_objects, src, text, planted, what):
+    exe, _ = planted_harness(HOST_CXX, host_objects, PLANE_PLANTS, (src, text, planted, what))
+    r = run([exe, "--first-failure", "avx512amx"])
+    if "lacks its features" in r.stdout:
+        pytest.skip("this CPU cannot run the avx512amx set")
+    assert r.returncode == 1 and "FAILED avx512amx" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
 
 
 # ---- the Arm sets, cross-compiled and run under qemu-aarch64 ----

@@ -15,7 +15,8 @@ _THREADS = torch.get_num_threads()
 from reference import assert_matmul_close, fp8_bits_to_f64, random_fp8_bits, ref_fp8_grouped_mm, ref_fp8_mm, \
     ref_int8_mm, ref_int8_quantize
 from torch_lowbit import _C
-from torch_lowbit.testing import cpu_amx_gemm, cpu_gemm_route, cpu_isa, forced_cpu_isa, supported_cpu_isas
+from torch_lowbit.testing import (cpu_amx_gemm, cpu_gemm_route, cpu_isa, default_cpu_isa, forced_cpu_isa,
+                                  supported_cpu_isas)
 
 ISAS = supported_cpu_isas()  # the levels this CPU supports, portable first
 ops = torch.ops.lowbit
@@ -40,7 +41,8 @@ def test_scratch_guard_faults_past_the_request():
 def test_portable_is_always_available():
     with forced_cpu_isa("portable"):
         assert cpu_isa() == "portable"
-    assert cpu_isa() == ISAS[-1]
+    assert cpu_isa() == default_cpu_isa()
+    assert default_cpu_isa() in ISAS
 
 
 @pytest.mark.parametrize("M", [1, 2, 5, 7, 8, 33, 130])  # GEMV 1 row / 2 rows / row groups; GEMM
@@ -185,8 +187,8 @@ def amx(request):
 
 
 def test_gemm_route_follows_the_cap(isa, amx):
-    # AMX where on; else the set's bf16 GEMM at the avx512 cap (AVX-512 BF16 is part of that set), fp32 panels below
-    want = "amx" if amx == "amx" else "bf16" if isa == "avx512" else "fp32"
+    # AMX where on; else the set's bf16 GEMM at the AVX-512 sets (AVX-512 BF16 is part of them), fp32 panels below
+    want = "amx" if amx == "amx" else "bf16" if isa in ("avx512", "avx512amx") else "fp32"
     assert cpu_gemm_route() == want
 
 
@@ -517,3 +519,26 @@ def test_int8_quantize_large_rows(isa):
     q, s = ops.int8_quantize(x)
     assert torch.equal(s, x.float().abs().amax(-1) / 127)
     assert (q.float() - x.float() / s[:, None]).abs().max() <= 0.5 + 1e-3
+
+
+def cpuinfo_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif("avx512amx" not in ISAS, reason="the avx512amx set needs AVX-512")
+def test_the_amx_tuned_set_runs_by_default_exactly_on_amx_cores():
+    # avx512amx (the 4-bit GEMV on byte digit planes) is tuned for the cores with AMX; elsewhere the avx512 set runs
+    # unless a cap names it. The choice reads CPUID; Linux's flags are the reference
+    flags = cpuinfo_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags")
+    amx = {"amx_bf16", "amx_tile", "amx_int8"} <= flags
+    assert default_cpu_isa() == ("avx512amx" if amx else "avx512")
+    with forced_cpu_isa("avx512amx"):
+        assert cpu_isa() == "avx512amx"
+    with forced_cpu_isa("avx512"):
+        assert cpu_isa() == "avx512"

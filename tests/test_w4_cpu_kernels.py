@@ -147,6 +147,29 @@ def test_w4_mm_bf16_gemv_nonfinite(isa, M, group):
         assert_matmul_close(out[keep], ref[keep], absref[keep], acc_rtol=1e-5)
 
 
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("fmt,group", [("int4", 128), ("nvfp4", 16), ("mxfp4", 32)])
+def test_w4_mm_bf16_gemv_steps_spanning_many_binades(isa, M, fmt, group):
+    # bf16 x in the digit planes (w4_kernels.h; the avx512amx set) is exact in a 128-code step whose values span
+    # at most 15 binades; wider steps take the bf16 step. Here one value of each step is 2^14 .. 2^17 times the
+    # others and meets codes of value 0 in every row, so each output is the small values' sum alone: a step
+    # rounded to its large value's precision would lose it, a step taken as exact with 16 binades garbles it
+    g = torch.Generator().manual_seed(11 + M)
+    N, K = 21, 640
+    codes, scale, off, gs = random_w4(fmt, N, K, group, g, global_scale=True, scale_dtype=torch.bfloat16)
+    zero_code = {"int4": 8, "nvfp4": 0, "mxfp4": 0}[fmt]
+    x = (torch.rand(M, K, generator=g) + 1).to(torch.bfloat16)  # one binade: [1, 2)
+    for step in range(K // 128):
+        k = 128 * step + 5 + 2 * step  # odd and even positions: high and low nibbles
+        x[:, k] = 2.0 ** (14 + step % 4)  # 15, 16, 17, 18 binades with the rest
+        byte = codes[:, k // 2]
+        codes[:, k // 2] = (byte & 0x0F) | (zero_code << 4) if k % 2 else (byte & 0xF0) | zero_code
+    x[:, 3] = -x[:, 3]
+    out = ops.w4_mm(x, codes, scale, fmt, group, off, gs)
+    ref, absref = ref_w4_mm(x, fmt, codes, scale, group, off, gs)
+    assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
+
+
 @pytest.mark.parametrize("M", [1, 3, GEMM_ROWS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_w4_mm_every_byte_scale(isa, M, dtype):

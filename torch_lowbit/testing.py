@@ -1,8 +1,9 @@
 """Test switches for the CPU backend.
 
 The CPU kernels run one kernel set, picked at run time: the last set of this build's list (``cpu_kernel_sets()``,
-from _C: portable, then this architecture's levels, e.g. avx2 (AVX2 + FMA + F16C), avxvnni, avx512 on x86) that the
-CPU supports. ``forced_cpu_isa("portable")`` caps it inside a block, so tests run every set on one machine.
+from _C: portable, then this architecture's levels, e.g. avx2 (AVX2 + FMA + F16C), avxvnni, avx512, avx512amx on x86)
+that the CPU supports and that is tuned for it (avx512amx: for cores with AMX; ``default_cpu_isa()``).
+``forced_cpu_isa("portable")`` caps it inside a block, so tests run every set the CPU supports on one machine.
 """
 import contextlib
 
@@ -27,10 +28,16 @@ def supported_cpu_isas() -> tuple:
     return tuple(name for name, supported in cpu_kernel_sets() if supported)
 
 
+def default_cpu_isa() -> str:
+    """The set the CPU kernels use without a cap: the last supported set that is tuned for this CPU."""
+    with forced_cpu_isa("best"):
+        return cpu_isa()
+
+
 @contextlib.contextmanager
 def forced_cpu_isa(name: str):
-    """Cap the CPU kernels at the set ``name`` (one of ``CPU_ISA_LEVELS``, or ``"best"``) inside this block: the
-    last set up to it that the CPU supports runs."""
+    """Cap the CPU kernels at the set ``name`` (one of ``CPU_ISA_LEVELS``, or ``"best"``: no cap) inside this block:
+    that set where the CPU supports it, else the last set before it that the CPU supports and is tuned for."""
     previous = _C._cpu_set_isa(name)
     try:
         yield

@@ -323,11 +323,11 @@ W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op
   W4GemvActivations a;
   a.K = op.K;
   a.bf16 = std::is_same_v<T, c10::BFloat16> && kern.gemv_rows_bf16 && kern.gemv_bf16_takes(op);
-  if (a.bf16 && op.offset && op.offset_kind != W4Offset::None) {
-    a.group = op.G <= 1 ? op.K : op.group;
-    a.group_sums = w4_bf16_group_sums(op);
-  }
-  if (a.bf16) a.pack_bf16_row = kern.pack_bf16_row;
+  if (!a.bf16) return a;
+  a.group_sums = w4_bf16_row_group_sums(op);
+  if (a.group_sums) a.group = op.G <= 1 ? op.K : op.group;
+  a.pack_bf16_row = kern.pack_bf16_row;
+  a.planes = kern.bf16_planes;  // written by the set's own pack
   return a;
 }
 

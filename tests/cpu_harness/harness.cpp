@@ -504,23 +504,48 @@ void check_w4_bf16_panels(const KernelSet& s, const W4Operand& plain, const char
     }
 }
 
+// x for the bf16 GEMV: normal values, or (kHard) steps of 128 that send the digit planes (w4_kernels.h) down each
+// of their ways -- by (step + row) % 8: normal; a value 2^20 times the rest (16 binades: the bf16 step); +-254 with
+// 2^-8 (15 binades, the largest integers the digits hold, both signs); 255 with 2^-8 (one past them); zeros and
+// denormals; an inf or a NaN; values near 2^-118 (2^e below the planes' floor); normal with a few denormals.
+enum class W4XKind { Normal, Hard };
+uint16_t w4_x_value(W4XKind kind, int m, int64_t k, std::normal_distribution<float>& normal) {
+  const uint16_t v = float_to_bf16_bits(normal(g_rng));
+  if (kind == W4XKind::Normal) return v;
+  const int64_t j = k % kW4Bf16Step;
+  switch ((k / kW4Bf16Step + m) % 8) {
+    case 1: return j == 5 ? float_to_bf16_bits(normal(g_rng) * 1048576.f) : v;
+    case 2: return j == 3 ? 0x437E : j == 4 ? 0xC37E : j == 9 ? 0x3B80 : uint16_t(v & 0x807F) | 0x3F80;
+    case 3: return j == 7 ? 0x437F : j == 8 ? 0x3B80 : uint16_t(v & 0x807F) | 0x3F80;
+    case 4: return j % 3 == 0 ? uint16_t(v & 0x807F) : uint16_t(0);
+    case 5: return j == 11 ? (m % 2 ? 0x7F80 : 0x7FC0) : v;
+    case 6: return uint16_t(v & 0x807F) | 0x0480;
+    case 7: return j % 17 == 0 ? uint16_t(v & 0x807F) : v;
+    default: return v;
+  }
+}
+
 // The bf16-activation GEMV over ranges of rows (where a set has one and takes the weight): x packed here in the
-// bf16 order (w4_kernels.h), with the fp32 group sums behind each row for weights with offsets, against float64.
-// The kernel scales each group's sum once (the contract), so its bound is that of fp32 sums over |x| (|v s| + |o|);
-// a row with a non-finite weight must give a non-finite sum (NaN or inf: the contract allows either). The set's
-// activation pack, where it has one, must give the same words and sums within their bound.
-void check_w4_gemv_rows_bf16(const KernelSet& s, const W4Operand& op, const char* fmt) {
+// bf16 order (w4_kernels.h), with the fp32 group sums behind each row for weights with offsets, and the set's digit
+// planes where it reads them, against float64. The kernel scales each group's sum once (the contract), so its bound
+// is that of fp32 sums over |x| (|v s| + |o|); a row with a non-finite weight or x must give a non-finite sum (NaN
+// or inf: the contract allows either). The set's activation pack, where it has one, must give the same words and
+// sums within their bound, and the planes of w4_plane_step bit for bit.
+void check_w4_gemv_rows_bf16(const KernelSet& s, const W4Operand& op, const char* fmt,
+                             W4XKind kind = W4XKind::Normal) {
   if (!s.w4.gemv_rows_bf16 || !s.w4.gemv_bf16_takes(op)) return;
   const int64_t N = op.N, K = op.K, Kp = w4_bf16_padded(K);
   const bool offsets = op.offset != nullptr && op.offset_kind != W4Offset::None;
-  const int64_t gs = offsets ? w4_bf16_group_sums(op) : 0, ldx = Kp + 2 * gs + 6, group = op.G <= 1 ? K : op.group;
+  const int64_t gs = offsets ? w4_bf16_group_sums(op) : 0, group = op.G <= 1 ? K : op.group;
+  const int64_t plane_words = s.w4.bf16_planes ? w4_plane_steps_bytes(K) / 2 : 0;
+  const int64_t ldx = Kp + 2 * gs + plane_words + 6;
   std::normal_distribution<float> normal(0.f, 1.f);
   Buf<uint16_t> xp(size_t(kMaxTileRows * ldx + 64), 0);
   std::vector<double> xv(size_t(kMaxTileRows * K));
   for (int m = 0; m < kMaxTileRows; m++) {
     uint16_t* row = xp.p + m * ldx;
     for (int64_t k = 0; k < K; k++) {
-      row[w4_bf16_pos(k)] = float_to_bf16_bits(normal(g_rng));
+      row[w4_bf16_pos(k)] = w4_x_value(kind, m, k, normal);
       xv[size_t(m * K + k)] = w4_bf16_float(row[w4_bf16_pos(k)]);
     }
     std::fill(row + Kp, row + ldx, uint16_t(0xFFFF));  // past the sums: NaN, which nothing may read
@@ -532,7 +557,7 @@ void check_w4_gemv_rows_bf16(const KernelSet& s, const W4Operand& op, const char
     }
     if (s.w4.pack_bf16_row) {
       const double* xin = xv.data() + m * K;
-      std::vector<uint16_t> nat(static_cast<size_t>(K)), got(size_t(Kp + 2 * gs), 0xBEEF);
+      std::vector<uint16_t> nat(static_cast<size_t>(K)), got(size_t(Kp + 2 * gs + plane_words), 0xBEEF);
       for (int64_t k = 0; k < K; k++) nat[size_t(k)] = float_to_bf16_bits(float(xin[k]));
       s.w4.pack_bf16_row(nat.data(), K, group, gs, got.data());
       CHECK(std::equal(got.begin(), got.begin() + Kp, row), "w4 pack_bf16_row %s K=%lld: words differ", fmt,
@@ -542,9 +567,21 @@ void check_w4_gemv_rows_bf16(const KernelSet& s, const W4Operand& op, const char
         std::memcpy(&v, got.data() + Kp + 2 * g, 4);
         double mag = 0;
         for (int64_t k = g * group; k < std::min(K, (g + 1) * group); k++) mag += std::fabs(xin[k]);
-        CHECK(std::fabs(double(v) - sums[g]) <= double(group + 16) * std::ldexp(mag, -23),
+        CHECK(std::isfinite(mag) ? std::fabs(double(v) - sums[g]) <= double(group + 16) * std::ldexp(mag, -23)
+                                 : !std::isfinite(v),
               "w4 pack_bf16_row %s K=%lld group sum %lld: %.9g vs %.9g", fmt, (long long)K, (long long)g, double(v),
               double(sums[g]));
+      }
+      if (plane_words) {  // the planes: w4_plane_step's bytes, and behind the row's sums, where the GEMV reads them
+        const uint16_t* planes = got.data() + Kp + 2 * gs;
+        int differ = 0;
+        for (int64_t k = 0; k < Kp; k += kW4Bf16Step) {
+          W4PlaneStep want;
+          w4_plane_step(nat.data() + k, K - k, want);
+          differ += std::memcmp(&want, planes + k / kW4Bf16Step * int64_t(sizeof want) / 2, sizeof want) != 0;
+        }
+        CHECK(differ == 0, "w4 pack_bf16_row %s K=%lld: %d plane steps differ", fmt, (long long)K, differ);
+        std::copy(planes, planes + plane_words, row + Kp + 2 * gs);
       }
     }
   }
@@ -652,6 +689,7 @@ void check_w4(const KernelSet& s) {
             if (offset && f.offset == W4Offset::None) continue;
             const W4Case c = make_w4(f, W4Scale(enc), offset, 11, K, group, false);
             check_w4_gemv_rows_bf16(s, c.op, f.name);
+            if (s.w4.bf16_planes) check_w4_gemv_rows_bf16(s, c.op, f.name, W4XKind::Hard);
           }
       // ranges of many tiles and a rest (37 rows), groups of whole steps and per channel, partial last steps
       for (int64_t K : {100, 1000, 2100})
@@ -660,6 +698,7 @@ void check_w4(const KernelSet& s) {
             if (offset && f.offset == W4Offset::None) continue;
             const W4Case c = make_w4(f, W4Scale(enc), offset, 37, K, group, K == 1000);
             check_w4_gemv_rows_bf16(s, c.op, f.name);
+            if (s.w4.bf16_planes) check_w4_gemv_rows_bf16(s, c.op, f.name, W4XKind::Hard);
           }
     }
 }

@@ -38,6 +38,8 @@ enum CpuFeature : uint64_t {
   kFeatAvxVnni = 1u << 1,
   // AVX-512 F, BW, VL, VNNI, VBMI and BF16 together: the AVX-512 set uses all of them
   kFeatAvx512 = 1u << 2,
+  // AMX (tiles, BF16, INT8): Intel's server cores, whose tuned set prefers byte dot products to bf16 ones
+  kFeatAmx = 1u << 3,
   kFeatDotprod = 1u << 8,  // Arm sdot / udot (FEAT_DotProd)
   kFeatI8mm = 1u << 9,     // Arm usdot / smmla (FEAT_I8MM)
   kFeatBf16 = 1u << 10,    // Arm bfdot / bfmmla (FEAT_BF16)
@@ -81,18 +83,24 @@ struct KernelSet {
   // null: without AMX the GEMM regimes decode fp32 panels into torch's fp32 GEMM (a set with one has a vnni_pack
   // and a bf16 panel decode)
   Bf16GemmFn bf16_gemm = nullptr;
+  // CpuFeature bits of the CPUs the set is tuned for: elsewhere it runs only when a cap names it (tests), since
+  // the same instructions are slower there. Not a requirement: the set's instructions are those of `required`.
+  uint64_t preferred = 0;
 };
 
 // The features this CPU reports (CpuFeature bits).
 uint64_t cpu_features();
 inline bool cpu_supports(const KernelSet& s) { return (cpu_features() & s.required) == s.required; }
+// Whether the set is tuned for this CPU (its `preferred` features are there).
+inline bool cpu_prefers(const KernelSet& s) { return (cpu_features() & s.preferred) == s.preferred; }
 
 // Every set this build has, in order of preference: portable first, then this architecture's levels.
 const std::vector<const KernelSet*>& kernel_sets();
-// The set the kernels use now: the last set of kernel_sets() that the CPU supports, at or before the cap.
+// The set the kernels use now: the set the cap names where the CPU supports it, else the last set before it that
+// the CPU supports and prefers (without a cap: the last such set of kernel_sets()).
 const KernelSet& kernel_set();
-// Cap the sets at the one named `name` ("best": the last one, no cap), a test switch. Returns the previous cap's
-// name, or nullptr (the cap unchanged) where this build has no set of that name.
+// Cap the sets at the one named `name` ("best": no cap), a test switch. Returns the previous cap's name ("best"
+// for none), or nullptr (the cap unchanged) where this build has no set of that name.
 const char* cap_kernel_set(const std::string& name);
 
 }  // namespace lowbit::cpu

@@ -17,7 +17,7 @@ namespace lowbit::cpu {
 // This architecture's sets after portable, in order of preference (each file under arch/<architecture>/ defines
 // kernel_set_<name>()): a new level is one entry here.
 #if LOWBIT_X86
-#define LOWBIT_ARCH_KERNEL_SETS(X) X(avx2) X(avxvnni) X(avx512)
+#define LOWBIT_ARCH_KERNEL_SETS(X) X(avx2) X(avxvnni) X(avx512) X(avx512amx)
 #elif LOWBIT_ARM
 #define LOWBIT_ARCH_KERNEL_SETS(X) X(neon) X(dotprod) X(i8mm) X(bf16)
 #else
@@ -54,6 +54,9 @@ uint64_t detect_features() {
       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
       __builtin_cpu_supports("avx512bf16"))
     f |= kFeatAvx512;
+  // CPUID.(7,0):EDX bits 22 (AMX-BF16), 24 (AMX-TILE), 25 (AMX-INT8): read as a property of the core (no set runs
+  // tile instructions itself; torch's oneDNN asks the OS for the tile state)
+  if (cpuid_bit(7, 0, 3, 22) && cpuid_bit(7, 0, 3, 24) && cpuid_bit(7, 0, 3, 25)) f |= kFeatAmx;
 #elif LOWBIT_ARM && defined(__APPLE__)
   const auto has = [](const char* name) {
     int v = 0;
@@ -83,22 +86,28 @@ const std::vector<const KernelSet*>& all_sets() {
   return sets;
 }
 
-// best[c]: the index of the set that runs under cap c (the last supported one at or before c; portable always is)
+// The index of the set that runs under cap c (kernel_set(); c = the number of sets: no cap). Portable runs
+// everywhere.
+int set_under_cap(int c) {
+  const auto& sets = all_sets();
+  if (c < int(sets.size()) && cpu_supports(*sets[size_t(c)])) return c;
+  for (int i = std::min(c, int(sets.size())) - 1; i > 0; i--)
+    if (cpu_supports(*sets[size_t(i)]) && cpu_prefers(*sets[size_t(i)])) return i;
+  return 0;
+}
+
+// best[c]: set_under_cap(c) for every cap c, the last entry for none
 std::vector<int> best_under_each_cap() {
   std::vector<int> best;
-  int b = 0;
-  for (const KernelSet* s : all_sets()) {
-    if (cpu_supports(*s)) b = int(best.size());
-    best.push_back(b);
-  }
+  for (int c = 0; c <= int(all_sets().size()); c++) best.push_back(set_under_cap(c));
   return best;
 }
 
-std::atomic<int> g_cap{-1};  // index into all_sets(); -1 until first read: the last set
+std::atomic<int> g_cap{-1};  // index into all_sets(); -1: no cap
 
 int cap_index() {
   const int c = g_cap.load(std::memory_order_relaxed);
-  return c < 0 ? int(all_sets().size()) - 1 : c;
+  return c < 0 ? int(all_sets().size()) : c;
 }
 
 }  // namespace
@@ -117,14 +126,14 @@ const KernelSet& kernel_set() {
 
 const char* cap_kernel_set(const std::string& name) {
   const auto& sets = all_sets();
-  int c = int(sets.size()) - 1;
+  int c = -1;
   if (name != "best") {
     const auto it = std::find_if(sets.begin(), sets.end(), [&](const KernelSet* s) { return name == s->name; });
     if (it == sets.end()) return nullptr;
     c = int(it - sets.begin());
   }
   const int previous = g_cap.exchange(c);
-  return sets[size_t(previous < 0 ? int(sets.size()) - 1 : previous)]->name;
+  return previous < 0 ? "best" : sets[size_t(previous)]->name;
 }
 
 }  // namespace lowbit::cpu

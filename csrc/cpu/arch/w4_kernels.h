@@ -16,6 +16,7 @@
 // Activations are packed once per call in this order, zero padded to whole chunks; the decoded GEMM panels use it
 // too. Decoded positions past K are zero (a padded code with an inf / NaN table entry would otherwise give NaN).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -52,6 +53,116 @@ constexpr int64_t w4_bf16_pos(int64_t k) { return (k & ~int64_t(127)) | ((k & 3)
 // How many fp32 group sums of x follow a packed bf16 row for a weight with offsets (W4Kernels::gemv_rows_bf16): one
 // per group, zero padded to whole 16s (the tile reads them 16 groups at a time).
 inline int64_t w4_bf16_group_sums(const W4Operand& op) { return ((op.G > 1 ? op.G : 1) + 15) / 16 * 16; }
+
+// The fp32 group sums a packed bf16 row of x carries for op: w4_bf16_group_sums for weights with zero points or
+// biases, none otherwise.
+inline int64_t w4_bf16_row_group_sums(const W4Operand& op) {
+  return op.offset != nullptr && op.offset_kind != W4Offset::None ? w4_bf16_group_sums(op) : 0;
+}
+
+// bf16 x as signed-byte digit planes (W4Kernels::bf16_planes), for cores whose byte dot products (vpdpbusd) issue
+// several times as often as their bf16 ones (vdpbf16ps). Each step of 128 values of x is an integer vector times a
+// power of two: i_k = x_k / 2^e, e the ulp of the step's smallest nonzero value, and each i_k is three digits in
+// [-128, 127], i = d2 * 2^16 + d1 * 2^8 + d0. A code is a byte u_c = mul * value_c + off (W4PlaneCodes). Per 32-bit
+// lane (codes 8 l .. 8 l + 7 of the step), the byte dot products of the codes with the digit planes, combined by
+// shifts (d2, then d1, then d0), are the exact integer sum u_k i_k, at most 31 * 8 * 2^23 < 2^31; less off times the
+// lane's sum of i_k it is sum (u_k - off) i_k, and times 2^e / mul the lane's sum of x * value, rounded once to
+// fp32. A step is exact where its values are finite, the nonzero exponents span at most 15 binades (so the digits
+// hold every i_k) and 2^e is a normal float well above the underflow; the other steps take the bf16 step. bf16
+// denormals count as zero, as vdpbf16ps reads them. After a packed bf16 row and its group sums: one W4PlaneStep a
+// step.
+struct W4PlaneStep {
+  int8_t digits[3][2][64];  // [d2, d1, d0][even, odd code]: byte j of a half is the digit of code 2 j (+ 1)
+  int32_t lane_sums[16];    // lane l: the sum of i_k over codes 8 l .. 8 l + 7
+  float scale;              // 2^e
+  int32_t exact;            // 0: the step takes the bf16 step (its digits, sums and scale are not used)
+  int32_t pad[14];
+};
+static_assert(sizeof(W4PlaneStep) == 512, "a plane step is eight cache lines");
+inline int64_t w4_plane_steps_bytes(int64_t K) {
+  return w4_bf16_padded(K) / kW4Bf16Step * int64_t(sizeof(W4PlaneStep));
+}
+constexpr int32_t kW4PlaneMax = 127 * 65536 + 127 * 256 + 127;  // the largest integer three digits hold
+constexpr int kW4PlaneMinExponent = -120;  // the smallest e of an exact step: 2^e / mul is a normal float
+
+// A step's digits and sums for values x[0 .. valid) (bf16 bits, natural order; zero past valid): the scalar
+// definition, which the vector packs must match bit for bit.
+inline void w4_plane_step(const uint16_t* x, int64_t valid, W4PlaneStep& st) {
+  std::memset(&st, 0, sizeof st);
+  int emin = 255, emax = 0;
+  bool finite = true;
+  for (int64_t k = 0; k < valid && k < kW4Bf16Step; k++) {
+    const int e = (x[k] >> 7) & 0xFF;
+    if (e == 255) finite = false;
+    if (e == 0 || e == 255) continue;
+    emin = e < emin ? e : emin;
+    emax = e > emax ? e : emax;
+  }
+  st.scale = 1.f;
+  if (emax == 0) {  // zeros (and denormals) only
+    st.exact = finite;
+    return;
+  }
+  const int ulp = emin - 127 - 7;
+  bool exact = finite && emax - emin <= 15 && ulp >= kW4PlaneMinExponent;
+  int32_t sums[16] = {};
+  for (int64_t k = 0; k < valid && k < kW4Bf16Step && exact; k++) {
+    const int e = (x[k] >> 7) & 0xFF;
+    if (e == 0) continue;
+    int32_t i = int32_t((x[k] & 0x7F) | 0x80) << (e - emin);
+    if (x[k] & 0x8000) i = -i;
+    if (i > kW4PlaneMax) exact = false;
+    const int32_t d0 = ((i + 128) & 255) - 128, i1 = (i - d0) >> 8;
+    const int32_t d1 = ((i1 + 128) & 255) - 128, d2 = (i1 - d1) >> 8;
+    const int32_t d[3] = {d2, d1, d0};
+    for (int p = 0; p < 3; p++) st.digits[p][k & 1][k >> 1] = int8_t(d[p]);
+    sums[k >> 3] += i;
+  }
+  if (!exact) {
+    std::memset(&st, 0, sizeof st);
+    st.scale = 1.f;
+    return;
+  }
+  std::memcpy(st.lane_sums, sums, sizeof sums);
+  st.scale = std::ldexp(1.f, ulp);
+  st.exact = 1;
+}
+
+// How a weight's codes enter the byte dot products: u_c = mul * value_c + off, all in [0, 31], mul a power of two
+// (int4: u = c, off 8; uint4: u = c; E2M1: u = 2 v + 12). Formats whose values are not such integers keep the
+// bf16 step.
+struct W4PlaneCodes {
+  uint8_t u[16] = {};
+  int32_t off = 0;
+  float inv_mul = 1.f;
+  bool identity = false;  // u_c == c: no lookup
+  bool ok = false;
+};
+inline W4PlaneCodes w4_plane_codes(const W4Operand& op) {
+  W4PlaneCodes pc;
+  for (int mul = 1; mul <= 8; mul *= 2) {
+    float lo = 0.f;
+    bool integral = true;
+    for (int c = 0; c < 16; c++) {
+      const float v = op.values[c] * float(mul);
+      integral = integral && v == float(int(v)) && v >= -31.f && v <= 31.f;
+      lo = v < lo ? v : lo;
+    }
+    if (!integral) continue;
+    pc.off = int32_t(-lo);
+    pc.inv_mul = 1.f / float(mul);
+    pc.ok = true;
+    pc.identity = true;
+    for (int c = 0; c < 16; c++) {
+      const int u = int(op.values[c] * float(mul)) + pc.off;
+      if (u < 0 || u > 31) pc.ok = false;
+      pc.u[c] = uint8_t(u);
+      pc.identity = pc.identity && u == c;
+    }
+    return pc;
+  }
+  return pc;
+}
 
 // The weights a bf16 tile takes (W4Kernels::gemv_bf16_takes, every set with one): groups that are whole steps, the
 // row, or 16, 32 or 64 codes (a step's sums scaled lane by lane), and code values exact in bf16 (int4, uint4, E2M1;
@@ -207,6 +318,9 @@ struct W4Kernels {
   // words, then (group_sums > 0) the fp32 sum of x over each group of `group` codes, zero up to group_sums. Null: the
   // portable pack (w4_matmul.cpp), whose constant-order moves ran at about 1 ns a value.
   void (*pack_bf16_row)(const uint16_t* x, int64_t K, int64_t group, int64_t group_sums, uint16_t* dst) = nullptr;
+  // Whether gemv_rows_bf16 reads digit planes (W4PlaneStep, w4_plane_steps_bytes(K)) right after each packed row's
+  // group sums, and pack_bf16_row writes them: the row of x is that much longer.
+  bool bf16_planes = false;
 };
 
 // The portable kernels: every set's fallback for group sizes its vector loops do not take.

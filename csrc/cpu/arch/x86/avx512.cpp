@@ -21,7 +21,7 @@
 
 namespace lowbit::cpu {
 
-extern const W4Kernels kW4KernelsAvx512;  // w4_avx512.cpp
+extern const W4Kernels kW4KernelsAvx512, kW4KernelsAvx512Planes;  // w4_avx512.cpp
 
 const KernelSet& kernel_set_avx2();
 
@@ -504,6 +504,20 @@ const KernelSet& kernel_set_avx512() {
       &vnni_pack,
       &bf16_gemm::gemm,
   };
+  return s;
+}
+
+// The AVX-512 set on Intel's AMX server cores (Sapphire Rapids and later), where vdpbf16ps issues about once per
+// 2.4 cycles and vpdpbusd twice a cycle (Zen 4: once a cycle each): the 4-bit GEMV for bf16 x multiplies byte
+// digit planes of x (w4_kernels.h) where the bf16 tile would multiply bf16 pairs. The rest is the avx512 set.
+const KernelSet& kernel_set_avx512amx() {
+  static const KernelSet s = [] {
+    KernelSet k = kernel_set_avx512();
+    k.name = "avx512amx";
+    k.w4 = kW4KernelsAvx512Planes;
+    k.preferred = kFeatAmx;
+    return k;
+  }();
   return s;
 }
 

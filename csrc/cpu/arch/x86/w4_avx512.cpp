@@ -334,15 +334,16 @@ void gemv_tile(int mr, int nr, const float* x, int64_t ldx, const W4Operand& op,
 // 64 bytes of codes at w: a whole step, or (kFull false) the step's `valid` codes inside K, the rest read as code 0
 // (times a zero activation)
 template <bool kFull>
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) __m512i load_step_codes(const uint8_t* w, int64_t valid) {
+  if constexpr (kFull) return _mm512_loadu_si512(w);
+  const int64_t bytes = (valid + 1) / 2;
+  return bytes >= 64 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << bytes) - 1), w);
+}
+
+template <bool kFull>
 LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void decode_step_bf16(const uint8_t* w, int64_t valid,
                                                                                       __m512i table, __m512i (&d)[4]) {
-  __m512i b;
-  if constexpr (kFull) {
-    b = _mm512_loadu_si512(w);
-  } else {
-    const int64_t bytes = (valid + 1) / 2;
-    b = bytes >= 64 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << bytes) - 1), w);
-  }
+  const __m512i b = load_step_codes<kFull>(w, valid);
   d[0] = _mm512_permutexvar_epi16(b, table);
   d[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
   d[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 8), table);
@@ -370,6 +371,48 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void step_bf16(__
       part[m][r][1] = _mm512_dpbf16_ps(part[m][r][1], (__m512bh)d[1], (__m512bh)_mm512_loadu_si512(xp + 32));
       part[m][r][0] = _mm512_dpbf16_ps(part[m][r][0], (__m512bh)d[2], (__m512bh)_mm512_loadu_si512(xp + 64));
       part[m][r][1] = _mm512_dpbf16_ps(part[m][r][1], (__m512bh)d[3], (__m512bh)_mm512_loadu_si512(xp + 96));
+    }
+  }
+}
+
+// The digit planes' step (w4_kernels.h, W4PlaneStep) at code k for activation rows whose step st[m] is exact: each
+// row's codes as bytes u (kLookup: through the 16-byte table `u`; otherwise the nibbles are u), three digit
+// planes' byte dot products combined by shifts, less off times the lanes' sums of x's integers, one conversion and
+// one fma into part[m][r][0] per row pair. mul: -off; scale[m]: 2^e / mul of row m's step.
+template <int MR, int NR, bool kFull, bool kLookup>
+LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void step_planes(
+    __m512 (&part)[MR][NR][2], const W4PlaneStep* const (&st)[MR], const uint8_t* w, int64_t rb,
+    const GemvPrefetch& prefetch, int64_t k, int64_t valid, __m512i u, __m512i neg_off, float inv_mul) {
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; r++) _mm_prefetch(prefetch(r, k / 2), kOuterPrefetchHint);
+  __m512i init[MR];
+  __m512 scale[MR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; m++) {
+    init[m] = _mm512_mullo_epi32(_mm512_loadu_si512(st[m]->lane_sums), neg_off);
+    scale[m] = _mm512_set1_ps(st[m]->scale * inv_mul);
+  }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; r++) {
+    const __m512i b = load_step_codes<kFull>(w + r * rb + k / 2, valid);
+    __m512i even = _mm512_and_si512(b, low), odd = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+    if constexpr (kLookup) {
+      even = _mm512_shuffle_epi8(u, even);
+      odd = _mm512_shuffle_epi8(u, odd);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) {
+      const int8_t(&d)[3][2][64] = st[m]->digits;
+      __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), even, _mm512_loadu_si512(d[0][0]));
+      a = _mm512_dpbusd_epi32(a, odd, _mm512_loadu_si512(d[0][1]));
+      a = _mm512_slli_epi32(a, 8);
+      a = _mm512_dpbusd_epi32(a, even, _mm512_loadu_si512(d[1][0]));
+      a = _mm512_dpbusd_epi32(a, odd, _mm512_loadu_si512(d[1][1]));
+      a = _mm512_slli_epi32(a, 8);
+      a = _mm512_dpbusd_epi32(a, even, _mm512_loadu_si512(d[2][0]));
+      a = _mm512_dpbusd_epi32(a, odd, _mm512_loadu_si512(d[2][1]));
+      part[m][r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, init[m])), scale[m], part[m][r][0]);
     }
   }
 }
@@ -425,6 +468,10 @@ struct Bf16RowsSetup {
   int group_shift;
   bool offsets;
   __m512i table, lane_group;
+  // the digit planes (W4Kernels::bf16_planes): where they start in a row of x (words), and the codes' bytes
+  int64_t planes_at = 0;
+  __m512i plane_u, plane_neg_off;
+  float plane_inv_mul = 1.f;
   const uint8_t* w;
   const char* srows;
   GemvPrefetch prefetch, scale_prefetch, offset_prefetch;
@@ -454,16 +501,26 @@ struct Bf16RowsSetup {
     // small: lane l of a step's sums is in group l >> shift of the step's groups
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     lane_group = small ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
+    planes_at = Kp + 2 * w4_bf16_row_group_sums(op);
+    const W4PlaneCodes pc = w4_plane_codes(op);
+    plane_u = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pc.u)));
+    plane_neg_off = _mm512_set1_epi32(-pc.off);
+    plane_inv_mul = pc.inv_mul;
   }
   static int64_t ahead(const W4Operand& op, int64_t bytes) {
     return std::max<int64_t>(64, kGemvPrefetchBytes * 2 / std::max<int64_t>(op.group, 1) * bytes);
   }
 };
 
+// How a bf16 tile reads x: its bf16 words alone, or with the digit planes behind them (W4Kernels::bf16_planes),
+// the codes' bytes being the nibbles or looked up (W4PlaneCodes::identity).
+enum class Planes { None, Nibbles, Lookup };
+
 // kSmall: group size 16, 32 or 64, several groups per step: lane l of a step's fp32 sums covers codes 8 l .. 8 l + 7,
 // so each step's sums are scaled lane by lane. Otherwise groups are whole steps (or the row): the sums of a group's
-// steps are scaled once. Rows n0 .. n0 + NR - 1 of the range that `s` was made for: sums[m * lds + r].
-template <int MR, int NR, bool kSmall>
+// steps are scaled once. Rows n0 .. n0 + NR - 1 of the range that `s` was made for: sums[m * lds + r]. kPlanes:
+// steps that every row of x has exact in its planes take step_planes, the others the bf16 step.
+template <int MR, int NR, bool kSmall, Planes kPlanes>
 LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void gemv_tile_bf16_t(const Bf16RowsSetup& s,
                                                                                       const uint16_t* x, int64_t ldx,
                                                                                       const W4Operand& op, int64_t n0,
@@ -487,6 +544,25 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void gemv_tile_bf
   int64_t base = -kWindow;
   for (int64_t k = 0, g = 0; k < Kp; g++) {
     for (const int64_t end = std::min(Kp, k + per); k < end; k += kW4Bf16Step) {
+      if constexpr (kPlanes != Planes::None) {
+        const W4PlaneStep* st[MR];
+        bool exact = true;
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) {
+          st[m] = reinterpret_cast<const W4PlaneStep*>(x + m * ldx + s.planes_at) + k / kW4Bf16Step;
+          exact = exact && st[m]->exact;
+        }
+        constexpr bool kLookup = kPlanes == Planes::Lookup;
+        if (exact) {
+          if (k < full)
+            step_planes<MR, NR, true, kLookup>(part, st, w, rb, prefetch, k, kW4Bf16Step, s.plane_u, s.plane_neg_off,
+                                               s.plane_inv_mul);
+          else
+            step_planes<MR, NR, false, kLookup>(part, st, w, rb, prefetch, k, K - k, s.plane_u, s.plane_neg_off,
+                                                s.plane_inv_mul);
+          continue;
+        }
+      }
       if (k < full) step_bf16<MR, NR, true>(part, x, ldx, w, rb, prefetch, k, kW4Bf16Step, table);
       else step_bf16<MR, NR, false>(part, x, ldx, w, rb, prefetch, k, K - k, table);
     }
@@ -528,30 +604,47 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void gemv_tile_bf
 
 // Rows [n0, n1) in tiles of NR rows, one setup for all; the rows left (fewer than NR) in tiles of fewer rows, whose
 // prefetchers skip as many rows as those tiles hold.
-template <int MR, int NR, bool kSmall>
+template <int MR, int NR, bool kSmall, Planes kPlanes>
 LOWBIT_TARGET_AVX512BF16 void gemv_rows_bf16_t(const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0,
                                                int64_t n1, float* sums, int64_t lds) {
   int64_t n = n0;
   if (n1 - n0 >= NR) {
     const Bf16RowsSetup s(op, n0, NR, kSmall);
-    for (; n + NR <= n1; n += NR) gemv_tile_bf16_t<MR, NR, kSmall>(s, x, ldx, op, n, sums + (n - n0), lds);
+    for (; n + NR <= n1; n += NR) gemv_tile_bf16_t<MR, NR, kSmall, kPlanes>(s, x, ldx, op, n, sums + (n - n0), lds);
   }
   if constexpr (NR > 1)
-    if (n < n1) gemv_rows_bf16_t<MR, NR - 1, kSmall>(x, ldx, op, n, n1, sums + (n - n0), lds);
+    if (n < n1) gemv_rows_bf16_t<MR, NR - 1, kSmall, kPlanes>(x, ldx, op, n, n1, sums + (n - n0), lds);
 }
 
 using W4GemvRowsBf16Fn = void (*)(const uint16_t*, int64_t, const W4Operand&, int64_t, int64_t, float*, int64_t);
 
 // One activation row: 4 weight rows per tile share its loads; more rows: 2 weight rows x up to 4 x rows.
-template <bool kSmall>
-constexpr W4GemvRowsBf16Fn kRowsBf16[kMaxTileRows] = {&gemv_rows_bf16_t<1, 4, kSmall>, &gemv_rows_bf16_t<2, 2, kSmall>,
-                                                       &gemv_rows_bf16_t<3, 2, kSmall>, &gemv_rows_bf16_t<4, 2, kSmall>};
+template <bool kSmall, Planes kPlanes>
+constexpr W4GemvRowsBf16Fn kRowsBf16[kMaxTileRows] = {
+    &gemv_rows_bf16_t<1, 4, kSmall, kPlanes>, &gemv_rows_bf16_t<2, 2, kSmall, kPlanes>,
+    &gemv_rows_bf16_t<3, 2, kSmall, kPlanes>, &gemv_rows_bf16_t<4, 2, kSmall, kPlanes>};
+
+template <Planes kPlanes>
+void gemv_rows_bf16_p(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, int64_t n1,
+                      float* sums, int64_t lds) {
+  if (n1 <= n0) return;
+  if (op.G > 1 && op.group < kW4Bf16Step) return kRowsBf16<true, kPlanes>[mr - 1](x, ldx, op, n0, n1, sums, lds);
+  kRowsBf16<false, kPlanes>[mr - 1](x, ldx, op, n0, n1, sums, lds);
+}
 
 void gemv_rows_bf16(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, int64_t n1, float* sums,
                     int64_t lds) {
-  if (n1 <= n0) return;
-  if (op.G > 1 && op.group < kW4Bf16Step) return kRowsBf16<true>[mr - 1](x, ldx, op, n0, n1, sums, lds);
-  kRowsBf16<false>[mr - 1](x, ldx, op, n0, n1, sums, lds);
+  gemv_rows_bf16_p<Planes::None>(mr, x, ldx, op, n0, n1, sums, lds);
+}
+
+// W4Kernels::gemv_rows_bf16 of the planes set: x's rows carry their digit planes (pack_bf16_row_planes); a weight
+// whose codes are no small integers (W4PlaneCodes) takes the bf16 steps alone.
+void gemv_rows_bf16_planes(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, int64_t n1,
+                           float* sums, int64_t lds) {
+  const W4PlaneCodes pc = w4_plane_codes(op);
+  if (!pc.ok) return gemv_rows_bf16_p<Planes::None>(mr, x, ldx, op, n0, n1, sums, lds);
+  if (pc.identity) return gemv_rows_bf16_p<Planes::Nibbles>(mr, x, ldx, op, n0, n1, sums, lds);
+  gemv_rows_bf16_p<Planes::Lookup>(mr, x, ldx, op, n0, n1, sums, lds);
 }
 
 // W4Kernels::pack_bf16_row. A step of 128 words is four vectors; bf16 position 32 j + i holds word 4 i + j, taken
@@ -586,6 +679,103 @@ LOWBIT_TARGET_AVX512 void pack_bf16_row(const uint16_t* x, int64_t K, int64_t gr
     sums[g] = _mm512_reduce_add_ps(acc);
   }
   for (; g < group_sums; g++) sums[g] = 0.f;
+}
+
+// b[0], .., b[3] as one vector
+LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) __m512i join4(const __m128i* b) {
+  const __m512i z = _mm512_inserti32x4(_mm512_castsi128_si512(b[0]), b[1], 1);
+  return _mm512_inserti32x4(_mm512_inserti32x4(z, b[2], 2), b[3], 3);
+}
+
+// w4_plane_step with vectors (its bytes exactly): values x[0 .. valid) of one step, zero past valid. The values as
+// 32-bit lanes, 16 codes a vector: exponent range, integers, digits; the digits narrowed to bytes in code order and
+// split into even and odd codes by byte permutes; the lanes' sums of the integers by the GEMV's own dot products
+// (the codes all 1).
+LOWBIT_TARGET_AVX512BF16 void plane_step(const uint16_t* x, int64_t valid, W4PlaneStep& st) {
+  __m512i w[8];
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; q++) {
+    const int64_t left = valid - 16 * q;
+    const __m256i h = left >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * q))
+                      : left > 0 ? _mm256_maskz_loadu_epi16(__mmask16((1u << left) - 1), x + 16 * q)
+                                 : _mm256_setzero_si256();
+    w[q] = _mm512_cvtepu16_epi32(h);
+  }
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  __m512i e[8], lo = _mm512_set1_epi32(255), hi = _mm512_setzero_si512();
+  __mmask16 normal[8], nonfinite = 0;
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; q++) {
+    e[q] = _mm512_and_si512(_mm512_srli_epi32(w[q], 7), byte);
+    const __mmask16 top = _mm512_cmpeq_epi32_mask(e[q], byte);
+    nonfinite |= top;
+    normal[q] = _mm512_mask_cmpneq_epi32_mask(~top, e[q], _mm512_setzero_si512());
+    lo = _mm512_mask_min_epu32(lo, normal[q], lo, e[q]);
+    hi = _mm512_mask_max_epu32(hi, normal[q], hi, e[q]);
+  }
+  const int emin = int(_mm512_reduce_min_epu32(lo)), emax = int(_mm512_reduce_max_epu32(hi));
+  const __m512i zero = _mm512_setzero_si512();
+  auto store_tail = [&](float scale, int32_t exact) LOWBIT_TARGET_AVX512 {
+    int32_t bits;
+    std::memcpy(&bits, &scale, 4);
+    _mm512_storeu_si512(reinterpret_cast<char*>(&st) + 448, _mm512_maskz_set1_epi32(1, bits));
+    st.exact = exact;
+  };
+  auto inexact = [&]() LOWBIT_TARGET_AVX512 {
+    for (int i = 0; i < 7; i++) _mm512_storeu_si512(reinterpret_cast<char*>(&st) + 64 * i, zero);
+    store_tail(1.f, 0);
+  };
+  if (emax == 0) {  // zeros and denormals
+    for (int i = 0; i < 7; i++) _mm512_storeu_si512(reinterpret_cast<char*>(&st) + 64 * i, zero);
+    return store_tail(1.f, nonfinite == 0);
+  }
+  const int ulp = emin - 127 - 7;
+  if (nonfinite != 0 || emax - emin > 15 || ulp < kW4PlaneMinExponent) return inexact();
+  const __m512i bias = _mm512_set1_epi32(128), imax = _mm512_set1_epi32(kW4PlaneMax), emin_v = _mm512_set1_epi32(emin);
+  __m128i nb[3][8];  // [digit][16 codes]: bytes in code order
+  __mmask16 over = 0;
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; q++) {
+    const __m512i m = _mm512_or_si512(_mm512_and_si512(w[q], _mm512_set1_epi32(0x7F)), bias);
+    __m512i i = _mm512_maskz_sllv_epi32(normal[q], m, _mm512_sub_epi32(e[q], emin_v));
+    i = _mm512_mask_sub_epi32(i, _mm512_test_epi32_mask(w[q], _mm512_set1_epi32(0x8000)), zero, i);
+    over |= _mm512_cmpgt_epi32_mask(i, imax);
+    const __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i, bias), byte), bias);
+    const __m512i i1 = _mm512_srai_epi32(_mm512_sub_epi32(i, d0), 8);
+    const __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(i1, bias), byte), bias);
+    const __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(i1, d1), 8);
+    const __m512i d[3] = {d2, d1, d0};
+#pragma GCC unroll 3
+    for (int p = 0; p < 3; p++) nb[p][q] = _mm512_cvtepi32_epi8(d[p]);
+  }
+  if (over != 0) return inexact();
+  const __m512i even_idx = _mm512_set_epi8(126, 124, 122, 120, 118, 116, 114, 112, 110, 108, 106, 104, 102, 100, 98, 96, 94,
+                                     92, 90, 88, 86, 84, 82, 80, 78, 76, 74, 72, 70, 68, 66, 64, 62, 60, 58, 56, 54, 52,
+                                     50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10,
+                                     8, 6, 4, 2, 0);
+  const __m512i odd_idx = _mm512_add_epi8(even_idx, _mm512_set1_epi8(1));
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i sums = zero;
+#pragma GCC unroll 3
+  for (int p = 0; p < 3; p++) {
+    const __m512i z0 = join4(nb[p]), z1 = join4(nb[p] + 4);
+    const __m512i even = _mm512_permutex2var_epi8(z0, even_idx, z1), odd = _mm512_permutex2var_epi8(z0, odd_idx, z1);
+    _mm512_storeu_si512(st.digits[p][0], even);
+    _mm512_storeu_si512(st.digits[p][1], odd);
+    if (p > 0) sums = _mm512_slli_epi32(sums, 8);
+    sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums, ones, even), ones, odd);
+  }
+  _mm512_storeu_si512(st.lane_sums, sums);
+  store_tail(std::ldexp(1.f, ulp), 1);
+}
+
+// W4Kernels::pack_bf16_row of the planes set: the bf16 row, then each step's digit planes (w4_plane_step).
+LOWBIT_TARGET_AVX512BF16 void pack_bf16_row_planes(const uint16_t* x, int64_t K, int64_t group, int64_t group_sums,
+                                                   uint16_t* dst) {
+  pack_bf16_row(x, K, group, group_sums, dst);
+  const int64_t Kp = w4_bf16_padded(K);
+  auto* steps = reinterpret_cast<W4PlaneStep*>(dst + Kp + 2 * group_sums);
+  for (int64_t k = 0; k < Kp; k += kW4Bf16Step) plane_step(x + k, K - k, steps[k / kW4Bf16Step]);
 }
 
 // Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row `row` (p: its first position relative to k0).
@@ -875,5 +1065,13 @@ LOWBIT_TARGET_AVX512 void decode_rows_bf16(const W4Operand& op, int64_t n0, int6
 
 extern const W4Kernels kW4KernelsAvx512{&gemv_tile,      &decode_rows,      &dequantize_rows, &w4_bf16_tile_takes,
                                          &gemv_rows_bf16, &decode_rows_bf16, &pack_bf16_row};
+extern const W4Kernels kW4KernelsAvx512Planes{&gemv_tile,
+                                               &decode_rows,
+                                               &dequantize_rows,
+                                               &w4_bf16_tile_takes,
+                                               &gemv_rows_bf16_planes,
+                                               &decode_rows_bf16,
+                                               &pack_bf16_row_planes,
+                                               true};
 
 }  // namespace lowbit::cpu
