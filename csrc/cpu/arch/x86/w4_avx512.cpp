@@ -340,6 +340,7 @@ LOWBIT_TARGET_AVX512 inline __attribute__((always_inline)) __m512i load_step_cod
   return bytes >= 64 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(_cvtu64_mask64((uint64_t(1) << bytes) - 1), w);
 }
 
+// The step's 128 codes as bf16 values: d[j] holds nibble j of every 16-bit word of codes (the bf16 order)
 template <bool kFull>
 LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void decode_step_bf16(const uint8_t* w, int64_t valid,
                                                                                       __m512i table, __m512i (&d)[4]) {
@@ -378,7 +379,7 @@ LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void step_bf16(__
 // The digit planes' step (w4_kernels.h, W4PlaneStep) at code k for activation rows whose step st[m] is exact: each
 // row's codes as bytes u (kLookup: through the 16-byte table `u`; otherwise the nibbles are u), three digit
 // planes' byte dot products combined by shifts, less off times the lanes' sums of x's integers, one conversion and
-// one fma into part[m][r][0] per row pair. mul: -off; scale[m]: 2^e / mul of row m's step.
+// one fma into part[m][r][0] per row pair. neg_off: -off, inv_mul: 1 / mul (W4PlaneCodes).
 template <int MR, int NR, bool kFull, bool kLookup>
 LOWBIT_TARGET_AVX512BF16 inline __attribute__((always_inline)) void step_planes(
     __m512 (&part)[MR][NR][2], const W4PlaneStep* const (&st)[MR], const uint8_t* w, int64_t rb,
