@@ -24,6 +24,19 @@ void check_device(const char* op, const char* name, const at::Tensor& t, const a
               ref.device(), "; all tensors must be on one device");
 }
 
+// A product's optional bias: [N] on the activations' device, float32, bfloat16 or float16, made contiguous in its own
+// dtype (Metal kernels read it as it is).
+std::optional<at::Tensor> checked_bias(const char* op, const std::optional<at::Tensor>& bias, int64_t N,
+                                       const at::Tensor& ref, const char* ref_name) {
+  if (!bias.has_value()) return std::nullopt;
+  const at::Tensor& b = *bias;
+  check_device(op, "bias", b, ref, ref_name);
+  TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be float32, bfloat16 or float16, got ",
+              b.scalar_type());
+  TORCH_CHECK(b.dim() == 1 && b.size(0) == N, op, ": bias must be [N] = [", N, "], got ", b.sizes());
+  return b.contiguous();
+}
+
 at::Tensor widen_scale(const char* op, const char* name, const at::Tensor& s) {
   TORCH_CHECK(is_float_dtype(s.scalar_type()), op, ": ", name, " must be float32, bfloat16 or float16, got ",
               s.scalar_type());
@@ -115,13 +128,7 @@ Fp8MmArgs check_fp8_mm(const at::Tensor& x, const at::Tensor& weight, const at::
   a.w = check_fp8_weight(op, weight, scale, block_size, /*grouped=*/false);
   TORCH_CHECK(x.size(-1) == a.w.K, op, ": x's last dimension (", x.size(-1), ") must equal weight's K (", a.w.K,
               "); weight is [N, K] = ", weight.sizes());
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    check_device(op, "bias", b, x, "x");
-    TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.w.N, op, ": bias must be [N] = [", a.w.N, "], got ", b.sizes());
-    a.bias = b.contiguous();  // in its own dtype: Metal kernels read it as it is
-  }
+  a.bias = checked_bias(op, bias, a.w.N, x, "x");
   a.x = flatten_rows(x, &a.M);
   a.out_shape = with_last(x, a.w.N);
   return a;
@@ -306,13 +313,7 @@ Int8MmArgs check_int8_mm(const at::Tensor& xq, const at::Tensor& x_scale, const 
               x_scale.sizes());
   a.x_scale = shaped(widen_scale(op, "x_scale", x_scale), {a.M});
   a.w_scale = int8_weight_scale(op, w_scale, a.N, a.w_layout);
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    check_device(op, "bias", b, xq, "xq");
-    TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.N, op, ": bias must be [N] = [", a.N, "], got ", b.sizes());
-    a.bias = b.contiguous();  // in its own dtype: Metal kernels read it as it is
-  }
+  a.bias = checked_bias(op, bias, a.N, xq, "xq");
   a.out_dtype = out_dtype.value_or(at::kBFloat16);
   TORCH_CHECK(is_float_dtype(a.out_dtype), op, ": out_dtype must be bfloat16, float16 or float32, got ", a.out_dtype);
   a.out_shape = with_last(xq, a.N);
@@ -432,13 +433,7 @@ W4MmArgs check_w4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   check_device(op, "codes", codes, x, "x");
   W4MmArgs a;
   a.w = check_w4_weight(op, codes, scale, format, group_size, x.size(-1), offset, global_scale, /*grouped=*/false);
-  if (bias.has_value()) {
-    const at::Tensor& b = *bias;
-    check_device(op, "bias", b, x, "x");
-    TORCH_CHECK(is_float_dtype(b.scalar_type()), op, ": bias must be a floating tensor, got ", b.scalar_type());
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == a.w.N, op, ": bias must be [N] = [", a.w.N, "], got ", b.sizes());
-    a.bias = b.contiguous();
-  }
+  a.bias = checked_bias(op, bias, a.w.N, x, "x");
   a.x = flatten_rows(x, &a.M);
   a.out_shape = with_last(x, a.w.N);
   return a;

@@ -131,7 +131,7 @@ def _bad_cases():
         (x, u8, torch.ones(2, 2), None, [2, 0], "must be positive"),
         (x, u8, torch.ones(4, dtype=torch.int32), None, None, "scale must be float32"),
         (x, u8, one, torch.ones(5), None, r"bias must be \[N\]"),
-        (x, u8, one, torch.ones(4, dtype=torch.int64), None, "bias must be a floating tensor"),
+        (x, u8, one, torch.ones(4, dtype=torch.int64), None, "bias must be float32, bfloat16 or float16, got Long"),
     ]
 
 
