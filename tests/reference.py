@@ -277,6 +277,14 @@ def ref_w4_mm(x, format, codes, scale, group_size, offset=None, global_scale=Non
     return ref, absref
 
 
+def ref_w4_grouped_mm(x, format, codes, scale, group_size, offsets, expert_ids=None, offset=None, global_scale=None):
+    """(ref, absref) of w4_grouped_mm in float64: each group's rows through its expert's ref_w4_mm."""
+    def product(rows, e):
+        return ref_w4_mm(rows, format, codes[e], scale[e], group_size, None if offset is None else offset[e],
+                         None if global_scale is None else global_scale[e:e + 1])
+    return _grouped(x, offsets, expert_ids, codes.shape[1], product)
+
+
 def layer_weight_f64(layer) -> torch.Tensor:
     """The [N, K] float64 weight a torch_lowbit linear layer holds, from its stored tensors by the formats' own
     arithmetic (told apart by those tensors: packed 4-bit codes, int8 codes, else fp8 bits)."""

@@ -27,13 +27,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_lowbit  # noqa: E402
 from conftest import Backend  # noqa: E402
 from reference import (assert_dequantized_close, assert_matmul_close, fp8_bits_to_f64, groups_as_on_mps,  # noqa: E402
-                       ref_fp8_grouped_mm, ref_fp8_mm, ref_int8_mm, ref_int8_quantize)
+                       ref_fp8_grouped_mm, ref_fp8_mm, ref_int8_mm, ref_int8_quantize, ref_w4_grouped_mm, ref_w4_mm,
+                       w4_weight_f64)
 from torch_lowbit.testing import forced_cpu_isa, supported_cpu_isas  # noqa: E402
 
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-OPS = ("fp8_mm", "fp8_dequantize", "fp8_grouped_mm", "int8_quantize", "int8_mm")
+OPS = ("fp8_mm", "fp8_dequantize", "fp8_grouped_mm", "int8_quantize", "int8_mm", "w4_mm", "w4_grouped_mm")
 EXAMPLES = int(os.environ.get("TORCH_LOWBIT_FUZZ_EXAMPLES", "60"))
 SEED = int(os.environ.get("TORCH_LOWBIT_FUZZ_SEED", "0"))
 WORKER_TIMEOUT_S = int(os.environ.get("TORCH_LOWBIT_FUZZ_TIMEOUT", "900"))
@@ -233,6 +234,23 @@ def denormal_atol(x, w, scale):
     return sub @ finite(w).T * (finite(scale).max() if scale.numel() else 0.0)
 
 
+def block_scale_atol(K, block_size, shape):
+    """The CPU's fp8 kernels decode codes as value / 256 and multiply a block's partial sum by its scale before the
+    256 comes back (fp8_simd.h's kDecodeUnscale): where that product falls below fp32's normals it is rounded on a
+    grid 256 times coarser than the output's, at most 2^-142 a K block. None without block scales. A known limit,
+    far below any real output (it shows only for outputs near 1e-38 and smaller)."""
+    if block_size is None:
+        return None
+    blocks = -(-K // min(max(block_size[1], 1), max(K, 1))) if K else 0
+    return torch.full(shape, blocks * 2.0 ** -142, dtype=torch.float64)
+
+
+def plus(*atols):
+    """The sum of the absolute tolerances given (None: none)."""
+    given = [a for a in atols if a is not None]
+    return sum(given[1:], given[0]) if given else None
+
+
 # ---------------------------------------------------------------------------------------------- fp8 weights
 @st.composite
 def fp8_scale(draw, lead, N, K):
@@ -315,7 +333,8 @@ def fp8_mm_cases(draw, backend):
         rows = math.prod(lead)
         ref, absref = ref_fp8_mm(x.reshape(rows, K), bits, scale, bias, bs)
         assert_matmul_close(out.reshape(rows, N), ref, absref, acc_rtol=ACC_RTOL,
-                            atol=denormal_atol(x.reshape(rows, K), fp8_bits_to_f64(bits), scale))
+                            atol=plus(denormal_atol(x.reshape(rows, K), fp8_bits_to_f64(bits), scale),
+                                      block_scale_atol(K, bs, (rows, N))))
     return Case("fp8_mm", backend, (x, w, scale, bias, bs), bad, check,
                 f"x {tuple(x.shape)} {dtype} strides {x.stride()} off {x.storage_offset()}, w [{N}, {K}] "
                 f"{w.dtype} off {w.storage_offset()}, scale {gran} {tuple(scale.shape)} {scale.dtype}, block {bs}, "
@@ -354,55 +373,74 @@ def offsets_for(draw, T, G):
 
 
 @st.composite
-def fp8_grouped_mm_cases(draw, backend):
-    T, N, K = draw(st.sampled_from(SIZES_M)), draw(st.sampled_from(SIZES_N[:8])), draw(st.sampled_from(SIZES_K[:12]))
-    E = draw(st.integers(1, 4))
+def routing(draw, T, E):
+    """(offsets, expert_ids, G) of a grouped product: up to 5 groups of rows (empty ones, rows in none), the ids
+    given or (G <= E) left out, -1 among them."""
     G = draw(st.integers(0, 5))
-    dtype = draw(st.sampled_from(FLOATS))
-    x = draw(laid_out(draw(float_values((T, K), dtype))))
-    bits = draw(fp8_codes((E, N, K)))
-    scale, bs, gran = draw(fp8_scale((E,), N, K))
     offsets = draw(offsets_for(T, G))
     ids = None
     if G > E or draw(st.booleans()):
         ids = torch.tensor(draw(st.lists(st.integers(-1, E - 1), min_size=G, max_size=G)), dtype=torch.int32)
+    return offsets, ids, G
+
+
+ROUTING_MUTATIONS = ("offsets_first", "offsets_order", "offsets_end", "offsets_dtype", "offsets_rank", "ids_range",
+                     "ids_len", "ids_dtype", "no_ids", "x_rank")
+
+
+def routing_mutation(draw, kind, x, offsets, ids, T, E, G):
+    """A grouped product's routing (or x) broken as `kind` says: (x, offsets, ids, the arguments the error may
+    name), bad None where the kind does not apply to this case."""
+    bad = None
+    if kind == "offsets_first":
+        offsets = offsets.clone()
+        offsets[0] = draw(st.sampled_from((1, -1, 2 ** 31 - 1, -2 ** 31)))
+        bad = ("offsets",)
+    elif kind == "offsets_order" and G >= 1:
+        offsets = offsets.clone()
+        offsets[-1] = offsets[-2] - draw(st.sampled_from((1, 2 ** 31 - 1)))
+        bad = ("offsets",)
+    elif kind == "offsets_end":
+        offsets = offsets.clone()
+        offsets[-1] = draw(st.sampled_from((T + 1, 2 ** 31 - 1)))
+        bad = ("offsets",)
+    elif kind == "offsets_dtype":
+        offsets, bad = offsets.to(draw(st.sampled_from((torch.int64, torch.float32)))), ("offsets",)
+    elif kind == "offsets_rank":
+        offsets, bad = draw(st.sampled_from((torch.zeros(0, dtype=torch.int32),
+                                             torch.zeros(1, 1, dtype=torch.int32)))), ("offsets",)
+    elif kind == "ids_range" and G >= 1:
+        ids = (ids if ids is not None else torch.arange(G, dtype=torch.int32)).clone()
+        ids[draw(st.integers(0, G - 1))] = draw(st.sampled_from((E, -2, 2 ** 31 - 1, -2 ** 31)))
+        bad = ("expert_ids",)
+    elif kind == "ids_len":
+        ids, bad = torch.zeros(G + 1, dtype=torch.int32), ("expert_ids",)
+    elif kind == "ids_dtype":
+        ids, bad = torch.zeros(G, dtype=torch.int64), ("expert_ids",)
+    elif kind == "no_ids" and G > E:
+        ids, bad = None, ("expert_ids", "G")
+    elif kind == "x_rank":
+        x, bad = x.reshape(1, *x.shape), ("x",)
+    return x, offsets, ids, bad
+
+
+@st.composite
+def fp8_grouped_mm_cases(draw, backend):
+    T, N, K = draw(st.sampled_from(SIZES_M)), draw(st.sampled_from(SIZES_N[:8])), draw(st.sampled_from(SIZES_K[:12]))
+    E = draw(st.integers(1, 4))
+    dtype = draw(st.sampled_from(FLOATS))
+    x = draw(laid_out(draw(float_values((T, K), dtype))))
+    bits = draw(fp8_codes((E, N, K)))
+    scale, bs, gran = draw(fp8_scale((E,), N, K))
+    offsets, ids, G = draw(routing(T, E))
     w = weight_view(draw, bits)
     bad, kind = None, None
     if draw(st.integers(0, 2)) == 0:
-        kind = draw(st.sampled_from(("offsets_first", "offsets_order", "offsets_end", "offsets_dtype",
-                                     "offsets_rank", "ids_range", "ids_len", "ids_dtype", "no_ids", "x_rank",
-                                     "scale")))
-        if kind == "offsets_first":
-            offsets = offsets.clone()
-            offsets[0] = draw(st.sampled_from((1, -1, 2 ** 31 - 1, -2 ** 31)))
-            bad = ("offsets",)
-        elif kind == "offsets_order" and G >= 1:
-            offsets = offsets.clone()
-            offsets[-1] = offsets[-2] - draw(st.sampled_from((1, 2 ** 31 - 1)))
-            bad = ("offsets",)
-        elif kind == "offsets_end":
-            offsets = offsets.clone()
-            offsets[-1] = draw(st.sampled_from((T + 1, 2 ** 31 - 1)))
-            bad = ("offsets",)
-        elif kind == "offsets_dtype":
-            offsets, bad = offsets.to(draw(st.sampled_from((torch.int64, torch.float32)))), ("offsets",)
-        elif kind == "offsets_rank":
-            offsets, bad = draw(st.sampled_from((torch.zeros(0, dtype=torch.int32),
-                                                 torch.zeros(1, 1, dtype=torch.int32)))), ("offsets",)
-        elif kind == "ids_range" and G >= 1:
-            ids = (ids if ids is not None else torch.arange(G, dtype=torch.int32)).clone()
-            ids[draw(st.integers(0, G - 1))] = draw(st.sampled_from((E, -2, 2 ** 31 - 1, -2 ** 31)))
-            bad = ("expert_ids",)
-        elif kind == "ids_len":
-            ids, bad = torch.zeros(G + 1, dtype=torch.int32), ("expert_ids",)
-        elif kind == "ids_dtype":
-            ids, bad = torch.zeros(G, dtype=torch.int64), ("expert_ids",)
-        elif kind == "no_ids" and G > E:
-            ids, bad = None, ("expert_ids", "G")
-        elif kind == "x_rank":
-            x, bad = x.reshape(1, T, K), ("x",)
-        elif kind == "scale":
+        kind = draw(st.sampled_from(ROUTING_MUTATIONS + ("scale",)))
+        if kind == "scale":
             scale, bs, bad = draw(fp8_scale_mutation((E,), N, K, scale, bs))
+        else:
+            x, offsets, ids, bad = routing_mutation(draw, kind, x, offsets, ids, T, E, G)
     groups = (offsets, ids)
     if backend == "metal_emu_mps" and kind in ("offsets_first", "offsets_order", "offsets_end", "ids_range"):
         # as on mps, nothing reads these values on the host: the kernels' rule applies (decode and prefill alike)
@@ -412,7 +450,8 @@ def fp8_grouped_mm_cases(draw, backend):
         assert out.dtype == dtype and tuple(out.shape) == (T, N)
         ref, absref = ref_fp8_grouped_mm(x, bits, scale, *groups, bs)
         w_any = torch.nan_to_num(fp8_bits_to_f64(bits)).abs().amax(0) if E else torch.zeros(N, K)  # any expert
-        assert_matmul_close(out, ref, absref, acc_rtol=ACC_RTOL, atol=denormal_atol(x, w_any, scale))
+        assert_matmul_close(out, ref, absref, acc_rtol=ACC_RTOL,
+                            atol=plus(denormal_atol(x, w_any, scale), block_scale_atol(K, bs, (T, N))))
     return Case("fp8_grouped_mm", backend, (x, w, scale, offsets, ids, bs), bad, check,
                 f"x {tuple(x.shape)} {dtype} strides {x.stride()}, w [{E}, {N}, {K}] off {w.storage_offset()}, "
                 f"scale {gran} {tuple(scale.shape)} {scale.dtype}, block {bs}, offsets {offsets.tolist()}, "
@@ -490,8 +529,169 @@ def int8_mm_cases(draw, backend):
                 f"w_scale {tuple(ws.shape)} {ws.dtype}, bias {None if bias is None else bias.dtype}, out {out_dtype}")
 
 
+# ---------------------------------------------------------------------------------------------- 4-bit weights
+W4_FORMATS = ("nvfp4", "mxfp4", "int4", "uint4")
+# group sizes: the formats' own (16, 32, 64, 128), the vector loops' other multiples of 16, one group per row and
+# sizes no vector loop takes
+W4_GROUPS = (16, 32, 64, 128, 48, 256, 1, 5, 24)
+
+
+@st.composite
+def w4_scale(draw, fmt, shape):
+    """Group scales as each format stores them: e4m3 bits (uint8 or float8_e4m3fn) with zeros, subnormals, the max
+    and NaN codes planted; e8m0 bits (2^-10 .. 2^5, with 0 and the NaN byte 255); float scales of any float dtype.
+    No infinite scale: the bf16 GEMV scales a group's sum once (w4_kernels.h), which gives +-inf where the per-element
+    definition gives NaN."""
+    if fmt == "nvfp4":
+        bits = draw(fp8_codes(shape)) & 0x7F  # positive, as the writers store them
+        return bits.view(torch.float8_e4m3fn) if draw(st.booleans()) else bits
+    if fmt == "mxfp4":
+        b = torch.randint(117, 133, shape, dtype=torch.uint8, generator=_gen(draw))
+        if b.numel() and draw(st.booleans()):
+            b.view(-1)[draw(st.integers(0, b.numel() - 1))] = draw(st.sampled_from((0, 255, 127)))
+        return b
+    return draw(scale_values(shape, draw(st.sampled_from(FLOATS)), FP8_SCALE_CLASSES))
+
+
+@st.composite
+def w4_weight(draw, lead, N, K):
+    """A random 4-bit weight [*lead, N, K] as the ops take it: (format, group size, the ops' weight arguments
+    codes / scale / format / group_size / offset / global_scale as a dict)."""
+    fmt, group = draw(st.sampled_from(W4_FORMATS)), draw(st.sampled_from(W4_GROUPS))
+    G = -(-K // group)
+    offset = None
+    if fmt == "int4" and draw(st.booleans()):
+        offset = torch.randint(-128, 128, (*lead, N, G), dtype=torch.int8, generator=_gen(draw))
+    scale = draw(w4_scale(fmt, (*lead, N, G)))
+    if fmt == "uint4" and draw(st.booleans()):
+        offset = draw(float_values((*lead, N, G), scale.dtype, ("normal", "zero", "nan"), 0.1))
+    global_scale = None
+    if fmt == "nvfp4" and draw(st.booleans()):
+        global_scale = draw(scale_values(lead or (1,), torch.float32, FP8_SCALE_CLASSES))
+    codes = torch.randint(0, 256, (*lead, N, (K + 1) // 2), dtype=torch.uint8, generator=_gen(draw))
+    return fmt, group, dict(codes=codes, scale=scale, format=fmt, group_size=group, offset=offset,
+                            global_scale=global_scale)
+
+
+W4_WEIGHT_MUTATIONS = ("codes_dtype", "codes_layout", "format", "group_size", "scale_shape", "scale_dtype", "offset",
+                       "global_scale")
+
+
+def w4_weight_mutation(draw, kind, w, lead, N, K):
+    """The weight arguments `w` (w4_weight's dict, changed in place) broken as `kind` says: the arguments the error
+    may name, or None where the kind does not apply to this case."""
+    fmt, codes, G = w["format"], w["codes"], -(-K // w["group_size"])
+    if kind == "codes_dtype":
+        w["codes"] = codes.to(draw(st.sampled_from((torch.int8, torch.int32, torch.float32))))
+        return ("codes",)
+    if kind == "codes_layout" and N > 1 and codes.shape[-1] > 1:
+        w["codes"] = codes.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return ("codes",)
+    if kind == "format":
+        w["format"] = draw(st.sampled_from(("int3", "NVFP4", "", "fp8")))
+        return ("format",)
+    if kind == "group_size":
+        w["group_size"] = draw(st.sampled_from((0, -1, -2 ** 63)))
+        return ("group_size",)
+    if kind == "scale_shape":
+        w["scale"] = torch.ones(*lead, N, G + 1, dtype=w["scale"].dtype)
+        return ("scale",)
+    if kind == "scale_dtype":
+        wrong = (torch.float32, torch.int32) if fmt in ("nvfp4", "mxfp4") else (torch.uint8, torch.float64)
+        w["scale"] = torch.ones(*lead, N, G).to(draw(st.sampled_from(wrong)))
+        return ("scale",)
+    if kind == "offset":  # zero points where the format takes none, or of the wrong shape
+        w["offset"] = torch.zeros(*lead, N, G + (fmt == "int4"), dtype=torch.int8)
+        return ("offset",)
+    if kind == "global_scale":  # one where the format takes none, or the wrong count
+        w["global_scale"] = torch.ones((lead[0] if lead else 1) + (fmt == "nvfp4"))
+        return ("global_scale",)
+    return None
+
+
+def w4_x_classes(w):
+    """x's value classes for a weight: with zero points or biases, no +-inf (an infinite x times a code of value 0
+    is NaN in the GEMV's sums, w4_kernels.h, where the per-element weight is not 0)."""
+    return tuple(c for c in FLOAT_CLASSES if w["offset"] is None or c not in ("inf", "-inf"))
+
+
+@st.composite
+def w4_mm_cases(draw, backend):
+    M, N, K = draw(st.sampled_from(SIZES_M)), draw(st.sampled_from(SIZES_N)), draw(st.sampled_from(SIZES_K + (384, 520)))
+    fmt, group, w = draw(w4_weight((), N, K))
+    dtype = draw(st.sampled_from(FLOATS))
+    lead = draw(st.sampled_from(((M,), (M,), (2, M), ()) if M else ((M,), (2, M))))
+    x = draw(laid_out(draw(float_values((*lead, K), dtype, w4_x_classes(w)))))
+    bias = draw(laid_out(draw(float_values((N,), draw(st.sampled_from(FLOATS)))))) if draw(st.booleans()) else None
+    good = dict(w)
+    bad = None
+    if draw(st.integers(0, 2)) == 0:
+        kind = draw(st.sampled_from(W4_WEIGHT_MUTATIONS + ("x_dtype", "K", "bias")))
+        if kind == "x_dtype":
+            x, bad = x.to(draw(st.sampled_from((torch.float64, torch.int32, torch.int8)))), ("x",)
+        elif kind == "K":
+            x, bad = torch.zeros(*lead, K + draw(st.sampled_from((2, 3))), dtype=dtype), ("x", "K", "codes")
+        elif kind == "bias":
+            bias, bad = torch.zeros(N + 1), ("bias",)
+        else:
+            bad = w4_weight_mutation(draw, kind, w, (), N, K)
+
+    def check(out):
+        assert out.dtype == dtype and tuple(out.shape) == (*lead, N)
+        rows = math.prod(lead)
+        xr = x.reshape(rows, K)
+        g = good
+        ref, absref = ref_w4_mm(xr, fmt, g["codes"], g["scale"], group, g["offset"], g["global_scale"], bias)
+        w64 = w4_weight_f64(fmt, g["codes"], g["scale"], group, K, g["offset"], g["global_scale"])
+        # a NaN weight's column and a NaN or +-inf row of x: NaN (or inf) whatever the order of the sums
+        assert_matmul_close(out.reshape(rows, N), ref, torch.nan_to_num(absref, nan=0.0, posinf=0.0),
+                            acc_rtol=ACC_RTOL, atol=denormal_atol(xr, w64, torch.ones(1)))
+    return Case("w4_mm", backend, (x, w["codes"], w["scale"], w["format"], w["group_size"], w["offset"],
+                                   w["global_scale"], bias), bad, check,
+                f"x {tuple(x.shape)} {dtype} strides {x.stride()} off {x.storage_offset()}, {fmt} g{group} [{N}, {K}] "
+                f"scale {good['scale'].dtype}, offset {None if good['offset'] is None else good['offset'].dtype}, "
+                f"global {good['global_scale'] is not None}, bias {None if bias is None else tuple(bias.shape)}")
+
+
+@st.composite
+def w4_grouped_mm_cases(draw, backend):
+    T, N, K = draw(st.sampled_from(SIZES_M)), draw(st.sampled_from(SIZES_N[:8])), draw(st.sampled_from(SIZES_K[:12]))
+    E = draw(st.integers(1, 4))
+    fmt, group, w = draw(w4_weight((E,), N, K))
+    dtype = draw(st.sampled_from(FLOATS))
+    x = draw(laid_out(draw(float_values((T, K), dtype, w4_x_classes(w)))))
+    offsets, ids, G = draw(routing(T, E))
+    good = dict(w)
+    bad = None
+    if draw(st.integers(0, 2)) == 0:
+        kind = draw(st.sampled_from(ROUTING_MUTATIONS + W4_WEIGHT_MUTATIONS))
+        if kind in ROUTING_MUTATIONS:
+            x, offsets, ids, bad = routing_mutation(draw, kind, x, offsets, ids, T, E, G)
+        else:
+            bad = w4_weight_mutation(draw, kind, w, (E,), N, K)
+
+    def check(out):
+        assert out.dtype == dtype and tuple(out.shape) == (T, N)
+        g = good
+        ref, absref = ref_w4_grouped_mm(x, fmt, g["codes"], g["scale"], group, offsets, ids, g["offset"],
+                                        g["global_scale"])
+        w64 = torch.stack([w4_weight_f64(fmt, g["codes"][e], g["scale"][e], group, K,
+                                         None if g["offset"] is None else g["offset"][e],
+                                         None if g["global_scale"] is None else g["global_scale"][e:e + 1])
+                           for e in range(E)])
+        w_any = torch.nan_to_num(w64, nan=0.0, posinf=0.0, neginf=0.0).abs().amax(0)  # any expert's
+        assert_matmul_close(out, ref, torch.nan_to_num(absref, nan=0.0, posinf=0.0), acc_rtol=ACC_RTOL,
+                            atol=denormal_atol(x, w_any, torch.ones(1)))
+    return Case("w4_grouped_mm", backend, (x, w["codes"], w["scale"], w["format"], w["group_size"], offsets, ids,
+                                           w["offset"], w["global_scale"]), bad, check,
+                f"x {tuple(x.shape)} {dtype} strides {x.stride()}, {fmt} g{group} [{E}, {N}, {K}], scale "
+                f"{good['scale'].dtype}, offset {None if good['offset'] is None else good['offset'].dtype}, global "
+                f"{good['global_scale'] is not None}, offsets {offsets.tolist()}, ids {None if ids is None else ids.tolist()}")
+
+
 CASES = {"fp8_mm": fp8_mm_cases, "fp8_dequantize": fp8_dequantize_cases, "fp8_grouped_mm": fp8_grouped_mm_cases,
-         "int8_quantize": int8_quantize_cases, "int8_mm": int8_mm_cases}
+         "int8_quantize": int8_quantize_cases, "int8_mm": int8_mm_cases, "w4_mm": w4_mm_cases,
+         "w4_grouped_mm": w4_grouped_mm_cases}
 
 
 # ---------------------------------------------------------------------------------------------- the worker

@@ -5,7 +5,7 @@ and per-expert global scales; bad group bounds and expert ids refused."""
 import pytest
 import torch
 
-from reference import _grouped, assert_matmul_close, ref_w4_mm
+from reference import _grouped, assert_matmul_close, ref_w4_grouped_mm
 from test_w4_cpu_kernels import FORMATS, random_w4, transposed_weight
 from torch_lowbit.testing import cpu_isa, forced_cpu_isa, supported_cpu_isas
 
@@ -30,19 +30,10 @@ def random_experts(fmt, E, N, K, group, g, offset=True):
     return codes, scale, off, gs
 
 
-def ref_grouped(x, fmt, group, w, offsets, ids):
-    codes, scale, off, gs = w
-
-    def product(rows, e):
-        return ref_w4_mm(rows, fmt, codes[e], scale[e], group, None if off is None else off[e],
-                         None if gs is None else gs[e:e + 1])
-    return _grouped(x, offsets, ids, codes.shape[1], product)
-
-
 def check_grouped(x, fmt, group, w, offsets, ids):
     codes, scale, off, gs = w
     out = ops.w4_grouped_mm(x, codes, scale, fmt, group, offsets, ids, off, gs)
-    ref, absref = ref_grouped(x, fmt, group, w, offsets, ids)
+    ref, absref = ref_w4_grouped_mm(x, fmt, codes, scale, group, offsets, ids, off, gs)
     assert out.dtype == x.dtype and out.shape == ref.shape
     assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
     return out
