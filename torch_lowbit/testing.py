@@ -47,7 +47,8 @@ def forced_cpu_isa(name: str):
 
 def cpu_amx_gemm() -> bool:
     """Whether the GEMM regimes (enough rows) of ``fp8_mm`` and ``int8_mm`` run on AMX now, through
-    oneDNN's brgemm in torch: the CPU has AMX, the cap is at ``"avx512"`` and ``torch.backends.mkldnn`` is enabled.
+    oneDNN's brgemm in torch: the CPU has AMX, the cap is at an AVX-512 set (``"avx512"``, ``"avx512amx"``) and
+    ``torch.backends.mkldnn`` is enabled.
     Otherwise fp8_mm multiplies bf16 panels in the kernel set's bf16 GEMM (AVX-512 BF16) or fp32 panels in
     torch's fp32 GEMM (``cpu_gemm_route``), and int8_mm uses its own AVX-512 / AVX2 micro-kernels.
     ``torch.backends.mkldnn.enabled = False`` turns AMX off."""
