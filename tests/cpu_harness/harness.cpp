@@ -535,8 +535,7 @@ void check_w4_gemv_rows_bf16(const KernelSet& s, const W4Operand& op, const char
                              W4XKind kind = W4XKind::Normal) {
   if (!s.w4.gemv_rows_bf16 || !s.w4.gemv_bf16_takes(op)) return;
   const int64_t N = op.N, K = op.K, Kp = w4_bf16_padded(K);
-  const bool offsets = op.offset != nullptr && op.offset_kind != W4Offset::None;
-  const int64_t gs = offsets ? w4_bf16_group_sums(op) : 0, group = op.G <= 1 ? K : op.group;
+  const int64_t gs = w4_bf16_row_group_sums(op), group = op.G <= 1 ? K : op.group;
   const int64_t plane_words = s.w4.bf16_planes ? w4_plane_steps_bytes(K) / 2 : 0;
   const int64_t ldx = Kp + 2 * gs + plane_words + 6;
   std::normal_distribution<float> normal(0.f, 1.f);

@@ -477,8 +477,9 @@ struct Bf16RowsSetup {
   const char* srows;
   GemvPrefetch prefetch, scale_prefetch, offset_prefetch;
 
-  // kSmall: group size 16, 32 or 64, several groups per step (gemv_tile_bf16_t); nr: rows per tile
-  LOWBIT_TARGET_AVX512 Bf16RowsSetup(const W4Operand& op, int64_t n0, int nr, bool small)
+  // kSmall: group size 16, 32 or 64, several groups per step (gemv_tile_bf16_t); nr: rows per tile; planes: the
+  // tiles read x's digit planes (the codes' bytes are worked out only then)
+  LOWBIT_TARGET_AVX512 Bf16RowsSetup(const W4Operand& op, int64_t n0, int nr, bool small, bool planes)
       : n0(n0), K(op.K), rb(op.row_bytes()), Kp(w4_bf16_padded(K)), full(K / kW4Bf16Step * kW4Bf16Step),
         G(std::max<int64_t>(op.G, 1)), sb(w4_scale_bytes(op.scale_enc)), srow(G * sb),
         ob(op.offset_kind == W4Offset::ZeroPoint ? 1 : sb), orow(G * ob),
@@ -502,6 +503,7 @@ struct Bf16RowsSetup {
     // small: lane l of a step's sums is in group l >> shift of the step's groups
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     lane_group = small ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
+    if (!planes) return;
     planes_at = Kp + 2 * w4_bf16_row_group_sums(op);
     const W4PlaneCodes pc = w4_plane_codes(op);
     plane_u = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pc.u)));
@@ -610,7 +612,7 @@ LOWBIT_TARGET_AVX512BF16 void gemv_rows_bf16_t(const uint16_t* x, int64_t ldx, c
                                                int64_t n1, float* sums, int64_t lds) {
   int64_t n = n0;
   if (n1 - n0 >= NR) {
-    const Bf16RowsSetup s(op, n0, NR, kSmall);
+    const Bf16RowsSetup s(op, n0, NR, kSmall, kPlanes != Planes::None);
     for (; n + NR <= n1; n += NR) gemv_tile_bf16_t<MR, NR, kSmall, kPlanes>(s, x, ldx, op, n, sums + (n - n0), lds);
   }
   if constexpr (NR > 1)
@@ -722,16 +724,14 @@ LOWBIT_TARGET_AVX512BF16 void plane_step(const uint16_t* x, int64_t valid, W4Pla
     _mm512_storeu_si512(reinterpret_cast<char*>(&st) + 448, _mm512_maskz_set1_epi32(1, bits));
     st.exact = exact;
   };
-  auto inexact = [&]() LOWBIT_TARGET_AVX512 {
+  // no digits: a step of zeros and denormals (exact where finite), or one the bf16 step takes (exact 0)
+  auto empty = [&](int32_t exact) LOWBIT_TARGET_AVX512 {
     for (int i = 0; i < 7; i++) _mm512_storeu_si512(reinterpret_cast<char*>(&st) + 64 * i, zero);
-    store_tail(1.f, 0);
+    store_tail(1.f, exact);
   };
-  if (emax == 0) {  // zeros and denormals
-    for (int i = 0; i < 7; i++) _mm512_storeu_si512(reinterpret_cast<char*>(&st) + 64 * i, zero);
-    return store_tail(1.f, nonfinite == 0);
-  }
+  if (emax == 0) return empty(nonfinite == 0);
   const int ulp = emin - 127 - 7;
-  if (nonfinite != 0 || emax - emin > 15 || ulp < kW4PlaneMinExponent) return inexact();
+  if (nonfinite != 0 || emax - emin > 15 || ulp < kW4PlaneMinExponent) return empty(0);
   const __m512i bias = _mm512_set1_epi32(128), imax = _mm512_set1_epi32(kW4PlaneMax), emin_v = _mm512_set1_epi32(emin);
   __m128i nb[3][8];  // [digit][16 codes]: bytes in code order
   __mmask16 over = 0;
@@ -749,7 +749,7 @@ LOWBIT_TARGET_AVX512BF16 void plane_step(const uint16_t* x, int64_t valid, W4Pla
 #pragma GCC unroll 3
     for (int p = 0; p < 3; p++) nb[p][q] = _mm512_cvtepi32_epi8(d[p]);
   }
-  if (over != 0) return inexact();
+  if (over != 0) return empty(0);
   const __m512i even_idx = _mm512_set_epi8(126, 124, 122, 120, 118, 116, 114, 112, 110, 108, 106, 104, 102, 100, 98, 96, 94,
                                      92, 90, 88, 86, 84, 82, 80, 78, 76, 74, 72, 70, 68, 66, 64, 62, 60, 58, 56, 54, 52,
                                      50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10,
