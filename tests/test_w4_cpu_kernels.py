@@ -170,6 +170,28 @@ def test_w4_mm_bf16_gemv_steps_spanning_many_binades(isa, M, fmt, group):
     assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("M", [1, 3])
+def test_w4_mm_bf16_gemv_long_rows_packed_by_several_threads(isa, threads, M):
+    # A row of bf16 x longer than a task of the digit-plane pack (w4_matmul.cpp) is packed by several threads, tasks
+    # crossing from row to row: a step's planes written from another step or row, or into another's place, give
+    # another step's sum (each step of each row in its own binade, within 16 of the others)
+    g = torch.Generator().manual_seed(5 + M + threads)
+    N, K = 24, 128 * 37 + 3
+    codes, scale, off, gs = random_w4("int4", N, K, 128, g)
+    step = torch.arange(K) // 128
+    x = torch.rand(M, K, generator=g) + 1
+    x = (x * torch.exp2((step[None, :] * 5 + 3 * torch.arange(M)[:, None]) % 5 - 2)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = ops.w4_mm(x, codes, scale, "int4", 128, off, gs)
+    finally:
+        torch.set_num_threads(before)
+    ref, absref = ref_w4_mm(x, "int4", codes, scale, 128, off, gs)
+    assert_matmul_close(out, ref, absref, acc_rtol=1e-5)
+
+
 @pytest.mark.parametrize("M", [1, 3, GEMM_ROWS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_w4_mm_every_byte_scale(isa, M, dtype):

@@ -52,6 +52,8 @@ namespace {
 // 256 KB, in L2 beside the window of activations).
 constexpr int64_t kPanelRows = 64;
 constexpr int64_t kWindow = 1024;
+// Digit-plane steps per task of the activation pack (about 1 us of work): shorter rows are packed on one thread.
+constexpr int64_t kPlaneStepsGrain = 16;
 
 // The global scale and the output bias, after the K reduction.
 inline float finish(const W4Operand& op, int64_t n, float sum) {
@@ -327,7 +329,7 @@ W4GemvActivations w4_gemv_activations(const W4Kernels& kern, const W4Operand& op
   a.group_sums = w4_bf16_row_group_sums(op);
   if (a.group_sums) a.group = op.G <= 1 ? op.K : op.group;
   a.pack_bf16_row = kern.pack_bf16_row;
-  a.planes = kern.bf16_planes;  // written by the set's own pack
+  a.pack_plane_steps = kern.pack_plane_steps;
   return a;
 }
 
@@ -347,6 +349,19 @@ void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* ds
     std::fill(sums, sums + acts.group_sums, 0.f);
     segment_sums(x + m * K, K, acts.group, sums);
   }
+  if (!acts.pack_plane_steps) return;
+  // The planes cost about 60 times the bf16 words' moves: a row of the longest projections (K = 14336, 112 steps)
+  // took 7 us on one thread, a few percent of a 16-thread GEMV, so long rows are split among threads.
+  const int64_t steps = Kp / kW4Bf16Step, plane_at = Kp + 2 * acts.group_sums;
+  at::parallel_for(0, M * steps, kPlaneStepsGrain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {
+      const int64_t m = i / steps, s0 = i % steps, s1 = std::min(steps, s0 + i1 - i);
+      uint16_t* row = static_cast<uint16_t*>(dst) + m * ld;
+      acts.pack_plane_steps(reinterpret_cast<const uint16_t*>(x) + m * K, K, s0, s1,
+                            reinterpret_cast<W4PlaneStep*>(row + plane_at));
+      i += s1 - s0;
+    }
+  });
 }
 
 template <typename T>

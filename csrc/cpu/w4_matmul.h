@@ -33,15 +33,16 @@ int64_t w4_gemm_min_rows(const W4Operand& op);
 // How the GEMV tiles see the activations: fp32 in w4_kernels.h's packed order, or -- bf16 x, where the kernel set
 // has a bf16 tile that takes the weight -- the bf16 values themselves in its bf16 order, followed, for weights with
 // zero points or biases, by the row's sum over each group (W4Kernels::gemv_rows_bf16), and by the digit planes
-// where the set reads them (W4Kernels::bf16_planes).
+// where the set reads them (W4Kernels::pack_plane_steps).
 struct W4GemvActivations {
-  bool bf16 = false, planes = false;
+  bool bf16 = false;
   int64_t K = 0;
   int64_t group = 0, group_sums = 0;  // codes per group of the sums; fp32 sums per row (0: none)
   void (*pack_bf16_row)(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*) = nullptr;  // the set's, if any
+  void (*pack_plane_steps)(const uint16_t*, int64_t, int64_t, int64_t, W4PlaneStep*) = nullptr;  // planes, if any
   int64_t row_elems() const {
     if (!bf16) return w4_padded(K);
-    return w4_bf16_padded(K) + 2 * group_sums + (planes ? w4_plane_steps_bytes(K) / 2 : 0);
+    return w4_bf16_padded(K) + 2 * group_sums + (pack_plane_steps ? w4_plane_steps_bytes(K) / 2 : 0);
   }
   int64_t row_bytes() const { return row_elems() * (bf16 ? 2 : 4); }
 };

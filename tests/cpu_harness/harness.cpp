@@ -536,7 +536,7 @@ void check_w4_gemv_rows_bf16(const KernelSet& s, const W4Operand& op, const char
   if (!s.w4.gemv_rows_bf16 || !s.w4.gemv_bf16_takes(op)) return;
   const int64_t N = op.N, K = op.K, Kp = w4_bf16_padded(K);
   const int64_t gs = w4_bf16_row_group_sums(op), group = op.G <= 1 ? K : op.group;
-  const int64_t plane_words = s.w4.bf16_planes ? w4_plane_steps_bytes(K) / 2 : 0;
+  const int64_t plane_words = s.w4.pack_plane_steps ? w4_plane_steps_bytes(K) / 2 : 0;
   const int64_t ldx = Kp + 2 * gs + plane_words + 6;
   std::normal_distribution<float> normal(0.f, 1.f);
   Buf<uint16_t> xp(size_t(kMaxTileRows * ldx + 64), 0);
@@ -572,14 +572,18 @@ void check_w4_gemv_rows_bf16(const KernelSet& s, const W4Operand& op, const char
               double(sums[g]));
       }
       if (plane_words) {  // the planes: w4_plane_step's bytes, and behind the row's sums, where the GEMV reads them
-        const uint16_t* planes = got.data() + Kp + 2 * gs;
+        uint16_t* planes = got.data() + Kp + 2 * gs;
+        // in two calls, as threads split a row: the steps before the last, then the last
+        const int64_t steps = Kp / kW4Bf16Step;
+        for (const auto& range : {std::pair<int64_t, int64_t>{0, steps - 1}, {steps - 1, steps}})
+          s.w4.pack_plane_steps(nat.data(), K, range.first, range.second, reinterpret_cast<W4PlaneStep*>(planes));
         int differ = 0;
         for (int64_t k = 0; k < Kp; k += kW4Bf16Step) {
           W4PlaneStep want;
           w4_plane_step(nat.data() + k, K - k, want);
           differ += std::memcmp(&want, planes + k / kW4Bf16Step * int64_t(sizeof want) / 2, sizeof want) != 0;
         }
-        CHECK(differ == 0, "w4 pack_bf16_row %s K=%lld: %d plane steps differ", fmt, (long long)K, differ);
+        CHECK(differ == 0, "w4 pack_plane_steps %s K=%lld: %d plane steps differ", fmt, (long long)K, differ);
         std::copy(planes, planes + plane_words, row + Kp + 2 * gs);
       }
     }
@@ -688,7 +692,7 @@ void check_w4(const KernelSet& s) {
             if (offset && f.offset == W4Offset::None) continue;
             const W4Case c = make_w4(f, W4Scale(enc), offset, 11, K, group, false);
             check_w4_gemv_rows_bf16(s, c.op, f.name);
-            if (s.w4.bf16_planes) check_w4_gemv_rows_bf16(s, c.op, f.name, W4XKind::Hard);
+            if (s.w4.pack_plane_steps) check_w4_gemv_rows_bf16(s, c.op, f.name, W4XKind::Hard);
           }
       // ranges of many tiles and a rest (37 rows), groups of whole steps and per channel, partial last steps
       for (int64_t K : {100, 1000, 2100})
@@ -697,7 +701,7 @@ void check_w4(const KernelSet& s) {
             if (offset && f.offset == W4Offset::None) continue;
             const W4Case c = make_w4(f, W4Scale(enc), offset, 37, K, group, K == 1000);
             check_w4_gemv_rows_bf16(s, c.op, f.name);
-            if (s.w4.bf16_planes) check_w4_gemv_rows_bf16(s, c.op, f.name, W4XKind::Hard);
+            if (s.w4.pack_plane_steps) check_w4_gemv_rows_bf16(s, c.op, f.name, W4XKind::Hard);
           }
     }
 }

@@ -60,7 +60,7 @@ inline int64_t w4_bf16_row_group_sums(const W4Operand& op) {
   return op.offset != nullptr && op.offset_kind != W4Offset::None ? w4_bf16_group_sums(op) : 0;
 }
 
-// bf16 x as signed-byte digit planes (W4Kernels::bf16_planes), for cores whose byte dot products (vpdpbusd) issue
+// bf16 x as signed-byte digit planes (W4Kernels::pack_plane_steps), for cores whose byte dot products (vpdpbusd) issue
 // several times as often as their bf16 ones (vdpbf16ps). Each step of 128 values of x is an integer vector times a
 // power of two: i_k = x_k / 2^e, e the ulp of the step's smallest nonzero value, and each i_k is three digits in
 // [-128, 127], i = d2 * 2^16 + d1 * 2^8 + d0. A code is a byte u_c = mul * value_c + off (W4PlaneCodes). Per 32-bit
@@ -318,9 +318,10 @@ struct W4Kernels {
   // words, then (group_sums > 0) the fp32 sum of x over each group of `group` codes, zero up to group_sums. Null: the
   // portable pack (w4_matmul.cpp), whose constant-order moves ran at about 1 ns a value.
   void (*pack_bf16_row)(const uint16_t* x, int64_t K, int64_t group, int64_t group_sums, uint16_t* dst) = nullptr;
-  // Whether gemv_rows_bf16 reads digit planes (W4PlaneStep, w4_plane_steps_bytes(K)) right after each packed row's
-  // group sums, and pack_bf16_row writes them: the row of x is that much longer.
-  bool bf16_planes = false;
+  // Sets whose gemv_rows_bf16 reads digit planes (W4PlaneStep) right after each packed row's group sums (the row of
+  // x is w4_plane_steps_bytes(K) longer): the planes of steps [s0, s1) of one row of x (K values, natural order)
+  // into steps[s0 .. s1). Steps are independent, so a long row's are split among threads. Null: no planes.
+  void (*pack_plane_steps)(const uint16_t* x, int64_t K, int64_t s0, int64_t s1, W4PlaneStep* steps) = nullptr;
 };
 
 // The portable kernels: every set's fallback for group sizes its vector loops do not take.

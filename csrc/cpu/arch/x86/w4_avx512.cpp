@@ -469,7 +469,7 @@ struct Bf16RowsSetup {
   int group_shift;
   bool offsets;
   __m512i table, lane_group;
-  // the digit planes (W4Kernels::bf16_planes): where they start in a row of x (words), and the codes' bytes
+  // the digit planes (W4Kernels::pack_plane_steps): where they start in a row of x (words), and the codes' bytes
   int64_t planes_at = 0;
   __m512i plane_u, plane_neg_off;
   float plane_inv_mul = 1.f;
@@ -515,7 +515,7 @@ struct Bf16RowsSetup {
   }
 };
 
-// How a bf16 tile reads x: its bf16 words alone, or with the digit planes behind them (W4Kernels::bf16_planes),
+// How a bf16 tile reads x: its bf16 words alone, or with the digit planes behind them (W4Kernels::pack_plane_steps),
 // the codes' bytes being the nibbles or looked up (W4PlaneCodes::identity).
 enum class Planes { None, Nibbles, Lookup };
 
@@ -640,7 +640,7 @@ void gemv_rows_bf16(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op,
   gemv_rows_bf16_p<Planes::None>(mr, x, ldx, op, n0, n1, sums, lds);
 }
 
-// W4Kernels::gemv_rows_bf16 of the planes set: x's rows carry their digit planes (pack_bf16_row_planes); a weight
+// W4Kernels::gemv_rows_bf16 of the planes set: x's rows carry their digit planes (pack_plane_steps); a weight
 // whose codes are no small integers (W4PlaneCodes) takes the bf16 steps alone.
 void gemv_rows_bf16_planes(int mr, const uint16_t* x, int64_t ldx, const W4Operand& op, int64_t n0, int64_t n1,
                            float* sums, int64_t lds) {
@@ -770,13 +770,9 @@ LOWBIT_TARGET_AVX512BF16 void plane_step(const uint16_t* x, int64_t valid, W4Pla
   store_tail(std::ldexp(1.f, ulp), 1);
 }
 
-// W4Kernels::pack_bf16_row of the planes set: the bf16 row, then each step's digit planes (w4_plane_step).
-LOWBIT_TARGET_AVX512BF16 void pack_bf16_row_planes(const uint16_t* x, int64_t K, int64_t group, int64_t group_sums,
-                                                   uint16_t* dst) {
-  pack_bf16_row(x, K, group, group_sums, dst);
-  const int64_t Kp = w4_bf16_padded(K);
-  auto* steps = reinterpret_cast<W4PlaneStep*>(dst + Kp + 2 * group_sums);
-  for (int64_t k = 0; k < Kp; k += kW4Bf16Step) plane_step(x + k, K - k, steps[k / kW4Bf16Step]);
+// W4Kernels::pack_plane_steps: each step's digit planes (w4_plane_step).
+LOWBIT_TARGET_AVX512BF16 void pack_plane_steps(const uint16_t* x, int64_t K, int64_t s0, int64_t s1, W4PlaneStep* steps) {
+  for (int64_t s = s0; s < s1; s++) plane_step(x + s * kW4Bf16Step, K - s * kW4Bf16Step, steps[s]);
 }
 
 // Calls fn(p, e, o) for each chunk of codes [k0, k0 + n) of row `row` (p: its first position relative to k0).
@@ -1072,7 +1068,7 @@ extern const W4Kernels kW4KernelsAvx512Planes{&gemv_tile,
                                                &w4_bf16_tile_takes,
                                                &gemv_rows_bf16_planes,
                                                &decode_rows_bf16,
-                                               &pack_bf16_row_planes,
-                                               true};
+                                               &pack_bf16_row,
+                                               &pack_plane_steps};
 
 }  // namespace lowbit::cpu
