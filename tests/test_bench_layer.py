@@ -98,3 +98,18 @@ def test_cpu_suite_runs_at_a_capped_isa(tmp_path, capsys):
     assert {r["case"].split(" M=64")[0] for r in m64} == {"w4_mm int4 g128", "w4_mm nvfp4 g16",
                                                           "w4_mm uint4 g64+bias (MLX)"}
     assert "kernels: avx2" in capsys.readouterr().out
+    # one round a case: its ratio, no spread to call it noisy
+    assert all(r["met"] in ("yes", "NO") for r in data["rows"] if not r["case"].endswith(" in cache"))
+
+
+def test_cpu_suite_calls_a_case_whose_rounds_disagree_noisy():
+    from torch_lowbit.bench import cpu
+    at_least = lambda goal: lambda r: r >= goal  # noqa: E731
+    assert cpu._verdict([0.98, 1.02, 1.0], at_least(0.85)) == (1.0, "yes", "0.98-1.02")
+    assert cpu._verdict([0.70, 0.72, 0.71], at_least(0.85)) == (0.71, "NO", "0.70-0.72")
+    # a stalled host: one round's read slowed 5x beside a normal GEMV, another's the other way round; the median
+    # alone would have read as a met goal, or a missed one
+    assert cpu._verdict([0.80, 5.0, 0.90], at_least(0.85))[1:] == ("noisy", "0.80-5.00")
+    assert cpu._verdict([0.80, 0.15, 0.90], at_least(0.85))[1] == "noisy"
+    # the spread allowed is a factor: 0.70 .. 0.90 is within it
+    assert cpu._verdict([0.70, 0.90], at_least(0.85)) == (0.80, "NO", "0.70-0.90")
