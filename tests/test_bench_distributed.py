@@ -34,3 +34,12 @@ def test_distributed_suite_runs_worlds_side_by_side(tmp_path, capsys):
 def test_distributed_suite_refuses_bad_worlds(capsys):
     assert bench_main.main(["--suite", "distributed", "--worlds", "two"]) == 2
     assert "--worlds must be positive ints" in capsys.readouterr().out
+
+
+def test_a_failed_launch_says_which_ranks_wrote_results(tmp_path, capsys):
+    # a checkpoint that is not there: every rank fails before its results, and the message says none wrote them
+    from torch_lowbit.bench import distributed
+    args = distributed._parser().parse_args(TINY)
+    assert distributed._launch(args, str(tmp_path / "missing"), 2, 1, str(tmp_path / "out")) is None
+    out = capsys.readouterr().out
+    assert "world 2: torchrun failed (exit code 1; results written by ranks []):" in out

@@ -139,12 +139,15 @@ def _launch(args, ckpt, world, threads, out, split=True):
     except subprocess.TimeoutExpired:
         print(f"world {world}: torchrun did not finish within {args.timeout} s")
         return None
+    paths = [f"{out}.rank{r}.json" for r in range(world)]
+    written = [r for r, path in enumerate(paths) if os.path.exists(path)]
+    if done.returncode != 0 or len(written) < world:
+        # which ranks wrote their results tells a failure in the work from one in the process group's teardown
+        print(f"world {world}: torchrun failed (exit code {done.returncode}; results written by ranks {written}):\n"
+              f"{done.stdout[-4000:]}")
+        return None
     ranks = []
-    for r in range(world):
-        path = f"{out}.rank{r}.json"
-        if done.returncode != 0 or not os.path.exists(path):
-            print(f"world {world}: torchrun failed (exit code {done.returncode}):\n{done.stdout[-4000:]}")
-            return None
+    for path in paths:
         with open(path) as f:
             ranks.append(json.load(f))
     return ranks
