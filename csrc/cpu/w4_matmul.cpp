@@ -352,7 +352,7 @@ void w4_pack_rows(const W4GemvActivations& acts, const T* x, int64_t M, void* ds
   if (!acts.pack_plane_steps) return;
   // The planes cost about 60 times the bf16 words' moves: a row of the longest projections (K = 14336, 112 steps)
   // took 7 us on one thread, a few percent of a 16-thread GEMV, so long rows are split among threads.
-  const int64_t steps = Kp / kW4Bf16Step, plane_at = Kp + 2 * acts.group_sums;
+  const int64_t steps = Kp / kW4Bf16Step, plane_at = w4_plane_steps_at(K, acts.group_sums);
   at::parallel_for(0, M * steps, kPlaneStepsGrain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {
       const int64_t m = i / steps, s0 = i % steps, s1 = std::min(steps, s0 + i1 - i);

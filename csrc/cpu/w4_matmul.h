@@ -42,7 +42,7 @@ struct W4GemvActivations {
   void (*pack_plane_steps)(const uint16_t*, int64_t, int64_t, int64_t, W4PlaneStep*) = nullptr;  // planes, if any
   int64_t row_elems() const {
     if (!bf16) return w4_padded(K);
-    return w4_bf16_padded(K) + 2 * group_sums + (pack_plane_steps ? w4_plane_steps_bytes(K) / 2 : 0);
+    return w4_plane_steps_at(K, group_sums) + (pack_plane_steps ? w4_plane_steps_bytes(K) / 2 : 0);
   }
   int64_t row_bytes() const { return row_elems() * (bf16 ? 2 : 4); }
 };

@@ -183,10 +183,10 @@ def _thread_counts(spec):
 
 def _stream_case(rows, name, op, copies, rounds, repeat, goal):
     """op() reads one of `copies` (a _Rotating) per call; the baseline is a plain read of the same copies."""
-    t_read, t_op, read_over_op = _paired(lambda: _C._cpu_stream_read(copies.next()), op, rounds, repeat)
+    t_read, t_op, op_over_read = _paired(lambda: _C._cpu_stream_read(copies.next()), op, rounds, repeat)
     nbytes = copies.copies[0].numel() * copies.copies[0].element_size()
     read_gbs, op_gbs = nbytes / t_read / 1e9, nbytes / t_op / 1e9
-    frac, met, spread = _verdict([1 / r for r in read_over_op], lambda f: f >= goal)
+    frac, met, spread = _verdict([1 / r for r in op_over_read], lambda f: f >= goal)
     rows.append(dict(case=name, ms=t_op * 1e3, baseline="stream read of the weight", base_ms=t_read * 1e3,
                      ratio=frac, spread=spread, goal=f">= {goal:.2f} of read GB/s", met=met, gbs=op_gbs))
     print(f"  read bandwidth: {read_gbs:.1f} GB/s; {name} streams {op_gbs:.1f} GB/s = {frac:.0%} (rounds {spread}: "

@@ -79,6 +79,9 @@ struct W4PlaneStep {
   int32_t pad[14];
 };
 static_assert(sizeof(W4PlaneStep) == 512, "a plane step is eight cache lines");
+// Where a packed row's planes start (words): after its w4_bf16_padded(K) bf16 words and group_sums fp32 sums. The
+// pack writes them there and the GEMV reads them there.
+inline int64_t w4_plane_steps_at(int64_t K, int64_t group_sums) { return w4_bf16_padded(K) + 2 * group_sums; }
 inline int64_t w4_plane_steps_bytes(int64_t K) {
   return w4_bf16_padded(K) / kW4Bf16Step * int64_t(sizeof(W4PlaneStep));
 }

@@ -504,7 +504,7 @@ struct Bf16RowsSetup {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     lane_group = small ? _mm512_srli_epi32(lane, int(__builtin_ctzll(op.group / 8))) : lane;
     if (!planes) return;
-    planes_at = Kp + 2 * w4_bf16_row_group_sums(op);
+    planes_at = w4_plane_steps_at(K, w4_bf16_row_group_sums(op));
     const W4PlaneCodes pc = w4_plane_codes(op);
     plane_u = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pc.u)));
     plane_neg_off = _mm512_set1_epi32(-pc.off);
