@@ -206,6 +206,41 @@ def test_planted_plane_bug_fails_the_harness(host_objects, src, text, planted, w
     assert r.returncode == 1 and "FAILED avx512amx" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
 
 
+def cpu_has_amx():
+    """Whether this CPU reports AMX tiles with bf16 (Linux's /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
+# Planted bugs in the avx512amx set's AMX tile GEMM (amx.cpp), which runs on tiles only on a CPU with AMX (elsewhere
+# the vector GEMM stands in for it, and a plant there changes nothing)
+AMX_PLANTS = [
+    ("csrc/cpu/arch/x86/amx.cpp", "_mm512_set1_ps(scales[i][s])", "_mm512_set1_ps(scales[i][0])",
+     "every segment's sums scaled by the first segment's scale"),
+    ("csrc/cpu/arch/x86/amx.cpp", "_tile_loadd(7, b + 2 * kTileRows, sb);", "_tile_loadd(7, b + kTileRows, sb);",
+     "the second column tile reads the first tile's last 8 columns"),
+    ("csrc/cpu/arch/x86/amx.cpp", "for (int i = 0, n = rows[0] + rows[1]; i < n; i++)",
+     "for (int i = 0, n = rows[0]; i < n; i++)", "the segment sums of a block's second tile row never reach C"),
+    ("csrc/cpu/arch/x86/amx.cpp", "  if (add) {\n    LOWBIT_AMX_MEMORY();", "  if (false) {\n    LOWBIT_AMX_MEMORY();",
+     "the product without segments overwrites C where it should add to it"),
+]
+
+
+@needs_host_cxx
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 kernel sets")
+@pytest.mark.parametrize("src,text,planted,what", AMX_PLANTS, ids=[p[3] for p in AMX_PLANTS])
+def test_planted_amx_bug_fails_the_harness(host_objects, src, text, planted, what):
+    if not cpu_has_amx():
+        pytest.skip("no AMX tiles on this CPU: the AMX GEMM runs as the vector one")
+    exe, _ = planted_harness(HOST_CXX, host_objects, AMX_PLANTS, (src, text, planted, what))
+    r = run([exe, "--first-failure", "avx512amx"])
+    assert r.returncode == 1 and "FAILED avx512amx" in r.stdout, f"{what}: not caught\n{r.stdout[-2000:]}"
+
+
 # ---- the Arm sets, cross-compiled and run under qemu-aarch64 ----
 ARM_CXX = shutil.which("aarch64-linux-gnu-g++")
 QEMU = shutil.which("qemu-aarch64")

@@ -17,6 +17,7 @@
 #include <random>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu/arch/kernel_set.h"
@@ -753,16 +754,13 @@ void check_vnni_pack(const KernelSet& s) {
 // row and column tails, K past one depth block and K = 0, strides wider than the operands. Small integers give
 // exact sums (checked exactly); random values are bounded against float64; a NaN in A poisons its row, an infinity
 // in B its column, a bf16 denormal in A reads as zero; nothing is written outside C's M x N.
-void check_bf16_gemm(const KernelSet& s) {
-  CHECK(s.bf16_gemm == nullptr || (s.vnni_pack != nullptr && s.fp8.decode_rows_bf16 != nullptr),
-        "a set with a bf16 GEMM packs VNNI pairs and decodes bf16 panels");
-  if (!s.bf16_gemm) return;
+void check_bf16_gemm(const char* name, Bf16GemmFn gemm) {
   std::uniform_int_distribution<int> small(-8, 8);
   std::normal_distribution<float> normal(0.f, 1.f);
   for (bool integers : {true, false})
     for (int64_t M : {1, 6, 7, 13, 64})
       for (int64_t N : {1, 16, 17, 64, 65, 130})
-        for (int64_t K : {0, 2, 30, 256, 258, 600})
+        for (int64_t K : {0, 2, 30, 64, 256, 258, 600})
           for (bool add : {false, true}) {
             const int64_t lda = K + 6, ldb = N + 3, ldc = N + 5;
             std::vector<uint16_t> A(size_t(M * lda), 0x7FC0), B(size_t((K / 2) * 2 * ldb), 0x7FC0);  // NaN outside
@@ -785,12 +783,12 @@ void check_bf16_gemm(const KernelSet& s) {
             for (int64_t i = 0; i < M; i++)
               for (int64_t j = 0; j < N; j++) start[size_t(i * ldc + j)] = add ? float(small(g_rng)) : sentinel;
             for (size_t i = 0; i < start.size(); i++) C[i] = start[i];
-            s.bf16_gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, nullptr);
+            gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, nullptr);
             for (int64_t i = 0; i < M; i++)
               for (int64_t j = 0; j < ldc; j++) {
                 const float got = C[size_t(i * ldc + j)];
                 if (j >= N) {
-                  CHECK(got == sentinel, "bf16_gemm M=%lld N=%lld K=%lld wrote C[%lld][%lld] past N", (long long)M,
+                  CHECK(got == sentinel, "%s M=%lld N=%lld K=%lld wrote C[%lld][%lld] past N", name, (long long)M,
                         (long long)N, (long long)K, (long long)i, (long long)j);
                   continue;
                 }
@@ -809,15 +807,15 @@ void check_bf16_gemm(const KernelSet& s) {
                   }
                 }
                 if (nan) {
-                  CHECK(std::isnan(got), "bf16_gemm M=%lld N=%lld K=%lld C[%lld][%lld] = %g, want NaN", (long long)M,
+                  CHECK(std::isnan(got), "%s M=%lld N=%lld K=%lld C[%lld][%lld] = %g, want NaN", name, (long long)M,
                         (long long)N, (long long)K, (long long)i, (long long)j, got);
                 } else if (inf) {
-                  CHECK(std::isinf(got), "bf16_gemm M=%lld N=%lld K=%lld C[%lld][%lld] = %g, want inf", (long long)M,
+                  CHECK(std::isinf(got), "%s M=%lld N=%lld K=%lld C[%lld][%lld] = %g, want inf", name, (long long)M,
                         (long long)N, (long long)K, (long long)i, (long long)j, got);
                 } else {
                   const double bound = integers ? 0.0 : double(K + 2) * std::ldexp(mag, -24);
                   CHECK(std::fabs(double(got) - ref) <= bound,
-                        "bf16_gemm M=%lld N=%lld K=%lld add=%d C[%lld][%lld] = %.9g, want %.9g", (long long)M,
+                        "%s M=%lld N=%lld K=%lld add=%d C[%lld][%lld] = %.9g, want %.9g", name, (long long)M,
                         (long long)N, (long long)K, int(add), (long long)i, (long long)j, got, ref);
                 }
               }
@@ -826,13 +824,12 @@ void check_bf16_gemm(const KernelSet& s) {
 
 // The bf16 GEMM with segments (Bf16Segments): each segment's sums scaled per row -- segments shorter and longer than
 // the GEMM's depth blocks, a partial last one, rows and columns with tails, with and without add; against float64.
-void check_bf16_gemm_segments(const KernelSet& s) {
-  if (!s.bf16_gemm) return;
+void check_bf16_gemm_segments(const char* name, Bf16GemmFn gemm) {
   std::normal_distribution<float> normal(0.f, 1.f);
-  for (int64_t M : {1, 3, 4, 7})
+  for (int64_t M : {1, 3, 4, 7, 33, 64})
     for (int64_t N : {5, 16, 64, 70})
       for (int64_t K : {64, 320, 600})
-        for (int64_t len : {2, 64, 128, 300})
+        for (int64_t len : {2, 32, 64, 128, 300})
           for (bool add : {false, true}) {
             const int64_t lda = K + 2, ldb = N + 1, ldc = N + 3, ns = (K + len - 1) / len;
             std::vector<uint16_t> A(size_t(M * lda)), B(size_t(K * ldb));
@@ -844,7 +841,7 @@ void check_bf16_gemm_segments(const KernelSet& s) {
             for (int64_t i = 0; i < M; i++) srow[size_t(i)] = scale.data() + i * ns;
             const Bf16Segments segs{len, srow.data()};
             Buf<float> C(size_t(M * ldc), 7.f);
-            s.bf16_gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, &segs);
+            gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, &segs);
             for (int64_t i = 0; i < M; i++)
               for (int64_t j = 0; j < N; j++) {
                 double ref = add ? 7.0 : 0.0, mag = std::fabs(ref);
@@ -861,15 +858,31 @@ void check_bf16_gemm_segments(const KernelSet& s) {
                 }
                 const float got = C[size_t(i * ldc + j)];
                 CHECK(std::fabs(double(got) - ref) <= double(K + ns + 2) * std::ldexp(mag, -24),
-                      "bf16_gemm segments M=%lld N=%lld K=%lld len=%lld add=%d C[%lld][%lld] = %.9g, want %.9g",
-                      (long long)M, (long long)N, (long long)K, (long long)len, int(add), (long long)i, (long long)j,
+                      "%s segments M=%lld N=%lld K=%lld len=%lld add=%d C[%lld][%lld] = %.9g, want %.9g",
+                      name, (long long)M, (long long)N, (long long)K, (long long)len, int(add), (long long)i, (long long)j,
                       got, ref);
               }
             for (int64_t i = 0; i < M; i++)
               for (int64_t j = N; j < ldc; j++)
-                CHECK(C[size_t(i * ldc + j)] == 7.f, "bf16_gemm segments wrote C[%lld][%lld] past N", (long long)i,
+                CHECK(C[size_t(i * ldc + j)] == 7.f, "%s segments wrote C[%lld][%lld] past N", name, (long long)i,
                       (long long)j);
           }
+}
+
+// A set's bf16 GEMMs: the vector one, and the AMX tile one (where the set has one; it runs on tiles where the CPU
+// has AMX and the OS grants the tile state, K and the segment lengths multiples of 32 -- here K = 64, 256 and 320 with
+// segments of 32, 64 and 128 -- and is the vector GEMM elsewhere).
+void check_bf16_gemms(const KernelSet& s) {
+  CHECK(s.bf16_gemm == nullptr || (s.vnni_pack != nullptr && s.fp8.decode_rows_bf16 != nullptr),
+        "a set with a bf16 GEMM packs VNNI pairs and decodes bf16 panels");
+  CHECK(s.amx_bf16_gemm == nullptr || (s.amx_gemm && s.bf16_gemm != nullptr),
+        "a set with an AMX bf16 GEMM hands its GEMMs to AMX and has the vector one");
+  for (auto [name, gemm] : {std::pair<const char*, Bf16GemmFn>{"bf16_gemm", s.bf16_gemm},
+                            std::pair<const char*, Bf16GemmFn>{"amx_bf16_gemm", s.amx_bf16_gemm}}) {
+    if (gemm == nullptr) continue;
+    check_bf16_gemm(name, gemm);
+    check_bf16_gemm_segments(name, gemm);
+  }
 }
 
 void check_set(const KernelSet& s, const KernelSet& portable) {
@@ -887,8 +900,7 @@ void check_set(const KernelSet& s, const KernelSet& portable) {
   check_xor_words(s);
   check_w4(s);
   check_vnni_pack(s);
-  check_bf16_gemm(s);
-  check_bf16_gemm_segments(s);
+  check_bf16_gemms(s);
   std::printf("%s %s: %d checks\n", g_failures == before ? "ok" : "FAILED", s.name, g_checks - checks);
 }
 

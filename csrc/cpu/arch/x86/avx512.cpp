@@ -13,6 +13,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "cpu/arch/kernel_set.h"
+#include "cpu/arch/x86/amx.h"
 #include "cpu/arch/x86/avx512_sums.h"
 #include "cpu/arch/x86/fp8_avx2.h"
 #include "cpu/arch/x86/prefetch_hints.h"
@@ -509,13 +510,15 @@ const KernelSet& kernel_set_avx512() {
 
 // The AVX-512 set on Intel's AMX server cores (Sapphire Rapids and later), where vdpbf16ps issues about once per
 // 2.4 cycles and vpdpbusd twice a cycle (Zen 4: once a cycle each): the 4-bit GEMV for bf16 x multiplies byte
-// digit planes of x (w4_kernels.h) where the bf16 tile would multiply bf16 pairs. The rest is the avx512 set.
+// digit planes of x (w4_kernels.h) where the bf16 tile would multiply bf16 pairs, and the GEMMs' segment-scaled
+// products run on its own AMX tile kernel (amx.cpp). The rest is the avx512 set.
 const KernelSet& kernel_set_avx512amx() {
   static const KernelSet s = [] {
     KernelSet k = kernel_set_avx512();
     k.name = "avx512amx";
     k.w4 = kW4KernelsAvx512Planes;
     k.preferred = kFeatAmx;
+    k.amx_bf16_gemm = &amx_bf16_gemm;
     return k;
   }();
   return s;

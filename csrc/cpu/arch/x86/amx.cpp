@@ -1,0 +1,222 @@
+// The avx512amx set's bf16 GEMM on AMX tiles (amx.h), for the products oneDNN's brgemm serves badly: sums scaled
+// segment by segment along K (4-bit group scales, fp8 block scales). Through brgemm each segment (64-128 codes) is a
+// call whose sums go to memory for a scalar loop to scale, which cost more than a second bf16 term: the 4-bit
+// integer formats took two terms on AMX instead of one (w4_matmul.cpp). Here each segment's block of 32 x 32 sums
+// is made in four tiles and scaled into C by one pass of AVX-512.
+#include "cpu/arch/x86/amx.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define LOWBIT_TARGET_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")))
+
+namespace lowbit::cpu {
+
+const KernelSet& kernel_set_avx512();
+
+namespace {
+
+// Whether the process may run tile instructions: the CPU has AMX and (Linux) the process was granted the tile data
+// state, which the kernel hands out on request only. Asked once; torch's oneDNN asks the same, and a second grant is
+// a no-op.
+bool tiles_granted() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool granted = [] {
+    if ((cpu_features() & kFeatAmx) == 0) return false;
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+// Tile registers: sums C[a][b] in tmm(2a + b), rows of A in tmm(4 + a), columns of B in tmm(6 + b); a block is up to
+// 2 x 2 tiles of 16 x 16 sums. GCC's tile intrinsics are asm statements that name their register by its literal
+// number and declare no memory access: LOWBIT_AMX_MEMORY orders them against the plain loads and stores around them.
+#define LOWBIT_AMX_MEMORY() asm volatile("" ::: "memory")
+constexpr int kTileRows = 16, kTileDepth = 32, kBlock = 32;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The configuration of a block of rows[a] x cols[b] sums (0: that tile row / column unused).
+TileConfig block_config(const int (&rows)[2], const int (&cols)[2]) {
+  TileConfig c;
+  for (int a = 0; a < 2; a++)
+    for (int b = 0; b < 2; b++)
+      if (rows[a] && cols[b]) {
+        c.rows[2 * a + b] = uint8_t(rows[a]);
+        c.colsb[2 * a + b] = uint16_t(cols[b] * 4);
+      }
+  for (int a = 0; a < 2; a++)
+    if (rows[a]) {
+      c.rows[4 + a] = uint8_t(rows[a]);
+      c.colsb[4 + a] = uint16_t(kTileDepth * 2);
+    }
+  for (int b = 0; b < 2; b++)
+    if (cols[b]) {
+      c.rows[6 + b] = uint8_t(kTileDepth / 2);
+      c.colsb[6 + b] = uint16_t(cols[b] * 4);
+    }
+  return c;
+}
+
+// GCC's _tile_loadconfig gives its asm only the configuration's first 8 bytes as input: the compiler may drop the
+// stores of the rest before it (which made ldtilecfg fault). The whole 64 bytes are this asm's input.
+inline __attribute__((always_inline)) void load_tile_config(const TileConfig& config) {
+  asm volatile("ldtilecfg %0" ::"m"(config));
+}
+
+struct Operands {
+  const uint16_t* A;
+  int64_t lda;
+  const uint16_t* B;
+  int64_t ldb;
+  float* C;
+  int64_t ldc;
+};
+
+// The products of depth [k0, k1) into the block's tiles (which hold what they held before).
+template <int MT, int NT>
+LOWBIT_TARGET_AMX inline __attribute__((always_inline)) void multiply(const Operands& o, int64_t k0, int64_t k1) {
+  const int64_t sa = o.lda * 2, sb = o.ldb * 4;
+  for (int64_t k = k0; k < k1; k += kTileDepth) {
+    const uint16_t* a = o.A + k;
+    const uint16_t* b = o.B + k * o.ldb;  // row k / 2 of pairs: (k / 2) * 2 * ldb
+    _tile_loadd(4, a, sa);
+    _tile_loadd(6, b, sb);
+    if constexpr (NT > 1) _tile_loadd(7, b + 2 * kTileRows, sb);
+    if constexpr (MT > 1) _tile_loadd(5, a + kTileRows * o.lda, sa);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MT > 1 && NT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+template <int MT, int NT>
+LOWBIT_TARGET_AMX inline __attribute__((always_inline)) void zero_tiles() {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (MT > 1) _tile_zero(2);
+  if constexpr (MT > 1 && NT > 1) _tile_zero(3);
+}
+
+// The tiles to sums[32][32] (tile a, b at row 16 a, column 16 b).
+template <int MT, int NT>
+LOWBIT_TARGET_AMX inline __attribute__((always_inline)) void store_tiles(float* sums) {
+  constexpr int64_t s = kBlock * 4;
+  LOWBIT_AMX_MEMORY();  // the last segment's reads of sums come first
+  _tile_stored(0, sums, s);
+  if constexpr (NT > 1) _tile_stored(1, sums + kTileRows, s);
+  if constexpr (MT > 1) _tile_stored(2, sums + kTileRows * kBlock, s);
+  if constexpr (MT > 1 && NT > 1) _tile_stored(3, sums + kTileRows * kBlock + kTileRows, s);
+  LOWBIT_AMX_MEMORY();
+}
+
+// One block of C without segments: the tiles start from C (add) or zero, go through K and are stored into C.
+template <int MT, int NT>
+LOWBIT_TARGET_AMX void plain_block(const Operands& o, int64_t K, bool add) {
+  const int64_t sc = o.ldc * 4;
+  if (add) {
+    LOWBIT_AMX_MEMORY();
+    _tile_loadd(0, o.C, sc);
+    if constexpr (NT > 1) _tile_loadd(1, o.C + kTileRows, sc);
+    if constexpr (MT > 1) _tile_loadd(2, o.C + kTileRows * o.ldc, sc);
+    if constexpr (MT > 1 && NT > 1) _tile_loadd(3, o.C + kTileRows * o.ldc + kTileRows, sc);
+  } else {
+    zero_tiles<MT, NT>();
+  }
+  multiply<MT, NT>(o, 0, K);
+  LOWBIT_AMX_MEMORY();
+  _tile_stored(0, o.C, sc);
+  if constexpr (NT > 1) _tile_stored(1, o.C + kTileRows, sc);
+  if constexpr (MT > 1) _tile_stored(2, o.C + kTileRows * o.ldc, sc);
+  if constexpr (MT > 1 && NT > 1) _tile_stored(3, o.C + kTileRows * o.ldc + kTileRows, sc);
+  LOWBIT_AMX_MEMORY();
+}
+
+// One segment [k0, k1) of one block of C: its sums in the tiles, then scaled into C row by row (C = s * sums where
+// first, else C += s * sums). scales[i]: row i's scales, of which segment s's is taken.
+template <int MT, int NT>
+LOWBIT_TARGET_AMX void segment_block(const Operands& o, int64_t k0, int64_t k1, bool first, const float* const* scales,
+                                     int64_t s, const int (&rows)[2], const int (&cols)[2], float* sums) {
+  zero_tiles<MT, NT>();
+  multiply<MT, NT>(o, k0, k1);
+  store_tiles<MT, NT>(sums);
+  const __mmask16 mask[2] = {__mmask16((1u << cols[0]) - 1), __mmask16((1u << cols[1]) - 1)};
+  float* const C = o.C;  // a local: the stores into C would make the compiler reload o.C for every row
+  const int64_t ldc = o.ldc;
+  for (int i = 0, n = rows[0] + rows[1]; i < n; i++) {
+    const __m512 scale = _mm512_set1_ps(scales[i][s]);
+    float* c = C + i * ldc;
+#pragma GCC unroll 2
+    for (int b = 0; b < NT; b++) {
+      const __m512 v = _mm512_load_ps(sums + i * kBlock + kTileRows * b);
+      const __m512 r = first ? _mm512_mul_ps(scale, v)
+                             : _mm512_fmadd_ps(scale, v, _mm512_maskz_loadu_ps(mask[b], c + kTileRows * b));
+      _mm512_mask_storeu_ps(c + kTileRows * b, mask[b], r);
+    }
+  }
+}
+
+using PlainFn = void (*)(const Operands&, int64_t, bool);
+using SegmentFn = void (*)(const Operands&, int64_t, int64_t, bool, const float* const*, int64_t, const int (&)[2],
+                           const int (&)[2], float*);
+constexpr PlainFn kPlain[2][2] = {{&plain_block<1, 1>, &plain_block<1, 2>}, {&plain_block<2, 1>, &plain_block<2, 2>}};
+constexpr SegmentFn kSegment[2][2] = {{&segment_block<1, 1>, &segment_block<1, 2>},
+                                      {&segment_block<2, 1>, &segment_block<2, 2>}};
+
+// The blocks of C in turn, the tiles configured for each block's shape (loaded again only where it changes).
+// Without segments a block's tiles go through all of K. With them, each segment goes through every block before the
+// next segment: a segment's rows of A and columns of B (64 codes: 8 KB each for 64 x 64 sums) are read from L2 once
+// and again from L1 by the other blocks, where a block at a time through K read its 32 rows and columns of A and B
+// from L2 for every block (the tile loads waited on L2).
+LOWBIT_TARGET_AMX void tile_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
+                                 int64_t ldb, float* C, int64_t ldc, bool add, const Bf16Segments* segs) {
+  int loaded[4] = {-1, -1, -1, -1};  // the rows and columns of the block shape the tiles are configured for
+  alignas(64) float sums[kBlock * kBlock];
+  const int64_t len = segs ? segs->len : K;
+  for (int64_t s = 0, k0 = 0; k0 < K; s++, k0 += len)
+    for (int64_t i0 = 0; i0 < M; i0 += kBlock)
+      for (int64_t j0 = 0; j0 < N; j0 += kBlock) {
+        const int64_t mr = std::min<int64_t>(kBlock, M - i0), nc = std::min<int64_t>(kBlock, N - j0);
+        const int rows[2] = {int(std::min<int64_t>(kTileRows, mr)), int(std::max<int64_t>(0, mr - kTileRows))};
+        const int cols[2] = {int(std::min<int64_t>(kTileRows, nc)), int(std::max<int64_t>(0, nc - kTileRows))};
+        if (rows[0] != loaded[0] || rows[1] != loaded[1] || cols[0] != loaded[2] || cols[1] != loaded[3]) {
+          const TileConfig config = block_config(rows, cols);
+          load_tile_config(config);
+          loaded[0] = rows[0], loaded[1] = rows[1], loaded[2] = cols[0], loaded[3] = cols[1];
+        }
+        const Operands o{A + i0 * lda, lda, B + 2 * j0, ldb, C + i0 * ldc + j0, ldc};
+        const int mt = rows[1] ? 2 : 1, nt = cols[1] ? 2 : 1;
+        if (segs == nullptr)
+          kPlain[mt - 1][nt - 1](o, K, add);
+        else
+          kSegment[mt - 1][nt - 1](o, k0, std::min(K, k0 + len), !add && s == 0, segs->scales + i0, s, rows, cols,
+                                   sums);
+      }
+}
+
+}  // namespace
+
+void amx_bf16_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                   float* C, int64_t ldc, bool add, const Bf16Segments* segs) {
+  const bool tiles = K > 0 && K % kTileDepth == 0 && (segs == nullptr || segs->len % kTileDepth == 0);
+  if (!tiles || !tiles_granted()) return kernel_set_avx512().bf16_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, segs);
+  tile_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, segs);
+}
+
+}  // namespace lowbit::cpu
