@@ -219,12 +219,15 @@ def cpu_has_amx():
 # Planted bugs in the avx512amx set's AMX tile GEMM (amx.cpp), which runs on tiles only on a CPU with AMX (elsewhere
 # the vector GEMM stands in for it, and a plant there changes nothing)
 AMX_PLANTS = [
-    ("csrc/cpu/arch/x86/amx.cpp", "_mm512_set1_ps(scales[i][s])", "_mm512_set1_ps(scales[i][0])",
+    ("csrc/cpu/arch/x86/amx.cpp", "_mm512_set1_ps(segs.scales[i][s])", "_mm512_set1_ps(segs.scales[i][0])",
      "every segment's sums scaled by the first segment's scale"),
     ("csrc/cpu/arch/x86/amx.cpp", "_tile_loadd(7, b + 2 * kTileRows, sb);", "_tile_loadd(7, b + kTileRows, sb);",
      "the second column tile reads the first tile's last 8 columns"),
-    ("csrc/cpu/arch/x86/amx.cpp", "for (int i = 0, n = rows[0] + rows[1]; i < n; i++)",
-     "for (int i = 0, n = rows[0]; i < n; i++)", "the segment sums of a block's second tile row never reach C"),
+    ("csrc/cpu/arch/x86/amx.cpp", "const int nrows = rows[0] + rows[1];", "const int nrows = rows[0];",
+     "the segment sums of a block's second tile row never reach C"),
+    ("csrc/cpu/arch/x86/amx.cpp", "add ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[b], c)) : v",
+     "add ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[b], c + 1)) : v",
+     "the segment product adds the next column of C to each sum"),
     ("csrc/cpu/arch/x86/amx.cpp", "  if (add) {\n    LOWBIT_AMX_MEMORY();", "  if (false) {\n    LOWBIT_AMX_MEMORY();",
      "the product without segments overwrites C where it should add to it"),
 ]

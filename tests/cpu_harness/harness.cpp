@@ -840,11 +840,14 @@ void check_bf16_gemm_segments(const char* name, Bf16GemmFn gemm) {
             std::vector<const float*> srow(static_cast<size_t>(M));
             for (int64_t i = 0; i < M; i++) srow[size_t(i)] = scale.data() + i * ns;
             const Bf16Segments segs{len, srow.data()};
+            // C starts at a different value in every element (a sum added to the wrong one shows), 7 past N
             Buf<float> C(size_t(M * ldc), 7.f);
+            for (int64_t i = 0; i < M; i++)
+              for (int64_t j = 0; j < N; j++) C[size_t(i * ldc + j)] = float(i * N + j);
             gemm(M, N, K, A.data(), lda, B.data(), ldb, C.p, ldc, add, &segs);
             for (int64_t i = 0; i < M; i++)
               for (int64_t j = 0; j < N; j++) {
-                double ref = add ? 7.0 : 0.0, mag = std::fabs(ref);
+                double ref = add ? double(i * N + j) : 0.0, mag = std::fabs(ref);
                 for (int64_t sg = 0; sg < ns; sg++) {
                   double part = 0, part_mag = 0;
                   for (int64_t k = sg * len; k < std::min(K, (sg + 1) * len); k++) {

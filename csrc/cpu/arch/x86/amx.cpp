@@ -2,7 +2,7 @@
 // segment by segment along K (4-bit group scales, fp8 block scales). Through brgemm each segment (64-128 codes) is a
 // call whose sums go to memory for a scalar loop to scale, which cost more than a second bf16 term: the 4-bit
 // integer formats took two terms on AMX instead of one (w4_matmul.cpp). Here each segment's block of 32 x 32 sums
-// is made in four tiles and scaled into C by one pass of AVX-512.
+// is made in four tiles and scaled by one pass of AVX-512.
 #include "cpu/arch/x86/amx.h"
 
 #include <immintrin.h>
@@ -148,66 +148,72 @@ LOWBIT_TARGET_AMX void plain_block(const Operands& o, int64_t K, bool add) {
   LOWBIT_AMX_MEMORY();
 }
 
-// One segment [k0, k1) of one block of C: its sums in the tiles, then scaled into C row by row (C = s * sums where
-// first, else C += s * sums). scales[i]: row i's scales, of which segment s's is taken.
+// One block of C with segments: each segment's sums in the tiles, then scaled into the block's accumulators (rows
+// of 32 floats), which go into C once at the end (C = acc, or C += acc where add). Scaling into C itself, segment
+// by segment, stalled where C's rows are narrow: at 8 columns two rows share a cache line, and each row's masked
+// load waited for the masked store of the row before it (twice the block's time).
 template <int MT, int NT>
-LOWBIT_TARGET_AMX void segment_block(const Operands& o, int64_t k0, int64_t k1, bool first, const float* const* scales,
-                                     int64_t s, const int (&rows)[2], const int (&cols)[2], float* sums) {
-  zero_tiles<MT, NT>();
-  multiply<MT, NT>(o, k0, k1);
-  store_tiles<MT, NT>(sums);
+LOWBIT_TARGET_AMX void segment_block(const Operands& o, int64_t K, bool add, const Bf16Segments& segs,
+                                     const int (&rows)[2], const int (&cols)[2]) {
+  alignas(64) float sums[kBlock * kBlock], acc[kBlock * kBlock];
+  const int nrows = rows[0] + rows[1];
+  // masked: a narrow tile leaves the rest of its rows in sums unwritten (stack bytes that read as denormals took
+  // microcode assists)
   const __mmask16 mask[2] = {__mmask16((1u << cols[0]) - 1), __mmask16((1u << cols[1]) - 1)};
-  float* const C = o.C;  // a local: the stores into C would make the compiler reload o.C for every row
-  const int64_t ldc = o.ldc;
-  for (int i = 0, n = rows[0] + rows[1]; i < n; i++) {
-    const __m512 scale = _mm512_set1_ps(scales[i][s]);
-    float* c = C + i * ldc;
+  for (int64_t s = 0, k0 = 0; k0 < K; s++, k0 += segs.len) {
+    zero_tiles<MT, NT>();
+    multiply<MT, NT>(o, k0, std::min(K, k0 + segs.len));
+    store_tiles<MT, NT>(sums);
+    for (int i = 0; i < nrows; i++) {
+      const __m512 scale = _mm512_set1_ps(segs.scales[i][s]);
 #pragma GCC unroll 2
-    for (int b = 0; b < NT; b++) {
-      const __m512 v = _mm512_load_ps(sums + i * kBlock + kTileRows * b);
-      const __m512 r = first ? _mm512_mul_ps(scale, v)
-                             : _mm512_fmadd_ps(scale, v, _mm512_maskz_loadu_ps(mask[b], c + kTileRows * b));
-      _mm512_mask_storeu_ps(c + kTileRows * b, mask[b], r);
+      for (int b = 0; b < NT; b++) {
+        const int at = i * kBlock + kTileRows * b;
+        const __m512 v = _mm512_maskz_load_ps(mask[b], sums + at);
+        _mm512_store_ps(acc + at, s == 0 ? _mm512_mul_ps(scale, v) : _mm512_fmadd_ps(scale, v, _mm512_load_ps(acc + at)));
+      }
     }
   }
+  float* const C = o.C;  // a local: the stores into C would make the compiler reload o.C for every row
+  const int64_t ldc = o.ldc;
+  for (int i = 0; i < nrows; i++)
+#pragma GCC unroll 2
+    for (int b = 0; b < NT; b++) {
+      float* c = C + i * ldc + kTileRows * b;
+      const __m512 v = _mm512_load_ps(acc + i * kBlock + kTileRows * b);
+      _mm512_mask_storeu_ps(c, mask[b], add ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[b], c)) : v);
+    }
 }
 
 using PlainFn = void (*)(const Operands&, int64_t, bool);
-using SegmentFn = void (*)(const Operands&, int64_t, int64_t, bool, const float* const*, int64_t, const int (&)[2],
-                           const int (&)[2], float*);
+using SegmentFn = void (*)(const Operands&, int64_t, bool, const Bf16Segments&, const int (&)[2], const int (&)[2]);
 constexpr PlainFn kPlain[2][2] = {{&plain_block<1, 1>, &plain_block<1, 2>}, {&plain_block<2, 1>, &plain_block<2, 2>}};
 constexpr SegmentFn kSegment[2][2] = {{&segment_block<1, 1>, &segment_block<1, 2>},
                                       {&segment_block<2, 1>, &segment_block<2, 2>}};
 
-// The blocks of C in turn, the tiles configured for each block's shape (loaded again only where it changes).
-// Without segments a block's tiles go through all of K. With them, each segment goes through every block before the
-// next segment: a segment's rows of A and columns of B (64 codes: 8 KB each for 64 x 64 sums) are read from L2 once
-// and again from L1 by the other blocks, where a block at a time through K read its 32 rows and columns of A and B
-// from L2 for every block (the tile loads waited on L2).
+// The blocks of C in turn, the tiles configured for each block's shape (loaded again only where it changes), each
+// through all of K. (Taking each segment through every block before the next, so that a segment's rows of A and
+// columns of B came from L1 for all but the first block, measured the same.)
 LOWBIT_TARGET_AMX void tile_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
                                  int64_t ldb, float* C, int64_t ldc, bool add, const Bf16Segments* segs) {
   int loaded[4] = {-1, -1, -1, -1};  // the rows and columns of the block shape the tiles are configured for
-  alignas(64) float sums[kBlock * kBlock];
-  const int64_t len = segs ? segs->len : K;
-  for (int64_t s = 0, k0 = 0; k0 < K; s++, k0 += len)
-    for (int64_t i0 = 0; i0 < M; i0 += kBlock)
-      for (int64_t j0 = 0; j0 < N; j0 += kBlock) {
-        const int64_t mr = std::min<int64_t>(kBlock, M - i0), nc = std::min<int64_t>(kBlock, N - j0);
-        const int rows[2] = {int(std::min<int64_t>(kTileRows, mr)), int(std::max<int64_t>(0, mr - kTileRows))};
-        const int cols[2] = {int(std::min<int64_t>(kTileRows, nc)), int(std::max<int64_t>(0, nc - kTileRows))};
-        if (rows[0] != loaded[0] || rows[1] != loaded[1] || cols[0] != loaded[2] || cols[1] != loaded[3]) {
-          const TileConfig config = block_config(rows, cols);
-          load_tile_config(config);
-          loaded[0] = rows[0], loaded[1] = rows[1], loaded[2] = cols[0], loaded[3] = cols[1];
-        }
-        const Operands o{A + i0 * lda, lda, B + 2 * j0, ldb, C + i0 * ldc + j0, ldc};
-        const int mt = rows[1] ? 2 : 1, nt = cols[1] ? 2 : 1;
-        if (segs == nullptr)
-          kPlain[mt - 1][nt - 1](o, K, add);
-        else
-          kSegment[mt - 1][nt - 1](o, k0, std::min(K, k0 + len), !add && s == 0, segs->scales + i0, s, rows, cols,
-                                   sums);
+  for (int64_t i0 = 0; i0 < M; i0 += kBlock)
+    for (int64_t j0 = 0; j0 < N; j0 += kBlock) {
+      const int64_t mr = std::min<int64_t>(kBlock, M - i0), nc = std::min<int64_t>(kBlock, N - j0);
+      const int rows[2] = {int(std::min<int64_t>(kTileRows, mr)), int(std::max<int64_t>(0, mr - kTileRows))};
+      const int cols[2] = {int(std::min<int64_t>(kTileRows, nc)), int(std::max<int64_t>(0, nc - kTileRows))};
+      if (rows[0] != loaded[0] || rows[1] != loaded[1] || cols[0] != loaded[2] || cols[1] != loaded[3]) {
+        const TileConfig config = block_config(rows, cols);
+        load_tile_config(config);
+        loaded[0] = rows[0], loaded[1] = rows[1], loaded[2] = cols[0], loaded[3] = cols[1];
       }
+      const Operands o{A + i0 * lda, lda, B + 2 * j0, ldb, C + i0 * ldc + j0, ldc};
+      const int mt = rows[1] ? 2 : 1, nt = cols[1] ? 2 : 1;
+      if (segs == nullptr)
+        kPlain[mt - 1][nt - 1](o, K, add);
+      else
+        kSegment[mt - 1][nt - 1](o, K, add, Bf16Segments{segs->len, segs->scales + i0}, rows, cols);
+    }
 }
 
 }  // namespace
