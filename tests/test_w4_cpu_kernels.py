@@ -209,11 +209,14 @@ def test_w4_mm_every_byte_scale(isa, M, dtype):
         assert torch.isnan(out[:, scale.eq(255).any(1) | (fmt == "nvfp4") & scale.eq(127).any(1)]).all()
 
 
-@pytest.mark.parametrize("M", [40, 70, 300])  # 300: two M blocks of the GEMM (each presets its own sums)
+# 8: AMX's first GEMM row count, one tile of 8 columns; 40: a block of 32 and one of 8; 300: two M blocks of the
+# GEMM (each presets its own sums)
+@pytest.mark.parametrize("M", [8, 40, 70, 300])
 @pytest.mark.parametrize("group", [64, 128, 192])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_w4_mm_gemm_group_scales(isa, M, group, dtype):
-    # integer codes (less int8 zero points) in groups of whole bf16 chunks: without AMX the bf16 panels hold the
+    # integer codes (less int8 zero points) in groups of whole bf16 chunks: on the set's bf16 GEMM, or on AMX its
+    # tile kernel (the avx512amx set; the avx512 set there multiplies two terms in brgemm), the bf16 panels hold the
     # codes, the group scales multiply each group's sums, and the sums start at MLX's biases times each group's sum
     # of x (w4_matmul.cpp's w4_grouped_exact); a partial last group; a NaN scale reaches only its column, an inf
     # scale makes its column nonfinite, a NaN x only its row

@@ -18,6 +18,10 @@ inline bool amx_gemm_available() {
   return kernel_set().amx_gemm && at::native::cpublas::could_pack(at::kBFloat16);
 }
 
+// The bf16 GEMM for products scaled segment by segment along K (Bf16Segments) on AMX: the kernel set's tile kernel,
+// or null where it has none (brgemm per segment, each segment's sums scaled in memory) or AMX does not run.
+inline Bf16GemmFn amx_segment_gemm() { return amx_gemm_available() ? kernel_set().amx_bf16_gemm : nullptr; }
+
 // Offset of element (k, column j) of a VNNI-packed B whose rows are `width` columns wide.
 template <int G>
 constexpr int64_t vnni_offset(int64_t k, int64_t j, int64_t width) {

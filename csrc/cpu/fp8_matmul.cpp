@@ -363,6 +363,8 @@ struct Bf16Engine {
   std::array<uint8_t, kVnniPackUnits> pack_to = pair_destinations(pw.order);
   // null: oneDNN's AMX brgemm multiplies
   Bf16GemmFn gemm = amx_gemm_available() ? nullptr : kernel_set().bf16_gemm;
+  // block scales: the set's bf16 GEMM, or on AMX its tile kernel (null: brgemm per segment, scaled in memory)
+  Bf16GemmFn segment_gemm = amx_gemm_available() ? amx_segment_gemm() : gemm;
 
   int64_t N() const { return pw.N; }
   int terms() const { return pw.terms; }
@@ -462,9 +464,9 @@ struct Bf16Engine {
         zero_segment_tail(segment + t * term_stride, width, nr, ceil_div(n, kBf16Chunk) * kBf16Chunk, w.seg_width());
     }
   }
-  // Block scales on the kernel set's bf16 GEMM: the window's segments in one call per pair of terms, each
-  // segment's sums scaled in registers; brgemm's path below scales each segment's sums in memory, which at 64-128
-  // codes a segment cost as much as the products.
+  // Block scales on the kernel set's bf16 GEMM (or, on AMX, its tile kernel): the window's segments in one call per
+  // pair of terms, each segment's sums scaled as they leave the registers or tiles; brgemm's path below scales each
+  // segment's sums in memory, which at 64-128 codes a segment cost as much as the products.
   void multiply_segments(const KWindow& w, int64_t r0, int64_t nr, const uint16_t* panel, const uint16_t* xp,
                          int64_t mb, bool first, float* sums) const {
     const int64_t width = w.width(), sw = w.seg_width();
@@ -477,7 +479,8 @@ struct Bf16Engine {
       bool acc = !first;
       for (int tw = 0; tw < pw.terms; tw++)
         for (int t = 0; t < (tw == 0 ? kBf16Terms<T> : 1); t++) {
-          gemm(nr, cw, width, panel + tw * kRows * width, width, xb + t * mb * width, cw, sums + c0, mb, acc, &segs);
+          segment_gemm(nr, cw, width, panel + tw * kRows * width, width, xb + t * mb * width, cw, sums + c0, mb, acc,
+                       &segs);
           acc = true;
         }
     }
@@ -485,7 +488,7 @@ struct Bf16Engine {
   void multiply(const KWindow& w, int64_t r0, int64_t nr, const uint16_t* panel, const uint16_t* xp, int64_t mb,
                 bool first, float* sums) const {
     const int64_t width = w.width(), sw = w.seg_width();
-    if (block && gemm != nullptr) return multiply_segments(w, r0, nr, panel, xp, mb, first, sums);
+    if (block && segment_gemm != nullptr) return multiply_segments(w, r0, nr, panel, xp, mb, first, sums);
     float* part = block ? scratch<float>(Slot::Tile, size_t(kBf16Panel * kBf16Cols)) : nullptr;
     const auto* a = reinterpret_cast<const c10::BFloat16*>(panel);
     for (int64_t c0 = 0; c0 < mb; c0 += kBf16Cols) {

@@ -117,8 +117,8 @@ void panel_gemm(const W4Kernels& kern, const float* xp, int64_t M, const W4Opera
 // per product at most about 2^-15 relative off, 16x below the rounding of a half output and 128x below a bf16
 // one. Float x keeps the fp32 path for them (2^-15 would show in an fp32 output). On the kernel set's bf16 GEMM
 // the integer formats instead run one exact term with the group scales (and biases) applied to each group's sums
-// in its registers (w4_grouped_exact); on AMX that would take brgemm calls of group_size (32-128) codes and the
-// scaling in memory, which costs more than the second term.
+// as they leave its registers (w4_grouped_exact), and on AMX the same in the kernel set's tile kernel where it has
+// one (brgemm calls of group_size codes, each group's sums scaled in memory, cost more than the second term).
 // w4_mm_t: for bf16 grad_out the product is grad_out times the bf16-dequantized weight (global * w in fp32, rounded
 // once to bf16: w4_dequantize(dtype=bfloat16)'s bits) in torch's bf16 GEMM, as the bf16 layer on that weight
 // computes (fp8_mm_t does the same); exact for the formats above where the global scale is a power of two.
@@ -166,9 +166,9 @@ constexpr std::array<uint8_t, kBf16Chunk> kNaturalOrder = make_natural_order();
 // bf16 (integers below 256: int4 / uint4 codes less int8 zero points), and groups of whole chunks of the panel GEMM
 // (smaller groups would pad each one to a chunk). Biases (MLX's w = q * scale + bias) add bias * the group's sum
 // of x (block offsets). Half the products of two terms, and exact ones: the sums are the GEMV's (w4_kernels.h:
-// each group's sum scaled once; the bias, too, multiplies a sum). Off on AMX (the comment above).
+// each group's sum scaled once; the bias, too, multiplies a sum). On AMX only with the set's tile kernel (above).
 bool w4_grouped_exact(const W4Operand& op) {
-  if (op.G <= 1 || op.group % kBf16Chunk != 0 || amx_gemm_available()) return false;
+  if (op.G <= 1 || op.group % kBf16Chunk != 0 || (amx_gemm_available() && amx_segment_gemm() == nullptr)) return false;
   for (int c = 0; c < 16; c++) {
     const float v = op.values[c];
     if (v != std::nearbyint(v) || std::fabs(v) > 127.f) return false;  // minus an int8 zero point: below 256
@@ -177,9 +177,20 @@ bool w4_grouped_exact(const W4Operand& op) {
 }
 
 // count group scales (or biases) stored in enc, as fp32, into out: a copy the grouped panels make per call, in
-// parallel (one thread's scalar loop took milliseconds of a 14336 x 4096 product at group size 64)
+// parallel (one thread's scalar loop took milliseconds of a 14336 x 4096 product at group size 64). bf16, the
+// scales and biases of torch's and MLX's writers, is a shift the compiler vectorizes (the general decode's
+// per-value switch was 7% of uint4 g64's product at M = 64 on one core).
 void group_values_to_float(W4Scale enc, const void* stored, int64_t count, float* out) {
   at::parallel_for(0, count, 1 << 15, [&](int64_t a, int64_t b) {
+    if (enc == W4Scale::BF16) {  // locals: stores through the captured `out` would make it reload every value
+      const auto* words = static_cast<const uint16_t*>(stored);
+      float* dst = out;
+      for (int64_t i = a; i < b; i++) {
+        const uint32_t bits = uint32_t(words[i]) << 16;
+        std::memcpy(dst + i, &bits, 4);
+      }
+      return;
+    }
     for (int64_t i = a; i < b; i++) out[i] = w4_scale_to_float(enc, stored, i);
   });
 }
