@@ -290,13 +290,16 @@ bool bf16_gemm(W4GemmRoute route, const W4Kernels& kern, const T* x, int64_t M, 
 }
 
 // From this many rows w4_mm runs its GEMM regime: the GEMV tiles decode the weight again for every 4 rows, the
-// GEMM once per M block but into panels, at a cost that AMX's brgemm hides. Elsewhere, measured at K = 4096,
+// GEMM once per M block but into panels, at a cost that AMX hides. On AMX (K = 4096, N = 14336, 2 cores) one term
+// at 8 rows took the time of the GEMV's 4 (int4 g128 4.2 against 4.4 ms, 6.3 at 5 rows; uint4 g64 with biases
+// 7.3 against 4.8, 7.1 at 5 and 10.4 at 6; nvfp4 5.7 against 6.5, 7.4 at 5). Elsewhere, measured at K = 4096,
 // N = 14336 on 2 cores (bf16 x; GEMV and GEMM equal at): Zen 5, one-term bf16 panels and grouped ones 20 rows
 // (mxfp4, int4 g128, nvfp4 20-24), two-term 64, fp32 panels 16-32 (mxfp4, int4); Zen 4, whose vdpbf16ps is half
 // as wide, grouped ones later (int4 g128 24-32 rows; uint4 g64 with biases, its GEMV on bf16 tiles, about
 // 32): the threshold keeps Zen 5's.
 int64_t w4_gemm_min_rows(W4GemmRoute route) {
-  if (route != W4GemmRoute::Fp32 && amx_gemm_available()) return kW4GemmMinRows;
+  if (route != W4GemmRoute::Fp32 && amx_gemm_available())
+    return route == W4GemmRoute::Bf16TwoTerms ? kW4GemmMinRows : kW4AmxOneTermMinRows;
   return route == W4GemmRoute::Bf16TwoTerms ? 64 : route == W4GemmRoute::Fp32 ? 24 : 20;
 }
 

@@ -23,10 +23,12 @@ namespace lowbit::cpu {
 // The operand of expert e of a checked weight (e = 0 when ungrouped). Reads global_scale on the host.
 W4Operand w4_operand(const W4Weight& w, int64_t e = 0, const float* bias = nullptr);
 
-// From this many activation rows w4_mm runs the panel GEMM on AMX, and w4_mm_t its GEMM regime (below it the GEMV
-// tiles, which decode the weight again for every 4 rows).
+// From this many activation rows w4_mm runs the panel GEMM on AMX with two bf16 terms a weight, and w4_mm_t its
+// GEMM regime (below it the GEMV tiles, which decode the weight again for every 4 rows).
 constexpr int64_t kW4GemmMinRows = 8;
-// From how many rows of type T w4_mm runs its GEMM regime for op now (kW4GemmMinRows on AMX; more elsewhere).
+// The same for one term a weight on AMX (exact in bf16, or the integer codes with their group scales on the sums).
+constexpr int64_t kW4AmxOneTermMinRows = 5;
+// From how many rows of type T w4_mm runs its GEMM regime for op now (5 or 8 on AMX; more elsewhere).
 template <typename T>
 int64_t w4_gemm_min_rows(const W4Operand& op);
 
