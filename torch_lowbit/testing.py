@@ -64,7 +64,8 @@ def cpu_gemm_route() -> str:
     return "bf16" if _C._cpu_bf16_panel_gemm() else "fp32"
 
 
-GEMM_ROUTE_NAMES = {"amx": "AMX (oneDNN brgemm)", "bf16": "bf16 panels (AVX-512 BF16)", "fp32": "fp32 panels"}
+GEMM_ROUTE_NAMES = {"amx": "AMX (oneDNN brgemm; group / block scales on the avx512amx set's tile GEMM)",
+                    "bf16": "bf16 panels (AVX-512 BF16)", "fp32": "fp32 panels"}
 
 
 def force_portable():
