@@ -86,10 +86,10 @@ struct KernelSet {
   // CpuFeature bits of the CPUs the set is tuned for: elsewhere it runs only when a cap names it (tests), since
   // the same instructions are slower there. Not a requirement: the set's instructions are those of `required`.
   uint64_t preferred = 0;
-  // The bf16 GEMM on AMX tiles (null: none), for the products whose sums are scaled segment by segment, which
-  // oneDNN's brgemm would write to memory for every segment: Bf16GemmFn's contract, run only where
-  // amx_gemm_available() (brgemm.h). It leaves the thread's tile configuration changed: callers release it before
-  // the thread's next brgemm (brgemm.h's AmxTileScope).
+  // The bf16 GEMM on AMX tiles (null: none, or the OS grants no tiles), for the products whose sums are scaled
+  // segment by segment, which oneDNN's brgemm would write to memory for every segment: Bf16GemmFn's contract, run
+  // only where amx_gemm_available() (brgemm.h). It leaves the thread's tile configuration changed: callers release
+  // it before the thread's next brgemm (brgemm.h's AmxTileScope).
   Bf16GemmFn amx_bf16_gemm = nullptr;
 };
 

@@ -22,22 +22,6 @@ const KernelSet& kernel_set_avx512();
 
 namespace {
 
-// Whether the process may run tile instructions: the CPU has AMX and (Linux) the process was granted the tile data
-// state, which the kernel hands out on request only. Asked once; torch's oneDNN asks the same, and a second grant is
-// a no-op.
-bool tiles_granted() {
-#if defined(__linux__) && defined(SYS_arch_prctl)
-  static const bool granted = [] {
-    if ((cpu_features() & kFeatAmx) == 0) return false;
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-#else
-  return false;
-#endif
-}
-
 // Tile registers: sums C[a][b] in tmm(2a + b), rows of A in tmm(4 + a), columns of B in tmm(6 + b); a block is up to
 // 2 x 2 tiles of 16 x 16 sums. GCC's tile intrinsics are asm statements that name their register by its literal
 // number and declare no memory access: LOWBIT_AMX_MEMORY orders them against the plain loads and stores around them.
@@ -218,10 +202,23 @@ LOWBIT_TARGET_AMX void tile_gemm(int64_t M, int64_t N, int64_t K, const uint16_t
 
 }  // namespace
 
+bool amx_tiles_granted() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool granted = [] {
+    if ((cpu_features() & kFeatAmx) == 0) return false;
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
 void amx_bf16_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
                    float* C, int64_t ldc, bool add, const Bf16Segments* segs) {
   const bool tiles = K > 0 && K % kTileDepth == 0 && (segs == nullptr || segs->len % kTileDepth == 0);
-  if (!tiles || !tiles_granted()) return kernel_set_avx512().bf16_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, segs);
+  if (!tiles) return kernel_set_avx512().bf16_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, segs);
   tile_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, segs);
 }
 

@@ -518,7 +518,7 @@ const KernelSet& kernel_set_avx512amx() {
     k.name = "avx512amx";
     k.w4 = kW4KernelsAvx512Planes;
     k.preferred = kFeatAmx;
-    k.amx_bf16_gemm = &amx_bf16_gemm;
+    k.amx_bf16_gemm = amx_tiles_granted() ? &amx_bf16_gemm : nullptr;
     return k;
   }();
   return s;
