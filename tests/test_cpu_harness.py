@@ -228,8 +228,8 @@ AMX_PLANTS = [
     ("csrc/cpu/arch/x86/amx.cpp", "add ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[b], c)) : v",
      "add ? _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask[b], c + 1)) : v",
      "the segment product adds the next column of C to each sum"),
-    ("csrc/cpu/arch/x86/amx.cpp", "  if (add) {\n    LOWBIT_AMX_MEMORY();", "  if (false) {\n    LOWBIT_AMX_MEMORY();",
-     "the product without segments overwrites C where it should add to it"),
+    ("csrc/cpu/arch/x86/amx.cpp", "const float one = 1.f;", "const float one = 0.5f;",
+     "the product without segments scaled by its stand-in scale"),
 ]
 
 

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/syscall.h>
@@ -110,28 +111,6 @@ LOWBIT_TARGET_AMX inline __attribute__((always_inline)) void store_tiles(float* 
   LOWBIT_AMX_MEMORY();
 }
 
-// One block of C without segments: the tiles start from C (add) or zero, go through K and are stored into C.
-template <int MT, int NT>
-LOWBIT_TARGET_AMX void plain_block(const Operands& o, int64_t K, bool add) {
-  const int64_t sc = o.ldc * 4;
-  if (add) {
-    LOWBIT_AMX_MEMORY();
-    _tile_loadd(0, o.C, sc);
-    if constexpr (NT > 1) _tile_loadd(1, o.C + kTileRows, sc);
-    if constexpr (MT > 1) _tile_loadd(2, o.C + kTileRows * o.ldc, sc);
-    if constexpr (MT > 1 && NT > 1) _tile_loadd(3, o.C + kTileRows * o.ldc + kTileRows, sc);
-  } else {
-    zero_tiles<MT, NT>();
-  }
-  multiply<MT, NT>(o, 0, K);
-  LOWBIT_AMX_MEMORY();
-  _tile_stored(0, o.C, sc);
-  if constexpr (NT > 1) _tile_stored(1, o.C + kTileRows, sc);
-  if constexpr (MT > 1) _tile_stored(2, o.C + kTileRows * o.ldc, sc);
-  if constexpr (MT > 1 && NT > 1) _tile_stored(3, o.C + kTileRows * o.ldc + kTileRows, sc);
-  LOWBIT_AMX_MEMORY();
-}
-
 // One block of C with segments: each segment's sums in the tiles, then scaled into the block's accumulators (rows
 // of 32 floats), which go into C once at the end (C = acc, or C += acc where add). Scaling into C itself, segment
 // by segment, stalled where C's rows are narrow: at 8 columns two rows share a cache line, and each row's masked
@@ -169,9 +148,7 @@ LOWBIT_TARGET_AMX void segment_block(const Operands& o, int64_t K, bool add, con
     }
 }
 
-using PlainFn = void (*)(const Operands&, int64_t, bool);
 using SegmentFn = void (*)(const Operands&, int64_t, bool, const Bf16Segments&, const int (&)[2], const int (&)[2]);
-constexpr PlainFn kPlain[2][2] = {{&plain_block<1, 1>, &plain_block<1, 2>}, {&plain_block<2, 1>, &plain_block<2, 2>}};
 constexpr SegmentFn kSegment[2][2] = {{&segment_block<1, 1>, &segment_block<1, 2>},
                                       {&segment_block<2, 1>, &segment_block<2, 2>}};
 
@@ -179,7 +156,7 @@ constexpr SegmentFn kSegment[2][2] = {{&segment_block<1, 1>, &segment_block<1, 2
 // through all of K. (Taking each segment through every block before the next, so that a segment's rows of A and
 // columns of B came from L1 for all but the first block, measured the same.)
 LOWBIT_TARGET_AMX void tile_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
-                                 int64_t ldb, float* C, int64_t ldc, bool add, const Bf16Segments* segs) {
+                                 int64_t ldb, float* C, int64_t ldc, bool add, const Bf16Segments& segs) {
   int loaded[4] = {-1, -1, -1, -1};  // the rows and columns of the block shape the tiles are configured for
   for (int64_t i0 = 0; i0 < M; i0 += kBlock)
     for (int64_t j0 = 0; j0 < N; j0 += kBlock) {
@@ -193,10 +170,7 @@ LOWBIT_TARGET_AMX void tile_gemm(int64_t M, int64_t N, int64_t K, const uint16_t
       }
       const Operands o{A + i0 * lda, lda, B + 2 * j0, ldb, C + i0 * ldc + j0, ldc};
       const int mt = rows[1] ? 2 : 1, nt = cols[1] ? 2 : 1;
-      if (segs == nullptr)
-        kPlain[mt - 1][nt - 1](o, K, add);
-      else
-        kSegment[mt - 1][nt - 1](o, K, add, Bf16Segments{segs->len, segs->scales + i0}, rows, cols);
+      kSegment[mt - 1][nt - 1](o, K, add, Bf16Segments{segs.len, segs.scales + i0}, rows, cols);
     }
 }
 
@@ -219,7 +193,11 @@ void amx_bf16_gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t l
                    float* C, int64_t ldc, bool add, const Bf16Segments* segs) {
   const bool tiles = K > 0 && K % kTileDepth == 0 && (segs == nullptr || segs->len % kTileDepth == 0);
   if (!tiles) return kernel_set_avx512().bf16_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, segs);
-  tile_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, segs);
+  if (segs != nullptr) return tile_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, *segs);
+  // the unscaled product (no caller on AMX: brgemm serves it) as one segment of all K, each row's scale 1
+  const float one = 1.f;
+  const std::vector<const float*> ones(size_t(M), &one);
+  tile_gemm(M, N, K, A, lda, B, ldb, C, ldc, add, Bf16Segments{K, ones.data()});
 }
 
 }  // namespace lowbit::cpu
